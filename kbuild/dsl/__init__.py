@@ -1,0 +1,32 @@
+"""kbuild's kernel DSL: readable helpers over the upstream MLIR Python bindings.
+
+Target-neutral: the warp size and the gpu.module target attribute come from the Target; no
+helper here branches on the vendor. Importing this package imports MLIR, so only the
+compiler and the kernel builders do.
+"""
+
+from .control import if_else, if_then, loop
+from .kernel import Kernel
+from .memory import atomic_add, get_llvm_ptr, load, store
+from .reduce import group_sum, row_sum
+from .values import (
+    V,
+    cast,
+    const,
+    element_bytes,
+    hsum,
+    i32,
+    i64,
+    lanes,
+    minimum,
+    rsqrt,
+    select,
+    splat,
+    to_f32,
+)
+
+__all__ = [
+    "Kernel", "V", "atomic_add", "cast", "const", "element_bytes", "get_llvm_ptr",
+    "group_sum", "hsum", "i32", "i64", "if_else", "if_then", "lanes", "load", "loop", "minimum",
+    "row_sum", "rsqrt", "select", "splat", "store", "to_f32",
+]

@@ -1,0 +1,139 @@
+"""Kernel: the module, gpu.module and gpu.func around a kernel body, plus its arguments.
+
+    with Kernel("rmsnorm_fwd", target, block=256) as k:
+        x, y = k.ptr("x"), k.ptr("y")
+        rows = k.i64("M")
+        ...
+    module = k.module
+
+Arguments are raw global pointers (`!llvm.ptr<1>`) and i64/f32 scalars, in declaration order;
+`k.signature` records them for the launcher. The block size is a compile-time constant
+(`known_block_size`), which also means AMD code never asks the device library for it.
+"""
+
+from __future__ import annotations
+
+from mlir import ir
+from mlir.dialects import gpu, llvm
+
+from ..targets import Target
+from .values import V, cast, scalar_type
+
+GLOBAL = 1
+SHARED = 3
+
+
+def global_ptr_type() -> ir.Type:
+    return llvm.PointerType.get(address_space=GLOBAL)
+
+
+class Kernel:
+    def __init__(self, name: str, target: Target, block: int):
+        self.name = name
+        self.target = target
+        self.block = block
+        self.args: list[tuple[str, str]] = []  # (name, "ptr" | "i64" | "f32")
+        self._arg_values: list[ir.Value] = []
+        self._shared_bytes = 0
+        self._n_shared = 0
+        self.meta: dict[str, object] = {}  # launch facts for the runtime (rows_per_block, ...)
+        self.context = ir.Context()
+        self.location = ir.Location.unknown(self.context)
+
+    # Arguments are declared lazily: the body asks for them in order, and the function type is
+    # fixed when the body ends (see __exit__), so a builder never writes its signature twice.
+    def __enter__(self) -> Kernel:
+        self.context.__enter__()
+        self.location.__enter__()
+        self.module = ir.Module.create()
+        self.module.operation.attributes["gpu.container_module"] = ir.UnitAttr.get()
+        with ir.InsertionPoint(self.module.body):
+            targets = ir.ArrayAttr.get([ir.Attribute.parse(self.target.mlir_attr)])
+            self.gpu_module = gpu.GPUModuleOp(self.name + "_module", targets=targets)
+            self.gpu_module.bodyRegion.blocks.append()
+        self._module_ip = ir.InsertionPoint(self.gpu_module.bodyRegion.blocks[0])
+        self._begin_function()
+        return self
+
+    def _begin_function(self) -> None:
+        # A placeholder function with no arguments; real arguments are added as the body asks
+        # for them (Block.add_argument) and the function type is rewritten at the end.
+        with self._module_ip:
+            fn_type = ir.FunctionType.get([], [])
+            self._fn = gpu.GPUFuncOp(
+                ir.TypeAttr.get(fn_type),
+                sym_name=self.name,
+                kernel=True,
+                known_block_size=[self.block, 1, 1],
+            )
+            self._entry = self._fn.body.blocks.append()
+        self._ip = ir.InsertionPoint(self._entry)
+        self._ip.__enter__()
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            gpu.ReturnOp([])
+        self._ip.__exit__(exc_type, exc, tb)
+        if exc_type is None:
+            types = [a.type for a in self._entry.arguments]
+            self._fn.attributes["function_type"] = ir.TypeAttr.get(ir.FunctionType.get(types, []))
+        self.location.__exit__(exc_type, exc, tb)
+        self.context.__exit__(exc_type, exc, tb)
+
+    # ------------------------------------------------------------------ arguments
+
+    def _arg(self, name: str, kind: str, t: ir.Type) -> V:
+        self.args.append((name, kind))
+        return V(self._entry.add_argument(t, self.location))
+
+    def ptr(self, name: str) -> V:
+        """A global-memory pointer argument (a tensor's data_ptr)."""
+        return self._arg(name, "ptr", global_ptr_type())
+
+    def i64(self, name: str) -> V:
+        return self._arg(name, "i64", scalar_type("i64"))
+
+    def f32(self, name: str) -> V:
+        return self._arg(name, "f32", scalar_type("f32"))
+
+    # ------------------------------------------------------------------ ids and sync
+
+    def thread_id(self) -> V:
+        return cast(V(gpu.thread_id(gpu.Dimension.x)), "i64")
+
+    def block_id(self) -> V:
+        return cast(V(gpu.block_id(gpu.Dimension.x)), "i64")
+
+    def grid_size(self) -> V:
+        return cast(V(gpu.grid_dim(gpu.Dimension.x)), "i64")
+
+    def barrier(self) -> None:
+        gpu.barrier()
+
+    @property
+    def warp_size(self) -> int:
+        return self.target.warp_size
+
+    # ------------------------------------------------------------------ shared memory
+
+    def shared(self, count: int, dtype: str = "f32") -> V:
+        """A fresh shared-memory array of `count` elements; returns its `!llvm.ptr<3>` base."""
+        name = f"__smem{self._n_shared}"
+        self._n_shared += 1
+        elem = scalar_type(dtype)
+        text = (
+            f'llvm.mlir.global internal @{name}() {{addr_space = 3 : i32, alignment = 16 : i64}}'
+            f" : !llvm.array<{count} x {elem}>"
+        )
+        op = ir.Operation.parse(text)
+        self._module_ip.insert(op)
+        self._shared_bytes += count * (elem.width // 8)
+        ptr_t = llvm.PointerType.get(address_space=SHARED)
+        return V(llvm.AddressOfOp(ptr_t, name).result)
+
+    @property
+    def shared_bytes(self) -> int:
+        return self._shared_bytes
+
+    def signature(self) -> list[tuple[str, str]]:
+        return list(self.args)

@@ -1,0 +1,209 @@
+"""Typed SSA values with arithmetic operators, so kernel code reads like the math.
+
+`V` wraps an `ir.Value`. Float scalars and vectors use arith's float ops, integers (i32, i64,
+index) the integer ones. A Python number on either side becomes a constant of the other
+operand's type; a scalar combined with a vector is broadcast. Everything is built at the
+current MLIR insertion point.
+"""
+
+from __future__ import annotations
+
+from mlir import ir
+from mlir.dialects import arith, math, vector
+
+from ..dtypes import ELEMENT_BYTES
+
+
+def element_bytes(dtype: str) -> int:
+    return ELEMENT_BYTES[dtype]
+
+
+def scalar_type(dtype: str) -> ir.Type:
+    return {
+        "f32": ir.F32Type.get,
+        "f16": ir.F16Type.get,
+        "bf16": ir.BF16Type.get,
+        "i32": lambda: ir.IntegerType.get_signless(32),
+        "i64": lambda: ir.IntegerType.get_signless(64),
+        "i1": lambda: ir.IntegerType.get_signless(1),
+        "index": ir.IndexType.get,
+    }[dtype]()
+
+
+def vector_type(dtype: str, width: int) -> ir.Type:
+    return ir.VectorType.get([width], scalar_type(dtype))
+
+
+def _element_type(t: ir.Type) -> ir.Type:
+    return t.element_type if isinstance(t, ir.VectorType) else t
+
+
+def _is_float(t: ir.Type) -> bool:
+    return isinstance(_element_type(t), (ir.F32Type, ir.F16Type, ir.BF16Type))
+
+
+def const(value: float | int, dtype: str | ir.Type = "f32") -> V:
+    t = scalar_type(dtype) if isinstance(dtype, str) else dtype
+    if isinstance(t, ir.VectorType):
+        return splat(const(value, _element_type(t)), ir.VectorType(t).shape[0])
+    attr = ir.FloatAttr.get(t, float(value)) if _is_float(t) else ir.IntegerAttr.get(t, int(value))
+    return V(arith.ConstantOp(t, attr).result)
+
+
+def splat(scalar: V, width: int) -> V:
+    return V(vector.BroadcastOp(ir.VectorType.get([width], scalar.type), scalar.value).result)
+
+
+class V:
+    """An SSA value with operators. `v.value` is the raw `ir.Value` for direct op calls."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: ir.Value | V):
+        self.value = value.value if isinstance(value, V) else value
+
+    @property
+    def type(self) -> ir.Type:
+        return self.value.type
+
+    @property
+    def is_float(self) -> bool:
+        return _is_float(self.type)
+
+    @property
+    def width(self) -> int:
+        """Lanes of a vector value; 1 for a scalar."""
+        return self.type.shape[0] if isinstance(self.type, ir.VectorType) else 1
+
+    def _coerce(self, other: V | float | int) -> tuple[ir.Value, ir.Value]:
+        if not isinstance(other, V):
+            other = const(other, self.type)
+        a, b = self, other
+        if a.width != b.width:  # scalar op vector: broadcast the scalar
+            if a.width == 1:
+                a = splat(a, b.width)
+            else:
+                b = splat(b, a.width)
+        return a.value, b.value
+
+    def _binary(self, other, float_op, int_op, reverse: bool = False) -> V:
+        a, b = self._coerce(other)
+        if reverse:
+            a, b = b, a
+        return V((float_op if self.is_float else int_op)(a, b))
+
+    def __add__(self, o):
+        return self._binary(o, arith.addf, arith.addi)
+
+    def __radd__(self, o):
+        return self._binary(o, arith.addf, arith.addi, reverse=True)
+
+    def __sub__(self, o):
+        return self._binary(o, arith.subf, arith.subi)
+
+    def __rsub__(self, o):
+        return self._binary(o, arith.subf, arith.subi, reverse=True)
+
+    def __mul__(self, o):
+        return self._binary(o, arith.mulf, arith.muli)
+
+    def __rmul__(self, o):
+        return self._binary(o, arith.mulf, arith.muli, reverse=True)
+
+    def __truediv__(self, o):
+        return self._binary(o, arith.divf, arith.divsi)
+
+    def __floordiv__(self, o):
+        return self._binary(o, arith.divf, arith.divsi)
+
+    def __mod__(self, o):
+        return self._binary(o, arith.remf, arith.remsi)
+
+    def __neg__(self) -> V:
+        return V(arith.negf(self.value)) if self.is_float else 0 - self
+
+    def _compare(self, other, fpred: str, ipred: str) -> V:
+        a, b = self._coerce(other)
+        if self.is_float:
+            return V(arith.cmpf(getattr(arith.CmpFPredicate, fpred), a, b))
+        return V(arith.cmpi(getattr(arith.CmpIPredicate, ipred), a, b))
+
+    def __lt__(self, o):
+        return self._compare(o, "OLT", "slt")
+
+    def __le__(self, o):
+        return self._compare(o, "OLE", "sle")
+
+    def __gt__(self, o):
+        return self._compare(o, "OGT", "sgt")
+
+    def __ge__(self, o):
+        return self._compare(o, "OGE", "sge")
+
+    def __and__(self, o):
+        a, b = self._coerce(o)
+        return V(arith.andi(a, b))
+
+    __hash__ = None  # comparisons build IR, so values are not dict keys
+
+
+# ----------------------------------------------------------------------------- conversions
+
+
+def cast(v: V, dtype: str) -> V:
+    """Float width conversion (extf / truncf) or integer resize, elementwise for vectors."""
+    target = scalar_type(dtype)
+    if v.width > 1:
+        target = ir.VectorType.get([v.width], target)
+    if v.type == target:
+        return v
+    if isinstance(v.type, ir.IndexType) or isinstance(target, ir.IndexType):
+        return V(arith.index_cast(target, v.value))
+    src_bits = _element_type(v.type).width
+    dst_bits = _element_type(target).width
+    if v.is_float:
+        return V((arith.extf if dst_bits > src_bits else arith.truncf)(target, v.value))
+    return V((arith.extsi if dst_bits > src_bits else arith.trunci)(target, v.value))
+
+
+def to_f32(v: V) -> V:
+    return cast(v, "f32")
+
+
+def i64(v: V | int) -> V:
+    return const(v, "i64") if isinstance(v, int) else cast(v, "i64")
+
+
+def i32(v: V | int) -> V:
+    return const(v, "i32") if isinstance(v, int) else cast(v, "i32")
+
+
+# ----------------------------------------------------------------------------- math
+
+
+def rsqrt(v: V) -> V:
+    return V(math.rsqrt(v.value))
+
+
+def select(cond: V, a: V, b: V | float) -> V:
+    if not isinstance(b, V):
+        b = const(b, a.type)
+    return V(arith.select(cond.value, a.value, b.value))
+
+
+def minimum(a: V, b: V | int) -> V:
+    a_, b_ = a._coerce(b)
+    return V(arith.minsi(a_, b_)) if not a.is_float else V(arith.minimumf(a_, b_))
+
+
+def hsum(v: V) -> V:
+    """Sum of a vector's lanes (a scalar passes through)."""
+    if v.width == 1:
+        return v
+    elem = _element_type(v.type)
+    return V(vector.reduction(elem, vector.CombiningKind.ADD, v.value))
+
+
+def lanes(v: V) -> list[V]:
+    """The lanes of a vector as scalars."""
+    return [V(vector.extract(v.value, [], [i])) for i in range(v.width)]

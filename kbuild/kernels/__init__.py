@@ -1,0 +1,23 @@
+"""Kernel builders, one module per family, named by the specs that select them.
+
+The registry maps a spec's kernel name to "module:function" and imports the builder only when
+a kernel is compiled: builders need MLIR, and a machine that only runs kernels from a warmed
+cache has none.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+
+REGISTRY: dict[str, str] = {
+    "rmsnorm_fwd": "kbuild.kernels.rmsnorm:build_rmsnorm_module",
+}
+
+
+def get_builder(kernel: str) -> Callable:
+    try:
+        module, function = REGISTRY[kernel].split(":")
+    except KeyError:
+        raise ValueError(f"unknown kernel {kernel!r}; known: {', '.join(sorted(REGISTRY))}") from None
+    return getattr(importlib.import_module(module), function)

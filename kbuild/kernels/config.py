@@ -1,0 +1,98 @@
+"""Launch shapes for the row kernels: how threads map onto a row. Pure Python (no MLIR).
+
+Every norm kernel works on an (M, N) row-major matrix one row at a time. A row is handled by
+`threads_per_row` consecutive threads; a block holds `rows_per_block` rows. Each thread owns
+`iters` vectors of `vec` elements, at columns (i * threads_per_row + lane) * vec, so a warp's
+accesses are contiguous 16-byte pieces (coalesced) and a thread sees the same columns in every
+row (the backward kernels keep their dweight partials in registers because of it).
+
+Rows that fit (at most `max_elems` fp32 values per thread, half that at 1024 threads, where a
+thread may use only 64 registers) stay in registers and are read once. Longer rows are walked in chunks twice (sum, then normalise), the second read
+mostly served from L2.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..dtypes import ELEMENT_BYTES
+
+MAX_THREADS = 1024
+MIN_BLOCK = 128
+# Row elements a thread may hold as fp32 at <= 512 threads per block (128 registers each);
+# at 1024 threads the register file allows 64 per thread, so half as many.
+FORWARD_ELEMS = 64
+# Vectors per thread, in order of preference: 4 keeps several 16-byte loads in flight per
+# thread without crowding the register file.
+_ITERS_PREFERENCE = (4, 3, 5, 2, 6, 8, 7, 1, 16, 12, 10, 9, 11, 13, 14, 15)
+CHUNK_ITERS = 4
+
+
+@dataclass(frozen=True)
+class RowConfig:
+    N: int
+    vec: int  # elements per vector access
+    threads_per_row: int
+    rows_per_block: int
+    iters: int  # vectors per thread per row (per chunk when chunked)
+    chunked: bool  # row too long for registers: loop over chunks, two passes
+
+    @property
+    def block(self) -> int:
+        return self.threads_per_row * self.rows_per_block
+
+    @property
+    def span(self) -> int:
+        """Elements covered by one pass of the row's threads."""
+        return self.iters * self.threads_per_row * self.vec
+
+    @property
+    def exact(self) -> bool:
+        """No column predicates needed: the threads cover the row exactly."""
+        return not self.chunked and self.span == self.N
+
+    def grid(self, rows: int) -> int:
+        return -(-rows // self.rows_per_block)
+
+
+def _pow2_ceil(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def choose_row_config(
+    N: int, dtype: str, warp_size: int, vectorize: bool = True, max_elems: int = FORWARD_ELEMS
+) -> RowConfig:
+    """Threads, vector width and rows per block for rows of N elements of `dtype`.
+
+    `max_elems` bounds the fp32 row values a thread keeps in registers (backward kernels,
+    which also hold dweight partials, ask for fewer).
+    """
+    size = ELEMENT_BYTES[dtype]
+    vec = 16 // size if vectorize and N % (16 // size) == 0 else 1
+    nv = -(-N // vec)
+
+    def fits(tpr: int, iters: int) -> bool:
+        budget = max_elems if tpr <= MAX_THREADS // 2 else max_elems // 2
+        return tpr <= MAX_THREADS and iters * vec <= budget
+
+    # Exact fits first: a whole number of warps, each thread the same number of vectors.
+    for iters in _ITERS_PREFERENCE:
+        if nv % iters == 0:
+            tpr = nv // iters
+            if tpr % warp_size == 0 and fits(tpr, iters):
+                return _pack(N, vec, tpr, iters, False)
+    if nv <= warp_size * 4:  # short rows: a power-of-two slice of a warp per row
+        tpr = min(warp_size, _pow2_ceil(-(-nv // 4)))
+        return _pack(N, vec, tpr, -(-nv // tpr), False)
+    tpr = min(MAX_THREADS, -(-nv // 4 // warp_size) * warp_size)
+    iters = -(-nv // tpr)
+    if fits(tpr, iters):
+        return _pack(N, vec, tpr, iters, False)
+    return _pack(N, vec, MAX_THREADS // 2, CHUNK_ITERS, True)
+
+
+def _pack(N: int, vec: int, tpr: int, iters: int, chunked: bool) -> RowConfig:
+    rows = max(1, MIN_BLOCK // tpr)
+    return RowConfig(N, vec, tpr, rows, iters, chunked)
+
+

@@ -1,0 +1,111 @@
+"""Kernel fragments shared by the row kernels: row loads, stores and sums (see config.py for
+how threads map onto rows)."""
+
+from __future__ import annotations
+
+from ..dsl import (
+    Kernel,
+    V,
+    cast,
+    const,
+    get_llvm_ptr,
+    if_else,
+    if_then,
+    load,
+    minimum,
+    row_sum,
+    splat,
+    store,
+    to_f32,
+)
+from ..dsl.values import scalar_type, vector_type
+from .config import RowConfig
+
+class RowTile:
+    """One thread's place in the row grid of a kernel, and its row loads, stores and sums."""
+
+    def __init__(self, k: Kernel, cfg: RowConfig, rows: V, row_group: V | None = None):
+        """`rows` is M (i64). `row_group` (default: the block index) picks the block's rows."""
+        self.k, self.cfg, self.rows = k, cfg, rows
+        tid = k.thread_id()
+        self.lane = tid % cfg.threads_per_row if cfg.rows_per_block > 1 else tid
+        self.row_in_block = tid / cfg.threads_per_row if cfg.rows_per_block > 1 else const(0, "i64")
+        group = k.block_id() if row_group is None else row_group
+        row = group * cfg.rows_per_block + self.row_in_block
+        # Rows past M (in the last block) still take part in barriers: they compute on row
+        # M - 1 and skip their stores.
+        self.partial_rows = cfg.rows_per_block > 1 or row_group is not None
+        self.valid = row < rows if self.partial_rows else None
+        self.row = minimum(row, rows - 1) if self.partial_rows else row
+        self.offset = self.row * cfg.N
+
+    # ------------------------------------------------------------------ columns
+
+    def columns(self, start: V | int = 0) -> list[V]:
+        """Element column of each of this thread's vectors (from chunk `start`)."""
+        c = self.cfg
+        base = self.lane * c.vec + start
+        return [base + i * c.threads_per_row * c.vec for i in range(c.iters)]
+
+    def _guarded(self, col: V) -> V | None:
+        return None if self.cfg.exact else col < self.cfg.N
+
+    # ------------------------------------------------------------------ loads and stores
+
+    def load(self, base: V, dtype: str, start: V | int = 0) -> list[V]:
+        """This thread's vectors of its row of `base`, raw (in `dtype`); zeros past N."""
+        return self._load(base, self.offset, dtype, start)
+
+    def load_param(self, base: V, dtype: str, start: V | int = 0) -> list[V]:
+        """This thread's vectors of a length-N parameter (weight, bias), raw."""
+        return self._load(base, const(0, "i64"), dtype, start)
+
+    def _load(self, base: V, offset: V, dtype: str, start: V | int) -> list[V]:
+        out = []
+        for col in self.columns(start):
+            ptr = get_llvm_ptr(base, offset + col, dtype)
+            guard = self._guarded(col)
+            if guard is None:
+                out.append(load(ptr, dtype, self.cfg.vec))
+            else:
+                zero = vector_type(dtype, self.cfg.vec) if self.cfg.vec > 1 else scalar_type(dtype)
+                out.append(
+                    if_else(guard, lambda p=ptr: load(p, dtype, self.cfg.vec), lambda: const(0, zero))
+                )
+        return out
+
+    def store(self, base: V, values: list[V], dtype: str, start: V | int = 0) -> None:
+        """Store fp32 `values` (one per column vector) as `dtype` into this thread's row."""
+        for col, v in zip(self.columns(start), values, strict=True):
+            ptr = get_llvm_ptr(base, self.offset + col, dtype)
+            value = cast(v, dtype)
+            guard = self._guarded(col)
+            if self.valid is not None:
+                guard = self.valid if guard is None else guard & self.valid
+            if guard is None:
+                store(value, ptr)
+            else:
+                if_then(guard, lambda p=ptr, v=value: store(v, p))
+
+    def store_row_scalar(self, base: V, value: V) -> None:
+        """Write one f32 per row (rstd, mean) from the row's first thread."""
+        first = self.lane < 1
+        guard = first if self.valid is None else first & self.valid
+        if_then(guard, lambda: store(value, get_llvm_ptr(base, self.row, "f32")))
+
+    # ------------------------------------------------------------------ reductions
+
+    def sum(self, *per_thread: V, reused: bool = False) -> list[V]:
+        """Row totals of per-thread f32 partials (several at once share one barrier)."""
+        c = self.cfg
+        return row_sum(
+            self.k, list(per_thread), c.threads_per_row, self.row_in_block, c.rows_per_block, reused
+        )
+
+
+def widen(values: list[V]) -> list[V]:
+    return [to_f32(v) for v in values]
+
+
+def broadcast(scalar: V, like: V) -> V:
+    return splat(scalar, like.width) if like.width > 1 else scalar

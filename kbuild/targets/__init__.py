@@ -1,0 +1,93 @@
+"""GPU targets: what a kernel is compiled for. Pure data here; lowering lives in nvidia.py/amd.py.
+
+A Target is everything that changes code generation besides the kernel's own parameters:
+vendor, architecture, feature string, warp size and the pass pipeline. Kernels read the warp
+size from it and never branch on the vendor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Each NVIDIA arch with the lowest PTX ISA that supports it. LLVM aborts the whole process
+# (not a Python exception) when asked for an arch its default PTX version rejects, so arches
+# are validated against this table before any lowering starts.
+_NVIDIA_PTX = {
+    "sm_80": "+ptx70",
+    "sm_86": "+ptx71",
+    "sm_89": "+ptx78",
+    "sm_90": "+ptx80",
+    "sm_90a": "+ptx80",
+    "sm_100": "+ptx86",
+    "sm_100a": "+ptx86",
+    "sm_120": "+ptx87",
+}
+_AMD_WAVE = {"gfx90a": 64, "gfx942": 64, "gfx950": 64, "gfx1100": 32, "gfx1201": 32}
+
+NVIDIA_PIPELINE = (
+    "builtin.module(gpu.module(convert-scf-to-cf, convert-gpu-to-nvvm{index-bitwidth=64}, "
+    "canonicalize, cse), reconcile-unrealized-casts, gpu-module-to-binary{format=isa})"
+)
+AMD_PIPELINE = (
+    "builtin.module(gpu.module(convert-scf-to-cf, convert-gpu-to-rocdl{{chipset={arch} "
+    "index-bitwidth=64}}, canonicalize, cse), reconcile-unrealized-casts)"
+)
+
+
+@dataclass(frozen=True)
+class Target:
+    vendor: str  # "nvidia" | "amd"
+    arch: str  # "sm_90", "gfx942", ...
+    features: str  # "+ptx80" for NVIDIA; "" for AMD
+    warp_size: int
+
+    @property
+    def pipeline(self) -> str:
+        if self.vendor == "nvidia":
+            return NVIDIA_PIPELINE
+        return AMD_PIPELINE.format(arch=self.arch)
+
+    @property
+    def binary_format(self) -> str:
+        return "cubin" if self.vendor == "nvidia" else "hsaco"
+
+    @property
+    def mlir_attr(self) -> str:
+        """The target attribute placed on a kernel's gpu.module."""
+        if self.vendor == "nvidia":
+            return f'#nvvm.target<chip = "{self.arch}", features = "{self.features}", O = 3>'
+        return f'#rocdl.target<chip = "{self.arch}", O = 3>'
+
+    def key_fields(self) -> dict[str, str | int]:
+        return {
+            "vendor": self.vendor,
+            "arch": self.arch,
+            "features": self.features,
+            "warp_size": self.warp_size,
+            "pipeline": self.pipeline,
+        }
+
+    def __str__(self) -> str:
+        return self.arch
+
+
+def target_for_arch(arch: str) -> Target:
+    """`sm_90` / `sm_80` / `gfx942` ... -> Target; unknown arches raise ValueError."""
+    if arch in _NVIDIA_PTX:
+        return Target("nvidia", arch, _NVIDIA_PTX[arch], 32)
+    if arch in _AMD_WAVE:
+        return Target("amd", arch, "", _AMD_WAVE[arch])
+    known = ", ".join(sorted(_NVIDIA_PTX) + sorted(_AMD_WAVE))
+    raise ValueError(f"arch must be one of {known}; got {arch!r}")
+
+
+def target_for_capability(major: int, minor: int) -> Target:
+    """The Target for a CUDA device of compute capability (major, minor)."""
+    arch = f"sm_{major}{minor}"
+    if arch not in _NVIDIA_PTX:
+        # Binary-compatible fallback within a major version (sm_87 runs sm_80 code).
+        candidates = [a for a in _NVIDIA_PTX if a.startswith(f"sm_{major}") and not a.endswith("a")]
+        if not candidates:
+            raise ValueError(f"no kbuild target for compute capability {major}.{minor}")
+        arch = min(candidates)
+    return target_for_arch(arch)
