@@ -167,7 +167,22 @@ def cast(v: V, dtype: str) -> V:
 
 
 def to_f32(v: V) -> V:
-    return cast(v, "f32")
+    """Widen to fp32. bf16 widens by moving its bits into the top half of an fp32 word (exact:
+    a bf16 is a truncated fp32), not by `extf`: compilers merge two `extf` of one value into
+    a single fp32 copy, while this form lets a kernel keep a row packed two bf16 to a register
+    and widen it again where it is used, halving the registers a long row needs."""
+    element = v.type.element_type if isinstance(v.type, ir.VectorType) else v.type
+    if not isinstance(element, ir.BF16Type):
+        return cast(v, "f32")
+    shape = [v.width] if v.width > 1 else None
+
+    def typ(t: ir.Type) -> ir.Type:
+        return ir.VectorType.get(shape, t) if shape else t
+
+    bits = arith.bitcast(typ(ir.IntegerType.get_signless(16)), v.value)
+    word = arith.extui(typ(ir.IntegerType.get_signless(32)), bits)
+    word = arith.shli(word, const(16, typ(ir.IntegerType.get_signless(32))).value)
+    return V(arith.bitcast(typ(ir.F32Type.get()), word))
 
 
 def i64(v: V | int) -> V:

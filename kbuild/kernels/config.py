@@ -6,8 +6,9 @@ Every norm kernel works on an (M, N) row-major matrix one row at a time. A row i
 accesses are contiguous 16-byte pieces (coalesced) and a thread sees the same columns in every
 row (the backward kernels keep their dweight partials in registers because of it).
 
-Rows that fit (at most `max_elems` fp32 values per thread, half that at 1024 threads, where a
-thread may use only 64 registers) stay in registers and are read once. Longer rows are walked in chunks twice (sum, then normalise), the second read
+Rows that fit in registers stay there and are read once: a thread may hold `max_elems` fp32
+words of row data (half that at 1024 threads, where a thread gets only 64 registers); bf16
+rows are held packed, two to a word, and widened where used (dsl.to_f32). Longer rows are walked in chunks twice (sum, then normalise), the second read
 mostly served from L2.
 """
 
@@ -60,20 +61,35 @@ def _pow2_ceil(n: int) -> int:
 
 
 def choose_row_config(
-    N: int, dtype: str, warp_size: int, vectorize: bool = True, max_elems: int = FORWARD_ELEMS
+    N: int,
+    dtype: str,
+    warp_size: int,
+    vectorize: bool = True,
+    max_elems: int = FORWARD_ELEMS,
+    threads_per_row: int | None = None,
 ) -> RowConfig:
     """Threads, vector width and rows per block for rows of N elements of `dtype`.
 
-    `max_elems` bounds the fp32 row values a thread keeps in registers (backward kernels,
-    which also hold dweight partials, ask for fewer).
+    `max_elems` bounds the fp32 words of row data a thread keeps in registers (backward
+    kernels, which also hold dweight partials, ask for fewer). `threads_per_row` forces the
+    row's thread count (a tuning override; rows that then do not fit are chunked).
     """
     size = ELEMENT_BYTES[dtype]
     vec = 16 // size if vectorize and N % (16 // size) == 0 else 1
     nv = -(-N // vec)
+    words_per_elem = 0.5 if dtype == "bf16" else 1.0
 
     def fits(tpr: int, iters: int) -> bool:
         budget = max_elems if tpr <= MAX_THREADS // 2 else max_elems // 2
-        return tpr <= MAX_THREADS and iters * vec <= budget
+        return tpr <= MAX_THREADS and iters * vec * words_per_elem <= budget
+
+    if threads_per_row is not None:
+        if threads_per_row % warp_size and threads_per_row > warp_size or threads_per_row < 1:
+            raise ValueError(f"threads_per_row must be a multiple of {warp_size} or below it")
+        iters = -(-nv // threads_per_row)
+        if fits(threads_per_row, iters):
+            return _pack(N, vec, threads_per_row, iters, False)
+        return _pack(N, vec, threads_per_row, CHUNK_ITERS, True)
 
     # Exact fits first: a whole number of warps, each thread the same number of vectors.
     for iters in _ITERS_PREFERENCE:

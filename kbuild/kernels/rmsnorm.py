@@ -28,13 +28,15 @@ def build_rmsnorm_module(
     eps: float,
     target: Target,
     vectorize: bool = True,
+    threads_per_row: int | None = None,
 ) -> Kernel:
     """RMSNorm forward over rows of N `dtype` elements; weight of `weight_dtype` or none.
 
     Arguments at launch: x, [weight], y, [rstd], M. `vectorize=False` gives the kernel for
-    tensors whose addresses are not 16-byte aligned.
+    tensors whose addresses are not 16-byte aligned; `threads_per_row` overrides the launch
+    shape the config chooser picks (for tuning).
     """
-    cfg = choose_row_config(N, dtype, target.warp_size, vectorize)
+    cfg = choose_row_config(N, dtype, target.warp_size, vectorize, threads_per_row=threads_per_row)
     with Kernel("rmsnorm_fwd", target, cfg.block) as k:
         x_ptr = k.ptr("x")
         w_ptr = k.ptr("weight") if weight_dtype else None
@@ -51,10 +53,10 @@ def build_rmsnorm_module(
             t.store(y_ptr, y, dtype, start)
 
         if not cfg.chunked:
-            x = widen(t.load(x_ptr, dtype))
-            (sum_sq,) = t.sum(_sum_squares(x))
+            x = t.load(x_ptr, dtype)  # held raw; widened where used (see dsl.to_f32)
+            (sum_sq,) = t.sum(_sum_squares(widen(x)))
             rstd = rsqrt(sum_sq * (1.0 / N) + eps)
-            normalize(x, rstd)
+            normalize(widen(x), rstd)
         else:
             chunks, step = const(-(-N // cfg.span), "i64"), const(1, "i64")
             zero = const(0, "i64")

@@ -1,0 +1,82 @@
+"""Benchmark harness: time each implementation of a case, report GB/s next to copy bandwidth.
+
+A case is a name, the bytes it must move (each input read once, each output written once) and
+a dict of implementations. Shapes are L2-cold by size (M * N = 64 Mi elements). Results go to
+a JSON file with the GPU, the date, the commit and the copy bandwidth of the same run.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import subprocess
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from kbuild.timing import copy_gbps, gbps, median_ms
+
+
+@dataclass
+class Case:
+    op: str
+    shape: tuple[int, int]
+    nbytes: int
+    impls: dict[str, Callable[[], object]]
+    results: dict[str, dict[str, float]] = field(default_factory=dict)
+
+
+def run_cases(cases: list[Case], copy: float) -> list[Case]:
+    for case in cases:
+        for name, fn in case.impls.items():
+            try:
+                ms = median_ms(fn)
+            except Exception as err:  # a peer failing (torch.compile) must not hide our numbers
+                case.results[name] = {"error": f"{type(err).__name__}: {err}"[:200]}
+                continue
+            bw = gbps(case.nbytes, ms)
+            case.results[name] = {"ms": round(ms, 4), "gbps": round(bw, 1), "of_copy": round(bw / copy, 4)}
+        print(format_row(case, copy), flush=True)
+    return cases
+
+
+def format_row(case: Case, copy: float) -> str:
+    cells = []
+    for name, r in case.results.items():
+        cells.append(f"{name} {r['gbps']:6.0f} GB/s {r['of_copy']:6.1%}" if "gbps" in r else f"{name} error")
+    return f"{case.op:<24}{str(case.shape):>16}  " + " | ".join(cells)
+
+
+def commit() -> str:
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
+        ).stdout.strip() or "unknown"
+    except OSError:
+        return "unknown"
+
+
+def write_results(path: str, cases: list[Case], copy: float, extra: dict | None = None) -> None:
+    doc = {
+        "gpu": torch.cuda.get_device_name(),
+        "date": datetime.date.today().isoformat(),
+        "commit": os.environ.get("KBUILD_COMMIT", commit()),
+        "torch": torch.__version__,
+        "copy_gbps": round(copy, 1),
+        "cases": [
+            {"op": c.op, "shape": list(c.shape), "bytes": c.nbytes, "results": c.results} for c in cases
+        ],
+        **(extra or {}),
+    }
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1)
+    print(f"wrote {path}")
+
+
+def measure_copy() -> float:
+    copy = copy_gbps()
+    print(f"{torch.cuda.get_device_name()}: device-to-device copy {copy:.0f} GB/s", flush=True)
+    return copy

@@ -1,0 +1,119 @@
+"""`kbuild` command line: warmup (ahead-of-time compile), demo (the main job), cache.
+
+    kbuild warmup --arch sm_90 --manifest tests --cache-dir .kbuild-aot
+    kbuild demo                       # compile the standard set; with a GPU also run and time it
+    kbuild cache list | path | clear
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+
+from .cache import DiskCache, default_cache_dir, entry_key, toolchain_key
+from .manifest import MANIFESTS, manifest
+from .spec import KernelSpec
+from .targets import target_for_arch
+
+
+def _warm_one(spec_json: str, arch: str, root: str) -> tuple[str, dict, bool, float]:
+    """Compile one spec into the cache (a worker process); returns its label and metadata."""
+    from .compiler import compile_kernel, toolchain
+
+    spec, target = KernelSpec.from_json(json.loads(spec_json)), target_for_arch(arch)
+    tools = toolchain(target.vendor)
+    start = time.perf_counter()
+    artifact, built = DiskCache(root).get_or_build(
+        entry_key(spec, target), toolchain_key(tools), tools, lambda: compile_kernel(spec, target)
+    )
+    return spec.short(), artifact.meta, built, 1e3 * (time.perf_counter() - start)
+
+
+def _describe(label: str, meta: dict, built: bool, ms: float) -> str:
+    state = f"compiled {meta['compile_ms']['total']:7.1f} ms" if built else f"cached   {ms:7.1f} ms"
+    spills = meta.get("spill_stores", 0) + meta.get("spill_loads", 0)
+    return f"{state}  regs {meta.get('registers', '?'):>3}  spills {spills:>3}  {label}"
+
+
+def warmup(specs: list[KernelSpec], arch: str, root: str, jobs: int) -> list[tuple]:
+    """Compile `specs` for `arch` into `root`, printing a progress line per kernel."""
+    os.makedirs(root, exist_ok=True)
+    results = []
+    args = [(s.canonical_json(), arch, root) for s in specs]
+    width = len(str(len(specs)))
+    with ProcessPoolExecutor(max_workers=max(1, jobs)) as pool:
+        for i, result in enumerate(pool.map(_warm_one, *zip(*args, strict=True)), 1):
+            print(f"[{i:>{width}}/{len(specs)}] {arch}  {_describe(*result)}", flush=True)
+            results.append(result)
+    return results
+
+
+def _specs_from(args) -> list[KernelSpec]:
+    specs = [s for name in args.manifest or [] for s in manifest(name)]
+    specs += [KernelSpec.from_json(json.loads(text)) for text in args.spec or []]
+    return list(dict.fromkeys(specs))
+
+
+def _cmd_warmup(args) -> int:
+    specs = _specs_from(args)
+    if not specs:
+        print("nothing to warm: give --manifest NAME or --spec JSON", file=sys.stderr)
+        return 2
+    root = args.cache_dir or str(default_cache_dir())
+    start = time.perf_counter()
+    warmup(specs, args.arch, root, args.jobs)
+    print(f"{len(specs)} kernels for {args.arch} in {root} ({time.perf_counter() - start:.1f} s)")
+    return 0
+
+
+def _cmd_demo(args) -> int:
+    root = args.cache_dir or str(default_cache_dir())
+    print(f"kbuild demo: the standard kernel set for {args.arch}, cache {root}")
+    warmup(manifest("standard"), args.arch, root, args.jobs)
+    from .demo import run_on_gpu
+
+    return run_on_gpu(root)
+
+
+def _cmd_cache(args) -> int:
+    root = args.cache_dir or str(default_cache_dir())
+    cache = DiskCache(root)
+    if args.action == "path":
+        print(root)
+    elif args.action == "clear":
+        cache.clear()
+        print(f"cleared {root}")
+    else:
+        for path, meta in cache.entries():
+            spec = KernelSpec.from_json(meta["meta"]["spec"])
+            print(f"{meta['meta'].get('target', '?'):7} {meta['format']:5} {spec.short()}  {path}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kbuild", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, helptext in (
+        ("warmup", "compile kernels into the disk cache (no GPU needed)"),
+        ("demo", "compile the standard kernels and, with a GPU, check and time them"),
+    ):
+        p = sub.add_parser(name, help=helptext)
+        p.add_argument("--arch", default="sm_90", help="target arch (default sm_90)")
+        p.add_argument("--cache-dir", help="cache root (default $KBUILD_CACHE_DIR or ~/.cache)")
+        p.add_argument("-j", "--jobs", type=int, default=os.cpu_count() or 1)
+        if name == "warmup":
+            p.add_argument("--manifest", action="append", choices=sorted(MANIFESTS))
+            p.add_argument("--spec", action="append", help="a spec as JSON (see warmup hints)")
+    p = sub.add_parser("cache", help="inspect or clear the disk cache")
+    p.add_argument("action", choices=("list", "path", "clear"))
+    p.add_argument("--cache-dir")
+    args = parser.parse_args(argv)
+    return {"warmup": _cmd_warmup, "demo": _cmd_demo, "cache": _cmd_cache}[args.command](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

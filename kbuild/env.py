@@ -1,0 +1,27 @@
+"""Every environment variable kbuild reads, in one place.
+
+KBUILD_CACHE_DIR           disk cache root (default $XDG_CACHE_HOME/kbuild or ~/.cache/kbuild)
+KBUILD_OFFLINE=1           never compile: load kernels from the disk cache only; a miss raises
+                           KernelNotCached naming the kernel and the warmup command. Implied
+                           when the MLIR bindings are not installed.
+KBUILD_PTXAS               path of the ptxas to assemble cubins with (default: PATH, CUDA_HOME)
+KBUILD_MEMORY_CACHE_SIZE   loaded kernels kept per process (default 4096)
+
+Only KBUILD_PTXAS changes generated code, and the ptxas version is part of every cache key.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+
+
+def offline() -> bool:
+    return os.environ.get("KBUILD_OFFLINE", "") not in ("", "0") or not compiler_available()
+
+
+@functools.cache
+def compiler_available() -> bool:
+    """True where the MLIR bindings are installed (checked without importing them)."""
+    return importlib.util.find_spec("mlir") is not None

@@ -1,0 +1,71 @@
+"""Kernels on demand: memory tier -> disk tier -> compiler, for a spec on a device.
+
+    launcher = get_launcher(key, device_index, make_spec)
+
+`key` is the caller's cheap tuple of everything that picks the kernel, ending with the device
+index; on a hit this is one dict lookup. On a miss `make_spec()` gives the KernelSpec, the disk
+cache is asked for its binary (compiling it, once across processes, if absent and allowed),
+and the binary is loaded into that device's context.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+
+from . import env
+from .artifact import Artifact
+from .cache import DiskCache, MemoryCache, default_cache_dir, entry_key, toolchain_key
+from .spec import KernelSpec
+from .targets import Target, target_for_capability
+
+_loaded = MemoryCache()
+
+
+class KernelNotCached(RuntimeError):
+    """Offline, and the disk cache has no binary for this kernel."""
+
+
+def warmup_command(spec: KernelSpec, target: Target) -> str:
+    return f"kbuild warmup --arch {target.arch} --spec '{spec.canonical_json()}'"
+
+
+def artifact_for(spec: KernelSpec, target: Target, cache: DiskCache | None = None) -> Artifact:
+    """The binary of `spec` for `target`: from the disk cache, else compiled and stored."""
+    cache = cache or DiskCache(default_cache_dir())
+    key = entry_key(spec, target)
+    if env.offline():
+        artifact = cache.get(key, None)
+        if artifact is None:
+            raise KernelNotCached(
+                f"kernel {spec.short()} for {target.arch} is not in the cache at {cache.root} "
+                f"and compiling is off (KBUILD_OFFLINE=1 or no MLIR installed). Warm it on a "
+                f"machine with the compiler: {warmup_command(spec, target)}"
+            )
+        return artifact
+    from .compiler import compile_kernel, toolchain
+
+    tools = toolchain(target.vendor)
+    artifact, _ = cache.get_or_build(
+        key, toolchain_key(tools), tools, lambda: compile_kernel(spec, target)
+    )
+    return artifact
+
+
+def device_target(device_index: int) -> Target:
+    from .runtime.cuda import device_attribute
+
+    major = device_attribute(device_index, "COMPUTE_CAPABILITY_MAJOR")
+    minor = device_attribute(device_index, "COMPUTE_CAPABILITY_MINOR")
+    return target_for_capability(major, minor)
+
+
+def get_launcher(key: Hashable, device_index: int, make_spec: Callable[[], KernelSpec]):
+    """The prepared launcher for `key` on `device_index` (loading it on first use)."""
+    launcher = _loaded.get(key)
+    if launcher is None:
+        from .runtime.cuda import Launcher
+
+        artifact = artifact_for(make_spec(), device_target(device_index))
+        launcher = Launcher(artifact, device_index)
+        _loaded.put(key, launcher)
+    return launcher

@@ -1,0 +1,84 @@
+"""What every op shares: argument checks, dtype names, rows view, device guard, streams."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+
+DTYPE_NAMES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
+_ACCEPTED = "torch.float32, torch.float16 or torch.bfloat16"
+
+
+def check_input(name: str, x: object) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in DTYPE_NAMES:
+        raise TypeError(f"{name} must be {_ACCEPTED}; got {x.dtype}")
+    if x.dim() < 1:
+        raise ValueError(f"{name} must have at least one dimension (..., N); got a scalar")
+    return x
+
+
+def check_like(name: str, t: object, x: torch.Tensor, x_name: str = "x") -> torch.Tensor:
+    """`t` must match `x` in shape, dtype and device (residual, dy, ...)."""
+    check_input(name, t)
+    if t.shape != x.shape:
+        raise ValueError(f"{name} must have the shape of {x_name} {tuple(x.shape)}; got {tuple(t.shape)}")
+    if t.dtype != x.dtype:
+        raise TypeError(f"{name} must have the dtype of {x_name} ({x.dtype}); got {t.dtype}")
+    if t.device != x.device:
+        raise ValueError(f"{name} must be on {x_name}'s device {x.device}; got {t.device}")
+    return t
+
+
+def check_param(name: str, p: object, x: torch.Tensor) -> torch.Tensor | None:
+    """A per-feature parameter (weight, bias): None, or shape (N,), x's dtype or fp32, x's device."""
+    if p is None:
+        return None
+    if not isinstance(p, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor or None, got {type(p).__name__}")
+    n = x.shape[-1]
+    if p.shape != (n,):
+        raise ValueError(f"{name} must have shape ({n},) to match x's last dimension; got {tuple(p.shape)}")
+    if p.dtype is not x.dtype and p.dtype is not torch.float32:
+        raise TypeError(f"{name} must have x's dtype ({x.dtype}) or torch.float32; got {p.dtype}")
+    if p.device != x.device:
+        raise ValueError(f"{name} must be on x's device {x.device}; got {p.device}")
+    return p
+
+
+def check_eps(eps: object) -> float:
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
+        raise TypeError(f"eps must be a float, got {type(eps).__name__}")
+    eps = float(eps)
+    if not math.isfinite(eps) or eps < 0:
+        raise ValueError(f"eps must be a finite number >= 0; got {eps}")
+    return eps
+
+
+def contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t if t.is_contiguous() else t.contiguous()
+
+
+_NO_GUARD = contextlib.nullcontext()
+
+
+def device_guard(t: torch.Tensor):
+    """`torch.cuda.device(t.device)` when that is not already current (entering costs ~2 us)."""
+    if t.get_device() == torch.cuda.current_device():
+        return _NO_GUARD
+    return torch.cuda.device(t.device)
+
+
+def stream_of(device_index: int) -> int:
+    return torch._C._cuda_getCurrentRawStream(device_index)
+
+
+def aligned(*ptrs: int) -> bool:
+    """All addresses 16-byte aligned, so 128-bit vector accesses are legal."""
+    combined = 0
+    for p in ptrs:
+        combined |= p
+    return combined & 15 == 0

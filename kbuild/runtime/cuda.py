@@ -1,0 +1,103 @@
+"""CUDA driver runtime: load binaries into a device's context and launch them. No MLIR, no torch.
+
+Modules are loaded into the device's primary context, the one PyTorch uses, so a kernel runs
+on the same streams and memory as the tensors it is given. A `Launcher` is prepared once per
+(kernel, device): its argument storage is allocated and the `void*[]` array that the driver
+reads is filled with the storage addresses, so a launch only writes the new values and makes
+one driver call.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import threading
+from typing import Any
+
+from ..artifact import Artifact
+
+_CTYPES = {"ptr": ctypes.c_uint64, "i64": ctypes.c_int64, "f32": ctypes.c_float}
+
+
+@functools.cache
+def _driver():
+    from cuda.bindings import driver
+
+    _check(driver, driver.cuInit(0)[0], "cuInit")
+    return driver
+
+
+def _check(driver, err, what: str) -> None:
+    if err != driver.CUresult.CUDA_SUCCESS:
+        name = driver.cuGetErrorName(err)[1]
+        raise RuntimeError(f"{what} failed: {name.decode() if isinstance(name, bytes) else name}")
+
+
+@functools.cache
+def _primary_context(device_index: int):
+    driver = _driver()
+    err, device = driver.cuDeviceGet(device_index)
+    _check(driver, err, f"cuDeviceGet({device_index})")
+    err, context = driver.cuDevicePrimaryCtxRetain(device)
+    _check(driver, err, f"cuDevicePrimaryCtxRetain({device_index})")
+    return context
+
+
+def device_attribute(device_index: int, name: str) -> int:
+    """A CUdevice_attribute by its short name, e.g. "MULTIPROCESSOR_COUNT"."""
+    driver = _driver()
+    attr = getattr(driver.CUdevice_attribute, f"CU_DEVICE_ATTRIBUTE_{name}")
+    err, value = driver.cuDeviceGetAttribute(attr, device_index)
+    _check(driver, err, f"cuDeviceGetAttribute({name})")
+    return value
+
+
+class Launcher:
+    """A kernel loaded on one device, with its argument storage prepared."""
+
+    def __init__(self, artifact: Artifact, device_index: int):
+        driver = _driver()
+        self.device_index = device_index
+        self.meta = artifact.meta
+        self.block = int(artifact.meta["block"])
+        self.rows_per_block = int(artifact.meta.get("rows_per_block", 1))
+        self.names = [name for name, _ in artifact.meta["signature"]]
+        context = _primary_context(device_index)
+        _check(driver, driver.cuCtxPushCurrent(context)[0], "cuCtxPushCurrent")
+        try:
+            err, self._module = driver.cuModuleLoadData(artifact.binary)
+            _check(driver, err, f"loading {artifact.entry} ({artifact.format})")
+            err, self._function = driver.cuModuleGetFunction(self._module, artifact.entry.encode())
+            _check(driver, err, f"cuModuleGetFunction({artifact.entry})")
+        finally:
+            driver.cuCtxPopCurrent()
+        kinds = [kind for _, kind in artifact.meta["signature"]]
+        self._storage = [_CTYPES[kind]() for kind in kinds]
+        self._params = (ctypes.c_void_p * len(kinds))(
+            *[ctypes.addressof(s) for s in self._storage]
+        )
+        self._params_address = ctypes.addressof(self._params)
+        self._launch = driver.cuLaunchKernel  # measured faster than ctypes on libcuda
+        self._success = driver.CUresult.CUDA_SUCCESS
+        self._lock = threading.Lock()
+
+    def __call__(self, grid: int, stream: int, *args: Any) -> None:
+        """Launch on `grid` blocks with the kernel's arguments in signature order."""
+        if len(args) != len(self._storage):
+            raise TypeError(f"kernel takes {', '.join(self.names)}; got {len(args)} arguments")
+        with self._lock:  # the storage is shared: one launch fills it at a time
+            for slot, value in zip(self._storage, args):
+                slot.value = value
+            err = self._launch(
+                self._function, grid, 1, 1, self.block, 1, 1, 0, stream, self._params_address, 0
+            )[0]
+        if err != self._success:
+            _check(_driver(), err, f"launching {self.meta['spec']['kernel']}")
+
+    def max_active_blocks_per_sm(self) -> int:
+        driver = _driver()
+        err, blocks = driver.cuOccupancyMaxActiveBlocksPerMultiprocessor(
+            self._function, self.block, 0
+        )
+        _check(driver, err, "cuOccupancyMaxActiveBlocksPerMultiprocessor")
+        return blocks

@@ -1,0 +1,60 @@
+"""GPU timing helpers shared by `kbuild demo` and bench/: CUDA events, medians, copy bandwidth.
+
+Bandwidth is bytes the kernel must move over the median time. Inputs of 128 MB and more are
+L2-cold by size (an H200's L2 is 60 MB), so no flush is needed between repetitions.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+
+def median_ms(fn: Callable[[], object], reps: int = 50, warmup_ms: float = 200.0) -> float:
+    """Median device time of one call of `fn`, CUDA events around each call.
+
+    Calls are queued back to back (no host sync between them) after a warm-up of about
+    `warmup_ms` of device work, so the GPU runs at its sustained clocks, not idle ones.
+    """
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    while time.perf_counter() - start < warmup_ms / 1e3:
+        for _ in range(10):
+            fn()
+        torch.cuda.synchronize()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for s, e in zip(starts, ends, strict=True):
+        s.record()
+        fn()
+        e.record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends, strict=True))
+
+
+def copy_gbps(nbytes: int = 1 << 30, device: str = "cuda") -> float:
+    """Device-to-device copy bandwidth (bytes read + written per second), in GB/s."""
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device).normal_()
+    dst = torch.empty_like(src)
+    ms = median_ms(lambda: dst.copy_(src))
+    return 2 * nbytes / ms / 1e6
+
+
+def gbps(nbytes: int, ms: float) -> float:
+    return nbytes / ms / 1e6
+
+
+def host_us_per_call(fn: Callable[[], object], calls: int = 2000) -> float:
+    """Host microseconds per call of a tiny launch: many calls, one synchronize."""
+    for _ in range(50):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return 1e6 * (time.perf_counter() - start) / calls
