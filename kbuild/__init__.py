@@ -7,7 +7,7 @@ Importing kbuild does not import MLIR: kernels compile on first use (or ahead of
 `kbuild warmup`) and load from the disk cache afterwards.
 """
 
-from .ops import rmsnorm
+from .ops import FusedAddRMSNormFunction, RMSNormFunction, fused_add_rmsnorm, rmsnorm
 
-__all__ = ["rmsnorm"]
+__all__ = ["FusedAddRMSNormFunction", "RMSNormFunction", "fused_add_rmsnorm", "rmsnorm"]
 __version__ = "0.1.0"

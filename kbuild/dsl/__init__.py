@@ -19,6 +19,7 @@ from .values import (
     i64,
     lanes,
     minimum,
+    rewiden,
     rsqrt,
     select,
     splat,
@@ -28,5 +29,5 @@ from .values import (
 __all__ = [
     "Kernel", "V", "atomic_add", "cast", "const", "element_bytes", "get_llvm_ptr",
     "group_sum", "hsum", "i32", "i64", "if_else", "if_then", "lanes", "load", "loop", "minimum",
-    "row_sum", "rsqrt", "select", "splat", "store", "to_f32",
+    "rewiden", "row_sum", "rsqrt", "select", "splat", "store", "to_f32",
 ]

@@ -167,10 +167,18 @@ def cast(v: V, dtype: str) -> V:
 
 
 def to_f32(v: V) -> V:
-    """Widen to fp32. bf16 widens by moving its bits into the top half of an fp32 word (exact:
-    a bf16 is a truncated fp32), not by `extf`: compilers merge two `extf` of one value into
-    a single fp32 copy, while this form lets a kernel keep a row packed two bf16 to a register
-    and widen it again where it is used, halving the registers a long row needs."""
+    return cast(v, "f32")
+
+
+def rewiden(v: V) -> V:
+    """Widen to fp32 a second time, in a form compilers do not merge with `to_f32`.
+
+    A kernel that needs a row twice (statistics, then output) would otherwise get one fp32
+    copy kept alive in between: twice the registers of the packed bf16 row. bf16 is widened
+    here by moving its bits into the top half of an fp32 word (exact: a bf16 is a truncated
+    fp32), so the raw row stays packed two to a register until its second use. Other dtypes
+    widen as usual.
+    """
     element = v.type.element_type if isinstance(v.type, ir.VectorType) else v.type
     if not isinstance(element, ir.BF16Type):
         return cast(v, "f32")

@@ -12,6 +12,10 @@ from collections.abc import Callable
 
 REGISTRY: dict[str, str] = {
     "rmsnorm_fwd": "kbuild.kernels.rmsnorm:build_rmsnorm_module",
+    "rmsnorm_bwd": "kbuild.kernels.rmsnorm_bwd:build_rmsnorm_bwd_module",
+    "fused_add_rmsnorm_fwd": "kbuild.kernels.rmsnorm:build_fused_add_rmsnorm_module",
+    "fused_add_rmsnorm_bwd": "kbuild.kernels.rmsnorm_bwd:build_fused_add_rmsnorm_bwd_module",
+    "column_sum": "kbuild.kernels.reduce:build_column_sum_module",
 }
 
 

@@ -67,17 +67,21 @@ def choose_row_config(
     vectorize: bool = True,
     max_elems: int = FORWARD_ELEMS,
     threads_per_row: int | None = None,
+    words_per_elem: float | None = None,
 ) -> RowConfig:
     """Threads, vector width and rows per block for rows of N elements of `dtype`.
 
     `max_elems` bounds the fp32 words of row data a thread keeps in registers (backward
-    kernels, which also hold dweight partials, ask for fewer). `threads_per_row` forces the
-    row's thread count (a tuning override; rows that then do not fit are chunked).
+    kernels, which also hold dweight partials, ask for fewer); `words_per_elem` is the
+    register words one row element costs (default: 0.5 for packed bf16, else 1).
+    `threads_per_row` forces the row's thread count (a tuning override; rows that then do
+    not fit are chunked).
     """
     size = ELEMENT_BYTES[dtype]
     vec = 16 // size if vectorize and N % (16 // size) == 0 else 1
     nv = -(-N // vec)
-    words_per_elem = 0.5 if dtype == "bf16" else 1.0
+    if words_per_elem is None:
+        words_per_elem = 0.5 if dtype == "bf16" else 1.0
 
     def fits(tpr: int, iters: int) -> bool:
         budget = max_elems if tpr <= MAX_THREADS // 2 else max_elems // 2

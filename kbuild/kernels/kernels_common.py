@@ -13,6 +13,7 @@ from ..dsl import (
     if_then,
     load,
     minimum,
+    rewiden,
     row_sum,
     splat,
     store,
@@ -20,6 +21,7 @@ from ..dsl import (
 )
 from ..dsl.values import scalar_type, vector_type
 from .config import RowConfig
+
 
 class RowTile:
     """One thread's place in the row grid of a kernel, and its row loads, stores and sums."""
@@ -56,6 +58,10 @@ class RowTile:
         """This thread's vectors of its row of `base`, raw (in `dtype`); zeros past N."""
         return self._load(base, self.offset, dtype, start)
 
+    def load_row(self, base: V, row: V, dtype: str, start: V | int = 0) -> list[V]:
+        """Like `load`, from row `row` of an (R, N) array (a workspace) instead of this row."""
+        return self._load(base, row * self.cfg.N, dtype, start)
+
     def load_param(self, base: V, dtype: str, start: V | int = 0) -> list[V]:
         """This thread's vectors of a length-N parameter (weight, bias), raw."""
         return self._load(base, const(0, "i64"), dtype, start)
@@ -76,16 +82,27 @@ class RowTile:
 
     def store(self, base: V, values: list[V], dtype: str, start: V | int = 0) -> None:
         """Store fp32 `values` (one per column vector) as `dtype` into this thread's row."""
+        self._store(base, self.offset, values, dtype, start, self.valid)
+
+    def store_row(self, base: V, row: V, values: list[V], dtype: str, start: V | int = 0) -> None:
+        """Store into row `row` of an (R, N) array (a workspace), whatever this row's validity."""
+        self._store(base, row * self.cfg.N, values, dtype, start, None)
+
+    def _store(self, base, offset, values, dtype, start, valid: V | None) -> None:
         for col, v in zip(self.columns(start), values, strict=True):
-            ptr = get_llvm_ptr(base, self.offset + col, dtype)
+            ptr = get_llvm_ptr(base, offset + col, dtype)
             value = cast(v, dtype)
             guard = self._guarded(col)
-            if self.valid is not None:
-                guard = self.valid if guard is None else guard & self.valid
+            if valid is not None:
+                guard = valid if guard is None else guard & valid
             if guard is None:
                 store(value, ptr)
             else:
                 if_then(guard, lambda p=ptr, v=value: store(v, p))
+
+    def load_row_scalar(self, base: V) -> V:
+        """One f32 per row (the saved rstd, mean), read by every thread of the row."""
+        return load(get_llvm_ptr(base, self.row, "f32"), "f32")
 
     def store_row_scalar(self, base: V, value: V) -> None:
         """Write one f32 per row (rstd, mean) from the row's first thread."""
@@ -103,8 +120,20 @@ class RowTile:
         )
 
 
+def wider(*dtypes: str | None) -> str:
+    """The widest of several I/O dtypes: it sets the vector width a row tile uses."""
+    from ..dtypes import ELEMENT_BYTES
+
+    return max((d for d in dtypes if d), key=lambda d: ELEMENT_BYTES[d])
+
+
 def widen(values: list[V]) -> list[V]:
     return [to_f32(v) for v in values]
+
+
+def rewiden_all(values: list[V]) -> list[V]:
+    """Widen raw row values a second time without an fp32 copy kept alive (dsl.rewiden)."""
+    return [rewiden(v) for v in values]
 
 
 def broadcast(scalar: V, like: V) -> V:

@@ -1,33 +1,87 @@
-"""The public functions: argument checks, (..., N) -> (M, N), CPU fallback, autograd."""
+"""The public functions: argument checks, CPU fallback, and the route to the kernels.
+
+Eager calls that need no gradient launch the forward kernel directly (the fewest host
+microseconds); eager training goes through the autograd Functions; under torch.compile the
+custom ops (kbuild::*) are called so the graph has no breaks. All three run the same kernels.
+"""
 
 from __future__ import annotations
 
 import torch
 
-from .common import check_eps, check_input, check_param, contiguous, device_guard
-from .rmsnorm import rmsnorm_fwd, rmsnorm_reference
+from .autograd import (
+    FusedAddRMSNormFunction,
+    RMSNormFunction,
+    fused_add_rmsnorm_fwd_op,
+    rmsnorm_fwd_op,
+)
+from .common import check_eps, check_input, check_like, check_param, contiguous, device_guard
+from .rmsnorm import fused_add_rmsnorm_fwd, rmsnorm_fwd, rmsnorm_reference
+
+
+def _needs_grad(*tensors: torch.Tensor | None) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1e-6) -> torch.Tensor:
     """RMSNorm over the last dimension: x * rsqrt(mean(x^2, -1) + eps) * weight.
 
     x: (..., N), float32/float16/bfloat16, any layout. weight: (N,) of x's dtype or float32,
-    or None. Returns x's shape and dtype; statistics are computed in fp32. CUDA tensors run the
-    kbuild kernel; CPU tensors run the plain torch reference (same math), so code using kbuild
-    runs anywhere.
+    or None. Returns x's shape and dtype; statistics in fp32. Differentiable in x and weight
+    (saved for backward: x, weight and one fp32 rstd per row; nothing when no grad is needed).
+    CUDA tensors run the kbuild kernels; CPU tensors run the plain torch reference (same
+    math), so code using kbuild runs anywhere.
     """
     check_input("x", x)
     weight = check_param("weight", weight, x)
     eps = check_eps(eps)
-    needs_grad = torch.is_grad_enabled() and (
-        x.requires_grad or (weight is not None and weight.requires_grad)
-    )
-    if needs_grad:
-        raise NotImplementedError(
-            "kbuild.rmsnorm has no backward yet: call it under torch.no_grad() or on tensors "
-            "that do not require grad"
-        )
     if not x.is_cuda:
         return rmsnorm_reference(x, weight, eps)[0]
+    x = contiguous(x)
+    needs_grad = _needs_grad(x, weight)
+    if torch.compiler.is_compiling():
+        return rmsnorm_fwd_op(x, weight, eps, needs_grad)[0]
+    if needs_grad:
+        return RMSNormFunction.apply(x, weight, eps)
     with device_guard(x):
-        return rmsnorm_fwd(contiguous(x), weight, eps, False)[0]
+        return rmsnorm_fwd(x, weight, eps, False)[0]
+
+
+def fused_add_rmsnorm(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    prenorm: bool = True,
+    residual_in_fp32: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor:
+    """residual_out = x + residual; out = rmsnorm(residual_out) * weight.
+
+    The pre-norm transformer block's "add the sublayer output to the residual stream, then
+    normalise" in one pass. x, residual: (..., N) of one dtype and device. residual_out is
+    stored in x's dtype, or fp32 with `residual_in_fp32`, and out is computed from exactly the
+    stored values. Returns (out, residual_out) when `prenorm`, else out. Gradients flow to x,
+    residual and weight; d(x) and d(residual) are the same values, computed once.
+    """
+    check_input("x", x)
+    check_like("residual", residual, x)
+    weight = check_param("weight", weight, x)
+    eps = check_eps(eps)
+    if not isinstance(prenorm, bool) or not isinstance(residual_in_fp32, bool):
+        raise TypeError("prenorm and residual_in_fp32 must be bools")
+    residual_dtype = torch.float32 if residual_in_fp32 else x.dtype
+    needs_grad = _needs_grad(x, residual, weight)
+    if not x.is_cuda or torch.compiler.is_compiling():
+        out, residual_out, _ = fused_add_rmsnorm_fwd_op(
+            x, residual, weight, eps, residual_dtype, needs_grad
+        )
+    elif needs_grad:
+        out, residual_out = FusedAddRMSNormFunction.apply(
+            contiguous(x), contiguous(residual), weight, eps, residual_dtype
+        )
+    else:
+        with device_guard(x):
+            out, residual_out, _ = fused_add_rmsnorm_fwd(
+                contiguous(x), contiguous(residual), weight, eps, residual_dtype, False
+            )
+    return (out, residual_out) if prenorm else out

@@ -1,44 +1,71 @@
-"""RMSNorm on tensors: specs, launches and the torch reference used on CPU.
+"""RMSNorm and fused add + RMSNorm on tensors: specs, launches, and the torch reference.
 
 Launch functions take contiguous (..., N) CUDA tensors, seen as (M, N) rows with
 M = numel // N (no reshapes: each costs microseconds at small shapes); the public API in
 kbuild/ops/api.py checks arguments and makes inputs contiguous before anything here runs.
+The *_spec functions are also what warmup manifests call, so a warmed cache holds exactly
+the kernels these launches ask for.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..jit import get_launcher
 from ..spec import KernelSpec
 from .common import DTYPE_NAMES, aligned, stream_of
-
-
-def _vectorize(N: int, dtype: str, is_aligned: bool) -> bool:
-    from ..dtypes import ELEMENT_BYTES
-
-    return is_aligned and N % (16 // ELEMENT_BYTES[dtype]) == 0
+from .launch import launch_persistent, launch_rows, vectorizable
 
 
 def rmsnorm_fwd_spec(
     N: int, dtype: str, weight_dtype: str | None, store_rstd: bool, eps: float, is_aligned: bool = True
 ) -> KernelSpec:
-    """The forward kernel for these parameters (warmup manifests use the same function)."""
     return KernelSpec.make(
-        "rmsnorm_fwd",
-        N=N,
-        dtype=dtype,
-        weight_dtype=weight_dtype,
-        store_rstd=store_rstd,
-        eps=float(eps),
-        vectorize=_vectorize(N, dtype, is_aligned),
+        "rmsnorm_fwd", N=N, dtype=dtype, weight_dtype=weight_dtype, store_rstd=store_rstd,
+        eps=float(eps), vectorize=vectorizable(N, (dtype,), is_aligned),
     )
+
+
+def rmsnorm_bwd_spec(
+    N: int, dtype: str, weight_dtype: str | None, compute_dw: bool, is_aligned: bool = True
+) -> KernelSpec:
+    return KernelSpec.make(
+        "rmsnorm_bwd", N=N, dtype=dtype, weight_dtype=weight_dtype,
+        compute_dw=compute_dw and weight_dtype is not None,
+        vectorize=vectorizable(N, (dtype,), is_aligned),
+    )
+
+
+def fused_add_rmsnorm_fwd_spec(
+    N: int, dtype: str, weight_dtype: str | None, residual_dtype: str, store_rstd: bool,
+    eps: float, is_aligned: bool = True,
+) -> KernelSpec:
+    return KernelSpec.make(
+        "fused_add_rmsnorm_fwd", N=N, dtype=dtype, weight_dtype=weight_dtype,
+        residual_dtype=residual_dtype, store_rstd=store_rstd, eps=float(eps),
+        vectorize=vectorizable(N, (dtype, residual_dtype), is_aligned),
+    )
+
+
+def fused_add_rmsnorm_bwd_spec(
+    N: int, dtype: str, weight_dtype: str | None, residual_dtype: str, has_dresidual_out: bool,
+    compute_dw: bool, is_aligned: bool = True,
+) -> KernelSpec:
+    return KernelSpec.make(
+        "fused_add_rmsnorm_bwd", N=N, dtype=dtype, weight_dtype=weight_dtype,
+        residual_dtype=residual_dtype, has_dresidual_out=has_dresidual_out,
+        compute_dw=compute_dw and weight_dtype is not None,
+        vectorize=vectorizable(N, (dtype, residual_dtype), is_aligned),
+    )
+
+
+def _name(t: torch.Tensor | None) -> str | None:
+    return None if t is None else DTYPE_NAMES[t.dtype]
 
 
 def rmsnorm_fwd(
     x: torch.Tensor, weight: torch.Tensor | None, eps: float, store_rstd: bool
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """y = x * rstd * weight on a contiguous CUDA tensor; rstd (M,) fp32 when `store_rstd`."""
+    """y = x * rstd * weight; rstd (M,) fp32 when `store_rstd` (for the backward pass)."""
     N = x.shape[-1]
     M = x.numel() // N if N else 0
     y = torch.empty_like(x)
@@ -46,34 +73,118 @@ def rmsnorm_fwd(
     if M == 0:
         return y, rstd
     device = x.get_device()
-    args = [x.data_ptr()]
-    if weight is not None:
-        args.append(weight.data_ptr())
-    args.append(y.data_ptr())
-    is_aligned = aligned(*args)
+    ptrs = [x.data_ptr()] + ([weight.data_ptr()] if weight is not None else []) + [y.data_ptr()]
+    is_aligned = aligned(*ptrs)
     if rstd is not None:
-        args.append(rstd.data_ptr())
-    args.append(M)
-    w_dtype = weight.dtype if weight is not None else None
-    key = ("rmsnorm_fwd", N, x.dtype, w_dtype, store_rstd, eps, is_aligned, device)
-    launcher = get_launcher(
-        key,
-        device,
-        lambda: rmsnorm_fwd_spec(
-            N, DTYPE_NAMES[x.dtype], DTYPE_NAMES.get(w_dtype), store_rstd, eps, is_aligned
-        ),
+        ptrs.append(rstd.data_ptr())
+    w_dtype = None if weight is None else weight.dtype
+    launch_rows(
+        ("rmsnorm_fwd", N, x.dtype, w_dtype, store_rstd, eps, is_aligned, device),
+        lambda: rmsnorm_fwd_spec(N, _name(x), _name(weight), store_rstd, eps, is_aligned),
+        device, stream_of(device), M, *ptrs,
     )
-    launcher(-(-M // launcher.rows_per_block), stream_of(device), *args)
     return y, rstd
+
+
+def rmsnorm_bwd(
+    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, rstd: torch.Tensor,
+    need_dw: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """dx (x's dtype) and, when `need_dw`, dw (weight's dtype) for y = rmsnorm(x) * weight."""
+    N = x.shape[-1]
+    M = x.numel() // N if N else 0
+    compute_dw = need_dw and weight is not None
+    dx = torch.empty_like(x)
+    device = x.get_device()
+    ptrs = [x.data_ptr()] + ([weight.data_ptr()] if weight is not None else [])
+    ptrs += [dy.data_ptr(), rstd.data_ptr(), dx.data_ptr()]
+    is_aligned = aligned(*ptrs)
+    w_dtype = None if weight is None else weight.dtype
+    dw = launch_persistent(
+        ("rmsnorm_bwd", N, x.dtype, w_dtype, compute_dw, is_aligned, device),
+        lambda: rmsnorm_bwd_spec(N, _name(x), _name(weight), compute_dw, is_aligned),
+        device, M, N, ptrs, weight if compute_dw else None,
+    )
+    return dx, dw
+
+
+def fused_add_rmsnorm_fwd(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None, eps: float,
+    residual_dtype: torch.dtype, store_rstd: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(y, residual_out = x + residual in `residual_dtype`, rstd or None)."""
+    N = x.shape[-1]
+    M = x.numel() // N if N else 0
+    y = torch.empty_like(x)
+    residual_out = torch.empty_like(x, dtype=residual_dtype)
+    rstd = torch.empty(M, dtype=torch.float32, device=x.device) if store_rstd else None
+    if M == 0:
+        return y, residual_out, rstd
+    device = x.get_device()
+    ptrs = [x.data_ptr(), residual.data_ptr()]
+    ptrs += ([weight.data_ptr()] if weight is not None else []) + [y.data_ptr(), residual_out.data_ptr()]
+    is_aligned = aligned(*ptrs)
+    if rstd is not None:
+        ptrs.append(rstd.data_ptr())
+    w_dtype = None if weight is None else weight.dtype
+    r_name = DTYPE_NAMES[residual_dtype]
+    launch_rows(
+        ("fused_add_rmsnorm_fwd", N, x.dtype, w_dtype, residual_dtype, store_rstd, eps, is_aligned, device),
+        lambda: fused_add_rmsnorm_fwd_spec(N, _name(x), _name(weight), r_name, store_rstd, eps, is_aligned),
+        device, stream_of(device), M, *ptrs,
+    )
+    return y, residual_out, rstd
+
+
+def fused_add_rmsnorm_bwd(
+    dy: torch.Tensor, dresidual_out: torch.Tensor | None, residual_out: torch.Tensor,
+    weight: torch.Tensor | None, rstd: torch.Tensor, need_dw: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """d(x + residual), in dy's dtype (it is both dx and dresidual), and dw when asked."""
+    N = dy.shape[-1]
+    M = dy.numel() // N if N else 0
+    compute_dw = need_dw and weight is not None
+    dx = torch.empty_like(dy)
+    device = dy.get_device()
+    ptrs = [residual_out.data_ptr()] + ([weight.data_ptr()] if weight is not None else [])
+    ptrs += [dy.data_ptr(), rstd.data_ptr()]
+    ptrs += ([dresidual_out.data_ptr()] if dresidual_out is not None else []) + [dx.data_ptr()]
+    is_aligned = aligned(*ptrs)
+    w_dtype = None if weight is None else weight.dtype
+    has_dres = dresidual_out is not None
+    key = ("fused_add_rmsnorm_bwd", N, dy.dtype, w_dtype, residual_out.dtype, has_dres, compute_dw)
+    dw = launch_persistent(
+        (*key, is_aligned, device),
+        lambda: fused_add_rmsnorm_bwd_spec(
+            N, _name(dy), _name(weight), _name(residual_out), has_dres, compute_dw, is_aligned
+        ),
+        device, M, N, ptrs, weight if compute_dw else None,
+    )
+    return dx, dw
 
 
 def rmsnorm_reference(
     x: torch.Tensor, weight: torch.Tensor | None, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Plain torch, fp32 math: what CPU tensors run, and the kernels' contract."""
+    """Plain torch, fp32 math, differentiable: what CPU tensors run, and the kernels' contract."""
     xf = x.float()
     rstd = torch.rsqrt(xf.square().mean(-1) + eps)
     y = xf * rstd.unsqueeze(-1)
     if weight is not None:
         y = y * weight.float()
     return y.to(x.dtype), rstd
+
+
+def rmsnorm_bwd_reference(
+    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, rstd: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The backward formulas of kernels/rmsnorm_bwd.py in plain torch (fp32): (dx fp32, dw)."""
+    rstd = rstd.reshape(*x.shape[:-1], 1)
+    x_hat = x.float() * rstd
+    wdy = dy.float() * (weight.float() if weight is not None else 1.0)
+    c1 = (x_hat * wdy).mean(-1, keepdim=True)
+    dx = (wdy - x_hat * c1) * rstd
+    dw = None
+    if weight is not None:
+        dw = (dy.float() * x_hat).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
+    return dx, dw

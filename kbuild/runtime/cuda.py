@@ -94,10 +94,12 @@ class Launcher:
         if err != self._success:
             _check(_driver(), err, f"launching {self.meta['spec']['kernel']}")
 
-    def max_active_blocks_per_sm(self) -> int:
+    @functools.cached_property
+    def resident_blocks(self) -> int:
+        """Blocks of this kernel the whole device runs at once: a persistent grid's size."""
         driver = _driver()
-        err, blocks = driver.cuOccupancyMaxActiveBlocksPerMultiprocessor(
+        err, per_sm = driver.cuOccupancyMaxActiveBlocksPerMultiprocessor(
             self._function, self.block, 0
         )
         _check(driver, err, "cuOccupancyMaxActiveBlocksPerMultiprocessor")
-        return blocks
+        return max(1, per_sm) * device_attribute(self.device_index, "MULTIPROCESSOR_COUNT")

@@ -1,0 +1,76 @@
+"""Launch shapes shared by the ops: one block per row group, or a persistent grid whose
+blocks each leave an fp32 partial row of the parameter gradients, summed in a fixed order."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Sequence
+
+import torch
+
+from ..dtypes import ELEMENT_BYTES
+from ..jit import get_launcher
+from ..spec import KernelSpec
+from .common import DTYPE_NAMES, stream_of
+
+
+def vectorizable(N: int, dtypes: Sequence[str], is_aligned: bool) -> bool:
+    """128-bit accesses are legal: aligned bases and rows a whole number of vectors long."""
+    widest = max(ELEMENT_BYTES[d] for d in dtypes)
+    return is_aligned and N % (16 // widest) == 0
+
+
+def launch_rows(
+    key: Hashable, make_spec: Callable[[], KernelSpec], device: int, stream: int, M: int, *ptrs
+) -> None:
+    launcher = get_launcher(key, device, make_spec)
+    launcher(-(-M // launcher.rows_per_block), stream, *ptrs, M)
+
+
+def column_sum_spec(N: int, out_dtype: str) -> KernelSpec:
+    return KernelSpec.make("column_sum", N=N, out_dtype=out_dtype)
+
+
+def column_sum(partial: torch.Tensor, out_dtype: torch.dtype, device: int, stream: int) -> torch.Tensor:
+    """Sum the rows of an fp32 (R, N) workspace in a fixed order, into an (N,) tensor."""
+    R, N = partial.shape
+    out = torch.empty(N, dtype=out_dtype, device=partial.device)
+    launcher = get_launcher(
+        ("column_sum", N, out_dtype, device), device,
+        lambda: column_sum_spec(N, DTYPE_NAMES[out_dtype]),
+    )
+    grid = -(-N // launcher.meta["columns_per_block"])
+    launcher(grid, stream, partial.data_ptr(), out.data_ptr(), R)
+    return out
+
+
+def launch_persistent(
+    key: Hashable,
+    make_spec: Callable[[], KernelSpec],
+    device: int,
+    M: int,
+    N: int,
+    ptrs: list[int],
+    *params: torch.Tensor | None,
+) -> torch.Tensor | tuple[torch.Tensor | None, ...] | None:
+    """Run a backward kernel on a persistent grid; return the gradient of each of `params`
+    (None where a param is None, i.e. not wanted).
+
+    The kernel takes `ptrs`, then one fp32 (blocks * rows_per_block, N) workspace per wanted
+    param, then M. The grid is what the device holds at once (fixed per device and kernel),
+    so the summation order, and with it every bit of the result, is the same on every run.
+    """
+    wanted = [p for p in params if p is not None]
+    if M == 0:
+        grads = [None if p is None else torch.zeros_like(p) for p in params]
+        return grads[0] if len(grads) == 1 else tuple(grads)
+    launcher = get_launcher(key, device, make_spec)
+    groups = -(-M // launcher.rows_per_block)
+    grid = min(groups, launcher.resident_blocks)
+    rows = grid * launcher.rows_per_block
+    options = dict(dtype=torch.float32, device=wanted[0].device) if wanted else {}
+    partials = [torch.empty((rows, N), **options) for _ in wanted]
+    stream = stream_of(device)
+    launcher(grid, stream, *ptrs, *(p.data_ptr() for p in partials), M)
+    sums = iter([column_sum(w, p.dtype, device, stream) for w, p in zip(partials, wanted)])
+    grads = [None if p is None else next(sums) for p in params]
+    return grads[0] if len(grads) == 1 else tuple(grads)
