@@ -8,6 +8,7 @@ at a tiny shape, and the cost of a disk-cache hit in a fresh process.
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -69,10 +70,11 @@ def host_overhead() -> dict[str, float]:
     spec = rmsnorm_fwd_spec(N, "bf16", "bf16", False, 1e-6)
     launcher = Launcher(artifact_for(spec, device_target(0)), 0)
     stream = stream_of(0)
-    out["raw_launch_us"] = host_us_per_call(
-        lambda: launcher(M, stream, x.data_ptr(), w.data_ptr(), y.data_ptr(), M)
+    args = (x.data_ptr(), w.data_ptr(), y.data_ptr(), M)
+    out["raw_launch_us"] = host_us_per_call(functools.partial(launcher, M, stream, *args))
+    print(
+        "host us/call at %s: " % (TINY_SHAPE,) + ", ".join(f"{k} {v:.2f}" for k, v in out.items())
     )
-    print("host us/call at %s: " % (TINY_SHAPE,) + ", ".join(f"{k} {v:.2f}" for k, v in out.items()))
     return {k: round(v, 2) for k, v in out.items()}
 
 
@@ -80,12 +82,15 @@ def cold_load() -> dict[str, float]:
     """Disk-cache hit + module load in a fresh process (ms), median of 5 processes."""
     disk, load = [], []
     for _ in range(5):
-        out = subprocess.run([sys.executable, "-c", COLD_LOAD], capture_output=True, text=True, check=True)
+        out = subprocess.run(
+            [sys.executable, "-c", COLD_LOAD], capture_output=True, text=True, check=True
+        )
         d, m = map(float, out.stdout.split())
         disk.append(d)
         load.append(m)
     res = {"disk_hit_ms": sorted(disk)[2], "module_load_ms": sorted(load)[2]}
-    print(f"fresh process: disk hit {res['disk_hit_ms']:.2f} ms, module load {res['module_load_ms']:.2f} ms")
+    disk_ms, load_ms = res["disk_hit_ms"], res["module_load_ms"]
+    print(f"fresh process: disk hit {disk_ms:.2f} ms, module load {load_ms:.2f} ms")
     return res
 
 

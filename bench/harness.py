@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kbuild.manifest import BENCH_ELEMENTS
 from kbuild.timing import copy_gbps, gbps, median_ms
 
 
@@ -37,7 +38,11 @@ def run_cases(cases: list[Case], copy: float) -> list[Case]:
                 case.results[name] = {"error": f"{type(err).__name__}: {err}"[:200]}
                 continue
             bw = gbps(case.nbytes, ms)
-            case.results[name] = {"ms": round(ms, 4), "gbps": round(bw, 1), "of_copy": round(bw / copy, 4)}
+            case.results[name] = {
+                "ms": round(ms, 4),
+                "gbps": round(bw, 1),
+                "of_copy": round(bw / copy, 4),
+            }
         print(format_row(case, copy), flush=True)
     return cases
 
@@ -45,15 +50,20 @@ def run_cases(cases: list[Case], copy: float) -> list[Case]:
 def format_row(case: Case, copy: float) -> str:
     cells = []
     for name, r in case.results.items():
-        cells.append(f"{name} {r['gbps']:6.0f} GB/s {r['of_copy']:6.1%}" if "gbps" in r else f"{name} error")
+        cells.append(
+            f"{name} {r['gbps']:6.0f} GB/s {r['of_copy']:6.1%}" if "gbps" in r else f"{name} error"
+        )
     return f"{case.op:<24}{str(case.shape):>16}  " + " | ".join(cells)
 
 
 def commit() -> str:
     try:
-        return subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
-        ).stdout.strip() or "unknown"
+        return (
+            subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
+            ).stdout.strip()
+            or "unknown"
+        )
     except OSError:
         return "unknown"
 
@@ -66,7 +76,8 @@ def write_results(path: str, cases: list[Case], copy: float, extra: dict | None 
         "torch": torch.__version__,
         "copy_gbps": round(copy, 1),
         "cases": [
-            {"op": c.op, "shape": list(c.shape), "bytes": c.nbytes, "results": c.results} for c in cases
+            {"op": c.op, "shape": list(c.shape), "bytes": c.nbytes, "results": c.results}
+            for c in cases
         ],
         **(extra or {}),
     }
@@ -77,6 +88,13 @@ def write_results(path: str, cases: list[Case], copy: float, extra: dict | None 
 
 
 def measure_copy() -> float:
-    copy = copy_gbps()
-    print(f"{torch.cuda.get_device_name()}: device-to-device copy {copy:.0f} GB/s", flush=True)
+    """Copy bandwidth of one 64 Mi-element bf16 tensor (128 MB read + 128 MB written): the
+    benchmark shapes' own size, so fixed launch and tail costs weigh the same on both sides.
+    A 1 GB copy is printed beside it for reference."""
+    copy = copy_gbps(BENCH_ELEMENTS * 2)
+    large = copy_gbps(1 << 30)
+    print(
+        f"{torch.cuda.get_device_name()}: copy {copy:.0f} GB/s (128 MB), {large:.0f} GB/s (1 GB)",
+        flush=True,
+    )
     return copy

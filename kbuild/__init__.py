@@ -3,11 +3,20 @@
     import kbuild
     y = kbuild.rmsnorm(x, weight, eps=1e-6)
 
-Importing kbuild does not import MLIR: kernels compile on first use (or ahead of time with
-`kbuild warmup`) and load from the disk cache afterwards.
+Importing kbuild imports neither MLIR nor torch until a torch-facing name is used: kernels
+compile on first use (or ahead of time with `kbuild warmup`) and load from the disk cache
+afterwards, and the cache and CLI work without torch.
 """
 
-from .ops import FusedAddRMSNormFunction, RMSNormFunction, fused_add_rmsnorm, rmsnorm
+from __future__ import annotations
 
-__all__ = ["FusedAddRMSNormFunction", "RMSNormFunction", "fused_add_rmsnorm", "rmsnorm"]
+import importlib
+
 __version__ = "0.1.0"
+__all__ = ["FusedAddRMSNormFunction", "RMSNormFunction", "fused_add_rmsnorm", "rmsnorm"]
+
+
+def __getattr__(name: str):
+    if name in __all__:
+        return getattr(importlib.import_module(".ops", __name__), name)
+    raise AttributeError(f"module 'kbuild' has no attribute {name!r}")

@@ -1,8 +1,8 @@
 """`kbuild` command line: warmup (ahead-of-time compile), demo (the main job), cache.
 
-    kbuild warmup --arch sm_90 --manifest tests --cache-dir .kbuild-aot
-    kbuild demo                       # compile the standard set; with a GPU also run and time it
-    kbuild cache list | path | clear
+kbuild warmup --arch sm_90 --manifest tests --cache-dir .kbuild-aot
+kbuild demo                       # compile the standard set; with a GPU also run and time it
+kbuild cache list | path | clear
 """
 
 from __future__ import annotations
@@ -54,11 +54,27 @@ def warmup(specs: list[KernelSpec], arch: str, root: str, jobs: int) -> list[tup
 
 def _specs_from(args) -> list[KernelSpec]:
     specs = [s for name in args.manifest or [] for s in manifest(name)]
-    specs += [KernelSpec.from_json(json.loads(text)) for text in args.spec or []]
+    for text in args.spec or []:
+        try:
+            specs.append(KernelSpec.from_json(json.loads(text)))
+        except (ValueError, KeyError, TypeError, AttributeError) as err:
+            raise SystemExit(
+                f"kbuild warmup: --spec is not a kernel spec ({err}): {text}"
+            ) from None
     return list(dict.fromkeys(specs))
 
 
+def _check_arch(arch: str) -> None:
+    try:
+        target = target_for_arch(arch)
+    except ValueError as err:
+        raise SystemExit(f"kbuild: --arch: {err}") from None
+    if target.vendor != "nvidia":
+        raise SystemExit(f"kbuild: --arch {arch}: AMD binaries are not produced yet (NVIDIA only)")
+
+
 def _cmd_warmup(args) -> int:
+    _check_arch(args.arch)
     specs = _specs_from(args)
     if not specs:
         print("nothing to warm: give --manifest NAME or --spec JSON", file=sys.stderr)
@@ -71,6 +87,7 @@ def _cmd_warmup(args) -> int:
 
 
 def _cmd_demo(args) -> int:
+    _check_arch(args.arch)
     root = args.cache_dir or str(default_cache_dir())
     print(f"kbuild demo: the standard kernel set for {args.arch}, cache {root}")
     warmup(manifest("standard"), args.arch, root, args.jobs)

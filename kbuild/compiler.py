@@ -42,10 +42,13 @@ def toolchain(target_vendor: str = "nvidia") -> dict[str, str]:
 
 def build(spec: KernelSpec, target: Target):
     """Run the spec's builder for `target`; returns the verified dsl.Kernel."""
+    builder = get_builder(spec.kernel)
     try:
-        kernel = get_builder(spec.kernel)(**spec.kwargs, target=target)
-    except (TypeError, ValueError) as err:
-        raise CompileError(f"cannot build {spec.short()} for {target}: {err}") from err
+        kernel = builder(**spec.kwargs, target=target)
+    except Exception as err:  # a bad parameter surfaces as whatever the builder hit first
+        raise CompileError(
+            f"cannot build {spec.short()} for {target}: {type(err).__name__}: {err}"
+        ) from err
     with kernel.context:
         if not kernel.module.operation.verify():
             raise CompileError(f"{spec.short()} produced IR that does not verify")

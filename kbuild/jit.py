@@ -19,14 +19,16 @@ from .spec import KernelSpec
 from .targets import Target, target_for_capability
 
 _loaded = MemoryCache()
+loaded = _loaded.get  # the hot path's one lookup: launcher for a key, or None
 
 
 class KernelNotCached(RuntimeError):
     """Offline, and the disk cache has no binary for this kernel."""
 
 
-def warmup_command(spec: KernelSpec, target: Target) -> str:
-    return f"kbuild warmup --arch {target.arch} --spec '{spec.canonical_json()}'"
+def warmup_command(spec: KernelSpec, target: Target, cache_dir: str | None = None) -> str:
+    where = f" --cache-dir {cache_dir}" if cache_dir else ""
+    return f"kbuild warmup --arch {target.arch}{where} --spec '{spec.canonical_json()}'"
 
 
 def artifact_for(spec: KernelSpec, target: Target, cache: DiskCache | None = None) -> Artifact:
@@ -39,7 +41,7 @@ def artifact_for(spec: KernelSpec, target: Target, cache: DiskCache | None = Non
             raise KernelNotCached(
                 f"kernel {spec.short()} for {target.arch} is not in the cache at {cache.root} "
                 f"and compiling is off (KBUILD_OFFLINE=1 or no MLIR installed). Warm it on a "
-                f"machine with the compiler: {warmup_command(spec, target)}"
+                f"machine with the compiler: {warmup_command(spec, target, str(cache.root))}"
             )
         return artifact
     from .compiler import compile_kernel, toolchain

@@ -22,43 +22,92 @@ TINY_SHAPE = (4, 4096)  # host-overhead benchmark
 STANDARD_N = (1024, 4096, 8192)
 
 
+TRAIN_N, TRAIN_DTYPE = 768, "f32"  # the small model trained eager vs torch.compile
+
+
 def weight_dtypes(dtype: str) -> tuple[str | None, ...]:
     """Weights the tests cover for inputs of `dtype`: same dtype, fp32, none."""
     return (dtype, "f32", None) if dtype != "f32" else ("f32", None)
 
 
-def _rmsnorm_tests() -> Iterator[KernelSpec]:
+def residual_dtypes(dtype: str) -> tuple[str, ...]:
+    """residual_out dtypes the fused tests cover: x's dtype, and fp32 (residual_in_fp32)."""
+    return (dtype, "f32") if dtype != "f32" else ("f32",)
+
+
+def _rmsnorm_family(N: int, dtype: str, w: str | None, bench: bool = False) -> Iterator[KernelSpec]:
+    """Every kernel one RMSNorm training step (and its inference call) launches."""
+    from .ops.launch import column_sum_spec
+    from .ops.rmsnorm import rmsnorm_bwd_spec, rmsnorm_fwd_spec
+
+    yield rmsnorm_fwd_spec(N, dtype, w, False, 1e-6)
+    yield rmsnorm_fwd_spec(N, dtype, w, True, 1e-6)
+    yield rmsnorm_bwd_spec(N, dtype, w, True)
+    if w is not None:
+        yield column_sum_spec(N, w)
+        if not bench:
+            yield rmsnorm_bwd_spec(N, dtype, w, False)  # frozen weight
+
+
+def _fused_family(N: int, dtype: str, w: str | None, residual: str) -> Iterator[KernelSpec]:
+    from .ops.launch import column_sum_spec
+    from .ops.rmsnorm import fused_add_rmsnorm_bwd_spec, fused_add_rmsnorm_fwd_spec
+
+    for store_rstd in (False, True):
+        yield fused_add_rmsnorm_fwd_spec(N, dtype, w, residual, store_rstd, 1e-6)
+    for has_dres in (False, True):
+        yield fused_add_rmsnorm_bwd_spec(N, dtype, w, residual, has_dres, True)
+    if w is not None:
+        yield column_sum_spec(N, w)
+
+
+def _tests() -> Iterator[KernelSpec]:
     from .ops.rmsnorm import rmsnorm_fwd_spec
 
     for N in TEST_N:
         for dtype in DTYPES:
             for w in weight_dtypes(dtype):
-                for store_rstd in (False, True):
-                    yield rmsnorm_fwd_spec(N, dtype, w, store_rstd, 1e-6)
+                yield from _rmsnorm_family(N, dtype, w)
+                for residual in residual_dtypes(dtype):
+                    yield from _fused_family(N, dtype, w, residual)
     yield rmsnorm_fwd_spec(4096, "f32", "f32", False, 1e-2)
     yield rmsnorm_fwd_spec(4096, "bf16", "bf16", False, 1e-6, is_aligned=False)
 
 
-def _rmsnorm_bench() -> Iterator[KernelSpec]:
-    from .ops.rmsnorm import rmsnorm_fwd_spec
-
+def _bench() -> Iterator[KernelSpec]:
     for N in BENCH_N:
-        yield rmsnorm_fwd_spec(N, BENCH_DTYPE, BENCH_DTYPE, False, 1e-6)
-    yield rmsnorm_fwd_spec(TINY_SHAPE[1], BENCH_DTYPE, BENCH_DTYPE, False, 1e-6)
+        yield from _rmsnorm_family(N, BENCH_DTYPE, BENCH_DTYPE, bench=True)
+        yield from _fused_family(N, BENCH_DTYPE, BENCH_DTYPE, BENCH_DTYPE)
+    yield from _rmsnorm_family(TINY_SHAPE[1], BENCH_DTYPE, BENCH_DTYPE, bench=True)
+
+
+def _tune() -> Iterator[KernelSpec]:
+    """Launch-shape variants for bench/tune.py (threads_per_row None = the chooser's pick)."""
+    for N in BENCH_N:
+        for tpr in (None, 256, 512, 1024):
+            extra = {} if tpr is None else {"threads_per_row": tpr}
+            yield KernelSpec.make(
+                "rmsnorm_bwd",
+                N=N,
+                dtype="bf16",
+                weight_dtype="bf16",
+                compute_dw=True,
+                vectorize=True,
+                **extra,
+            )
 
 
 def _standard() -> Iterator[KernelSpec]:
-    from .ops.rmsnorm import rmsnorm_fwd_spec
-
     for N in STANDARD_N:
-        yield rmsnorm_fwd_spec(N, "bf16", "bf16", False, 1e-6)
-        yield rmsnorm_fwd_spec(N, "bf16", "bf16", True, 1e-6)
+        yield from _rmsnorm_family(N, "bf16", "bf16", bench=True)
+        yield from _fused_family(N, "bf16", "bf16", "bf16")
 
 
 MANIFESTS: dict[str, Callable[[], Iterator[KernelSpec]]] = {
     "standard": _standard,
-    "tests": _rmsnorm_tests,
-    "bench": _rmsnorm_bench,
+    "tests": _tests,
+    "bench": _bench,
+    "tune": _tune,
 }
 
 

@@ -66,5 +66,7 @@ class KernelSpec:
 
     def short(self) -> str:
         """A one-line human label, e.g. `rmsnorm_fwd(N=4096, dtype=bf16, ...)`."""
-        args = ", ".join(f"{k}={v!r}" if isinstance(v, float) else f"{k}={v}" for k, v in self.params)
+        args = ", ".join(
+            f"{k}={v!r}" if isinstance(v, float) else f"{k}={v}" for k, v in self.params
+        )
         return f"{self.kernel}({args})"

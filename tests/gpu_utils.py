@@ -27,10 +27,16 @@ def poison_allocator(numel: int, dtype: torch.dtype, count: int = 4) -> None:
     The next allocations of this size get memory holding NaN, so an element a kernel forgets
     to write shows up as NaN instead of a stale plausible value.
     """
-    blocks = [torch.full((max(numel, 1),), float("nan"), dtype=dtype, device="cuda") for _ in range(count)]
+    blocks = [
+        torch.full((max(numel, 1),), float("nan"), dtype=dtype, device="cuda") for _ in range(count)
+    ]
     del blocks
 
 
 def rand(shape, dtype: torch.dtype, seed: int, scale: float = 1.0) -> torch.Tensor:
     g = torch.Generator(device="cuda").manual_seed(seed)
     return (torch.randn(shape, generator=g, device="cuda", dtype=torch.float32) * scale).to(dtype)
+
+
+# Relative error (by norm) allowed for gradients: fp32 math, one rounding to the I/O dtype.
+GRAD_TOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}

@@ -22,3 +22,37 @@ def rmsnorm_ref(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> tor
     if weight is not None:
         y = y * weight.double()
     return y.to(x.dtype)
+
+
+def rmsnorm_grads(x, weight, dy, eps, residual=None, dresidual_out=None):
+    """fp64 autograd through rmsnorm_ref (of x + residual for the fused form).
+
+    Returns (y, dx, dw, residual_out): dx is the gradient w.r.t. x (equal to the residual's
+    in the fused form), dw None without a weight.
+    """
+    xd = x.detach().double().requires_grad_()
+    wd = weight.detach().double().requires_grad_() if weight is not None else None
+    added = xd if residual is None else xd + residual.detach().double()
+    y = added * torch.rsqrt(added.square().mean(-1, keepdim=True) + eps)
+    if wd is not None:
+        y = y * wd
+    loss = (y * dy.double()).sum()
+    if dresidual_out is not None:
+        loss = loss + (added * dresidual_out.double()).sum()
+    grads = torch.autograd.grad(loss, [t for t in (xd, wd) if t is not None])
+    return y.detach(), grads[0], (grads[1] if wd is not None else None), added.detach()
+
+
+def assert_close_rel(out, ref, tol: float, what: str = "") -> None:
+    """Relative error by norm and by max, against the reference's scale (METHOD.md)."""
+    assert out.shape == ref.shape, what
+    if ref.numel() == 0:
+        return
+    out, ref = out.double(), ref.double()
+    assert torch.isfinite(out).all(), f"{what}: non-finite values"
+    scale = ref.abs().max().clamp_min(1e-30)
+    norm_err = (out - ref).norm() / ref.norm().clamp_min(1e-30)
+    max_err = (out - ref).abs().max() / scale
+    assert norm_err <= tol and max_err <= 4 * tol, (
+        f"{what}: norm err {norm_err:.2e}, max err {max_err:.2e}"
+    )

@@ -11,8 +11,8 @@ import torch
 
 import kbuild
 
-from .gpu_utils import FWD_TOL
-from .reference import rmsnorm_ref
+from .gpu_utils import FWD_TOL, GRAD_TOL
+from .reference import assert_close_rel, rmsnorm_grads, rmsnorm_ref
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -135,14 +135,31 @@ def test_bad_eps(eps, error):
         kbuild.rmsnorm(X, eps=eps)
 
 
-# TODO(backward): kbuild.rmsnorm has no backward yet, so any tensor that needs grad is refused.
-# Replace these two tests with gradient checks against the reference when backward lands.
-@pytest.mark.parametrize("which", ["x", "weight"])
-def test_requires_grad_raises_until_backward_lands(which):
-    x, weight = torch.randn(3, 16), torch.randn(16)
-    (x if which == "x" else weight).requires_grad_()
-    with pytest.raises(NotImplementedError, match=r"backward(.|\n)*no_grad"):
-        kbuild.rmsnorm(x, weight)
+# Backward landed (commit 1bffe63): on CPU the torch reference is differentiated by autograd.
+@pytest.mark.parametrize("weight_kind", ["same", "f32", None], ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_cpu_gradients_match_fp64_reference(dtype, weight_kind):
+    x = _input((3, 5, 16), dtype, False).requires_grad_()
+    weight = _weight(weight_kind, 16, dtype)
+    if weight is not None:
+        weight.requires_grad_()
+    dy = torch.randn(x.shape, generator=torch.Generator().manual_seed(2)).to(dtype)
+    kbuild.rmsnorm(x, weight, eps=1e-6).backward(dy)
+    _, dx, dw, _ = rmsnorm_grads(x, weight, dy, 1e-6)
+    assert x.grad.dtype == dtype
+    assert_close_rel(x.grad, dx, GRAD_TOL[dtype], "dx")
+    if weight is not None:
+        assert weight.grad.dtype == weight.dtype
+        assert_close_rel(weight.grad, dw, GRAD_TOL[weight.dtype], "dweight")
+
+
+def test_cpu_gradient_of_weight_alone():
+    x, weight = _input((4, 16), torch.float32, False), _weight("f32", 16, torch.float32)
+    weight.requires_grad_()
+    dy = torch.ones(4, 16)
+    kbuild.rmsnorm(x, weight).backward(dy)
+    assert x.grad is None
+    assert_close_rel(weight.grad, rmsnorm_grads(x, weight, dy, 1e-6)[2], 1e-5, "dweight")
 
 
 def test_requires_grad_is_fine_under_no_grad():

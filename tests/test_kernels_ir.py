@@ -92,13 +92,13 @@ def test_unaligned_spec_turns_vectorizing_off():
 
 
 def _amd_specs() -> list[KernelSpec]:
-    """The standard set, plus one tests-manifest spec per (N, dtype, vectorize) row config and
-    every spec there with a non-default eps or alignment."""
+    """The standard set, plus each tests-manifest spec that brings a kernel a parameter value
+    not yet covered (every N, dtype, weight dtype and flag of every kernel appears once)."""
     picked, seen = list(manifest("standard")), set()
     for spec in manifest("tests"):
-        shape = (spec["N"], spec["dtype"], spec["vectorize"])
-        if shape not in seen or spec["eps"] != 1e-6:
-            seen.add(shape)
+        features = {(spec.kernel, name, value) for name, value in spec.params}
+        if not features <= seen:
+            seen |= features
             picked.append(spec)
     return list(dict.fromkeys(picked))
 
@@ -111,20 +111,29 @@ def test_lowers_through_rocdl_for_gfx942(spec):
     assert "gpu.func" not in text  # the kernel became an llvm.func
 
 
-def test_amd_subset_covers_every_row_config():
-    specs = _amd_specs()
+def test_amd_subset_covers_every_parameter_value():
+    specs, tests = _amd_specs(), manifest("tests")
+
+    def values(specs: list[KernelSpec]) -> set[tuple]:
+        return {(s.kernel, name, value) for s in specs for name, value in s.params}
+
     assert set(manifest("standard")) <= set(specs)
-    assert {s["N"] for s in specs} >= {s["N"] for s in manifest("tests")}
-    assert any(not s["vectorize"] for s in specs)
+    assert values(specs) >= values(tests)
+    assert ("rmsnorm_fwd", "vectorize", False) in values(specs)
+    assert len(specs) < len(tests) // 4
 
 
 @pytest.mark.parametrize("target", [SM90, GFX942], ids=str)
 def test_reduction_is_sized_by_the_targets_warp(target):
-    # 4096 bf16: 128 threads per row, one f32 slot per warp (4 on NVIDIA, 2 on CDNA).
-    kernel = compiler.build(BF16_4096, target)
-    assert kernel.block == 128
-    assert kernel.shared_bytes == 4 * kernel.block // target.warp_size
+    # Rows wider than a warp reduce through shared memory, one f32 slot per warp per row:
+    # for 4096 bf16 (128 threads a row) that is 4 slots on NVIDIA and 2 on CDNA.
     assert target.warp_size == (64 if target.vendor == "amd" else 32)
+    cfg = choose_row_config(4096, "bf16", target.warp_size)
+    assert cfg.threads_per_row > target.warp_size
+    kernel = compiler.build(BF16_4096, target)
+    assert kernel.block == cfg.block
+    warps = cfg.threads_per_row // target.warp_size
+    assert kernel.shared_bytes == 4 * cfg.rows_per_block * warps
 
 
 def test_lowered_nvidia_text_has_no_rocdl():
@@ -144,7 +153,7 @@ def test_aligned_bf16_uses_128_bit_loads_and_stores():
     assert len(re.findall(r"\bst\.global\.v4\.b32\b", ptx)) == iters
     assert not re.search(r"\bld\.global(?:\.nc)?\.[bu]16\b", ptx), "scalar 16-bit loads of x"
     assert not re.search(r"\bst\.global\.[bu]16\b", ptx)
-    assert ".maxntid 128, 1, 1" in ptx
+    assert f".maxntid {choose_row_config(4096, 'bf16', 32).block}, 1, 1" in ptx
 
 
 def test_unaligned_bf16_uses_no_vector_accesses():
@@ -180,9 +189,10 @@ def test_compile_kernel_gives_a_spill_free_cubin(spec, arch):
 def test_compile_meta_records_launch_facts_and_timings():
     meta = cubin_of(BF16_4096, "sm_90").meta
     kernel = compiler.build(BF16_4096, SM90)
-    assert meta["block"] == kernel.block == 128
+    cfg = choose_row_config(4096, "bf16", SM90.warp_size)
+    assert meta["block"] == kernel.block == cfg.block
     assert meta["shared_bytes"] == kernel.shared_bytes
-    assert meta["rows_per_block"] == 1
+    assert meta["rows_per_block"] == cfg.rows_per_block
     signature = [("x", "ptr"), ("weight", "ptr"), ("y", "ptr"), ("M", "i64")]
     assert [tuple(a) for a in meta["signature"]] == signature
     times = meta["compile_ms"]

@@ -68,9 +68,13 @@ def test_unaligned_and_strided_inputs() -> None:
     x = base[1:].view(9, N)  # 2 bytes past a 16-byte boundary: the scalar kernel
     assert x.data_ptr() % 16 != 0
     w = _weight(N, "bf16", seed=8)
-    torch.testing.assert_close(kbuild.rmsnorm(x, w), rmsnorm_ref(x, w, 1e-6), **FWD_TOL[torch.bfloat16])
+    torch.testing.assert_close(
+        kbuild.rmsnorm(x, w), rmsnorm_ref(x, w, 1e-6), **FWD_TOL[torch.bfloat16]
+    )
     xt = rand((N, 6), torch.bfloat16, seed=9).t()  # non-contiguous (6, N)
-    torch.testing.assert_close(kbuild.rmsnorm(xt, w), rmsnorm_ref(xt, w, 1e-6), **FWD_TOL[torch.bfloat16])
+    torch.testing.assert_close(
+        kbuild.rmsnorm(xt, w), rmsnorm_ref(xt, w, 1e-6), **FWD_TOL[torch.bfloat16]
+    )
     x3 = rand((2, 3, N), torch.bfloat16, seed=10)
     assert kbuild.rmsnorm(x3, w).shape == (2, 3, N)
 

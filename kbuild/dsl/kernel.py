@@ -28,8 +28,11 @@ def global_ptr_type() -> ir.Type:
 
 
 class Kernel:
-    def __init__(self, name: str, target: Target, block: int):
+    def __init__(self, name: str, target: Target, block: int, min_blocks_per_sm: int | None = None):
+        """`min_blocks_per_sm` asks the backend to fit that many blocks on a multiprocessor
+        (on NVIDIA, `.minnctapersm`: registers are capped to make room)."""
         self.name = name
+        self.min_blocks_per_sm = min_blocks_per_sm
         self.target = target
         self.block = block
         self.args: list[tuple[str, str]] = []  # (name, "ptr" | "i64" | "f32")
@@ -66,6 +69,9 @@ class Kernel:
                 kernel=True,
                 known_block_size=[self.block, 1, 1],
             )
+            hint = self.target.occupancy_attribute(self.min_blocks_per_sm)
+            if hint is not None:
+                self._fn.attributes[hint[0]] = ir.Attribute.parse(hint[1])
             self._entry = self._fn.body.blocks.append()
         self._ip = ir.InsertionPoint(self._entry)
         self._ip.__enter__()
@@ -122,7 +128,7 @@ class Kernel:
         self._n_shared += 1
         elem = scalar_type(dtype)
         text = (
-            f'llvm.mlir.global internal @{name}() {{addr_space = 3 : i32, alignment = 16 : i64}}'
+            f"llvm.mlir.global internal @{name}() {{addr_space = 3 : i32, alignment = 16 : i64}}"
             f" : !llvm.array<{count} x {elem}>"
         )
         op = ir.Operation.parse(text)

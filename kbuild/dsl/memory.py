@@ -23,7 +23,11 @@ def get_llvm_ptr(base: V, offset: V | int, dtype: str) -> V:
     elif offset.type != scalar_type("i64"):
         offset = cast(offset, "i64")
     gep = llvm.GEPOp(
-        base.type, base.value, [offset.value], [_DYNAMIC], scalar_type(dtype),
+        base.type,
+        base.value,
+        [offset.value],
+        [_DYNAMIC],
+        scalar_type(dtype),
         llvm.GEPNoWrapFlags.none,
     )
     return V(gep.result)

@@ -23,5 +23,7 @@ def get_builder(kernel: str) -> Callable:
     try:
         module, function = REGISTRY[kernel].split(":")
     except KeyError:
-        raise ValueError(f"unknown kernel {kernel!r}; known: {', '.join(sorted(REGISTRY))}") from None
+        raise ValueError(
+            f"unknown kernel {kernel!r}; known: {', '.join(sorted(REGISTRY))}"
+        ) from None
     return getattr(importlib.import_module(module), function)

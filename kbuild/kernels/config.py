@@ -26,6 +26,9 @@ FORWARD_ELEMS = 64
 # Vectors per thread, in order of preference: 4 keeps several 16-byte loads in flight per
 # thread without crowding the register file.
 _ITERS_PREFERENCE = (4, 3, 5, 2, 6, 8, 7, 1, 16, 12, 10, 9, 11, 13, 14, 15)
+# Backward kernels hold more per element (x, dy, w and a dw partial): the fewest vectors per
+# thread that 1024 threads allow keeps them near 48 registers and the SM full of warps.
+FEWEST_ITERS_FIRST = tuple(range(1, 17))
 CHUNK_ITERS = 4
 
 
@@ -68,6 +71,7 @@ def choose_row_config(
     max_elems: int = FORWARD_ELEMS,
     threads_per_row: int | None = None,
     words_per_elem: float | None = None,
+    iters_preference: tuple[int, ...] = _ITERS_PREFERENCE,
 ) -> RowConfig:
     """Threads, vector width and rows per block for rows of N elements of `dtype`.
 
@@ -75,7 +79,7 @@ def choose_row_config(
     kernels, which also hold dweight partials, ask for fewer); `words_per_elem` is the
     register words one row element costs (default: 0.5 for packed bf16, else 1).
     `threads_per_row` forces the row's thread count (a tuning override; rows that then do
-    not fit are chunked).
+    not fit are chunked). `iters_preference` orders the vectors-per-thread counts tried.
     """
     size = ELEMENT_BYTES[dtype]
     vec = 16 // size if vectorize and N % (16 // size) == 0 else 1
@@ -96,7 +100,7 @@ def choose_row_config(
         return _pack(N, vec, threads_per_row, CHUNK_ITERS, True)
 
     # Exact fits first: a whole number of warps, each thread the same number of vectors.
-    for iters in _ITERS_PREFERENCE:
+    for iters in iters_preference:
         if nv % iters == 0:
             tpr = nv // iters
             if tpr % warp_size == 0 and fits(tpr, iters):
@@ -114,5 +118,3 @@ def choose_row_config(
 def _pack(N: int, vec: int, tpr: int, iters: int, chunked: bool) -> RowConfig:
     rows = max(1, MIN_BLOCK // tpr)
     return RowConfig(N, vec, tpr, rows, iters, chunked)
-
-

@@ -76,7 +76,9 @@ class RowTile:
             else:
                 zero = vector_type(dtype, self.cfg.vec) if self.cfg.vec > 1 else scalar_type(dtype)
                 out.append(
-                    if_else(guard, lambda p=ptr: load(p, dtype, self.cfg.vec), lambda: const(0, zero))
+                    if_else(
+                        guard, lambda p=ptr: load(p, dtype, self.cfg.vec), lambda: const(0, zero)
+                    )
                 )
         return out
 

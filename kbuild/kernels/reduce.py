@@ -15,8 +15,8 @@ from ..dsl import Kernel, V, const, get_llvm_ptr, if_else, if_then, load, loop, 
 from ..dsl.values import cast, vector_type
 from ..targets import Target
 
-COLUMN_VECTORS = 32  # vectors of columns per block
-ROW_LANES = 8  # threads that split the rows of one column vector
+COLUMN_VECTORS = 8  # vectors of columns per block
+ROW_LANES = 32  # threads that split the rows of one column vector: R is ~1000, N can be small
 UNROLL = 4  # independent loads in flight per thread
 
 
@@ -34,7 +34,11 @@ def build_column_sum_module(N: int, out_dtype: str, target: Target) -> Kernel:
 
         def row_value(r: V) -> V:
             ok = (r < rows) & in_range
-            return if_else(ok, lambda: load(get_llvm_ptr(partial, r * N + col, "f32"), "f32", vec), lambda: zero)
+            return if_else(
+                ok,
+                lambda: load(get_llvm_ptr(partial, r * N + col, "f32"), "f32", vec),
+                lambda: zero,
+            )
 
         def step(r0: V, acc: list[V]) -> list[V]:
             values = [row_value(r0 + u * ROW_LANES) for u in range(UNROLL)]

@@ -69,8 +69,17 @@ def _build(
 ) -> Kernel:
     fused = residual_dtype is not None
     row_dtype = residual_dtype if fused else dtype  # what the statistics are taken over
+    # Register words per row element at the peak: the row (packed when bf16; the fused form
+    # has x and residual in flight) plus the weight, whose loads the compiler issues together.
+    row_words = 1.0 if fused or row_dtype != "bf16" else 0.5
+    weight_words = {None: 0.0, "f32": 1.0}.get(weight_dtype, 0.5)
     cfg = choose_row_config(
-        N, wider(dtype, row_dtype), target.warp_size, vectorize, threads_per_row=threads_per_row
+        N,
+        wider(dtype, row_dtype),
+        target.warp_size,
+        vectorize,
+        threads_per_row=threads_per_row,
+        words_per_elem=row_words + weight_words,
     )
     with Kernel("fused_add_rmsnorm_fwd" if fused else "rmsnorm_fwd", target, cfg.block) as k:
         x_ptr = k.ptr("x")

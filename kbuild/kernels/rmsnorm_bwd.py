@@ -25,7 +25,7 @@ from __future__ import annotations
 from ..dsl import Kernel, V, const, hsum, loop, select
 from ..dsl.values import vector_type
 from ..targets import Target
-from .config import choose_row_config
+from .config import FEWEST_ITERS_FIRST, choose_row_config
 from .kernels_common import RowTile, rewiden_all, widen, wider
 
 # fp32 words of row data a thread may hold at <= 512 threads: x, dy and w packed, plus the
@@ -46,7 +46,9 @@ def build_rmsnorm_bwd_module(
 
     Launch arguments: x, [weight], dy, rstd, dx, [dw_partial], M. Grid: persistent.
     """
-    return _build(N, dtype, dtype, weight_dtype, False, compute_dw, target, vectorize, threads_per_row)
+    return _build(
+        N, dtype, dtype, weight_dtype, False, compute_dw, target, vectorize, threads_per_row
+    )
 
 
 def build_fused_add_rmsnorm_bwd_module(
@@ -66,8 +68,15 @@ def build_fused_add_rmsnorm_bwd_module(
     dx (of `dtype`) is both dx and dresidual.
     """
     return _build(
-        N, dtype, residual_dtype, weight_dtype, has_dresidual_out, compute_dw, target,
-        vectorize, threads_per_row,
+        N,
+        dtype,
+        residual_dtype,
+        weight_dtype,
+        has_dresidual_out,
+        compute_dw,
+        target,
+        vectorize,
+        threads_per_row,
     )
 
 
@@ -76,11 +85,22 @@ def _build(
 ) -> Kernel:
     io = wider(dtype, x_dtype)
     cfg = choose_row_config(
-        N, io, target.warp_size, vectorize, BACKWARD_ELEMS, threads_per_row,
-        words_per_elem=(3.0 if io == "f32" else 2.5) if compute_dw else (3.0 if io == "f32" else 1.5),
+        N,
+        io,
+        target.warp_size,
+        vectorize,
+        BACKWARD_ELEMS,
+        threads_per_row,
+        words_per_elem=(3.0 if io == "f32" else 2.0)
+        if compute_dw
+        else (3.0 if io == "f32" else 1.5),
+        iters_preference=FEWEST_ITERS_FIRST,
     )
     name = "fused_add_rmsnorm_bwd" if has_dres or x_dtype != dtype else "rmsnorm_bwd"
-    with Kernel(name, target, cfg.block) as k:
+    # Exact register-resident rows: ask for >= 1024 resident threads per SM (64 registers
+    # each), enough loads in flight. Predicated and chunked rows would spill under that cap.
+    min_blocks = max(1, 1024 // cfg.block) if cfg.exact else None
+    with Kernel(name, target, cfg.block, min_blocks_per_sm=min_blocks) as k:
         x_ptr = k.ptr("x")
         w_ptr = k.ptr("weight") if weight_dtype else None
         dy_ptr, rstd_ptr = k.ptr("dy"), k.ptr("rstd")
@@ -93,14 +113,19 @@ def _build(
         groups = (rows + (cfg.rows_per_block - 1)) / cfg.rows_per_block
         zero_vec = const(0.0, vector_type("f32", cfg.vec) if cfg.vec > 1 else "f32")
 
-        def row_terms(t: RowTile, rstd: V, w_raw, start: V | int = 0):
-            """x_hat and dy*w of one (chunk of a) row, fp32, plus dy raw."""
-            dy = t.load(dy_ptr, dtype, start)
-            x_hat = [v * rstd for v in widen(t.load(x_ptr, x_dtype, start))]
-            if w_ptr is None:
-                return x_hat, widen(dy), dy
-            w = w_raw if w_raw is not None else t.load_param(w_ptr, weight_dtype, start)
-            return x_hat, [d * wv for d, wv in zip(widen(dy), widen(w), strict=True)], dy
+        def loads(t: RowTile, start: V | int = 0):
+            """Raw x, dy and w of one (chunk of a) row."""
+            w = None if w_ptr is None else t.load_param(w_ptr, weight_dtype, start)
+            return t.load(x_ptr, x_dtype, start), t.load(dy_ptr, dtype, start), w
+
+        def terms(x, dy, w, rstd, widen_fn):
+            """x_hat and dy * w in fp32. Called twice per row (before and after the row sum)
+            with different widenings, so only the packed raw row stays live across the sum."""
+            x_hat = [v * rstd for v in widen_fn(x)]
+            wdy = widen_fn(dy)
+            if w is not None:
+                wdy = [d * wv for d, wv in zip(wdy, widen_fn(w), strict=True)]
+            return x_hat, wdy
 
         def dot(x_hat: list[V], wdy: list[V]) -> V:
             total = const(0.0)
@@ -124,16 +149,18 @@ def _build(
             return t, select(t.valid, t.load_row_scalar(rstd_ptr), 0.0)
 
         if not cfg.chunked:
-            w_raw = home.load_param(w_ptr, weight_dtype) if w_ptr is not None else None
+            # w is read again for every row (from L1): held across the loop, the compiler
+            # hoists its fp32 widening out of it and the block loses half its occupancy.
 
             def body(g: V, acc: list[V]) -> list[V]:
                 t, rstd = row_stats(g)
-                x_hat, wdy, dy_raw = row_terms(t, rstd, w_raw)
-                (total,) = t.sum(dot(x_hat, wdy), reused=True)
+                x, dy, w = loads(t)
+                (total,) = t.sum(dot(*terms(x, dy, w, rstd, widen)), reused=True)
+                x_hat, wdy = terms(x, dy, w, rstd, rewiden_all)
                 write_dx(t, x_hat, wdy, total * (1.0 / N), rstd)
                 if partial_ptr is None:
                     return acc
-                return [a + d for a, d in zip(acc, dw_terms(dy_raw, x_hat), strict=True)]
+                return [a + d for a, d in zip(acc, dw_terms(dy, x_hat), strict=True)]
 
             init = [zero_vec] * cfg.iters if partial_ptr is not None else []
             acc = loop(k.block_id(), groups, k.grid_size(), init, body)
@@ -146,25 +173,28 @@ def _build(
                 loop(zero, chunks, one, [], lambda c, _: fn(c * cfg.span) or [])
 
             if partial_ptr is not None:
-                chunked(lambda s: home.store_row(partial_ptr, slot, [zero_vec] * cfg.iters, "f32", s))
+                chunked(
+                    lambda s: home.store_row(partial_ptr, slot, [zero_vec] * cfg.iters, "f32", s)
+                )
 
             def body(g: V, _: list[V]) -> list[V]:
                 t, rstd = row_stats(g)
 
                 def accumulate(c: V, acc: list[V]) -> list[V]:
-                    x_hat, wdy, _ = row_terms(t, rstd, None, c * cfg.span)
-                    return [acc[0] + dot(x_hat, wdy)]
+                    x, dy, w = loads(t, c * cfg.span)
+                    return [acc[0] + dot(*terms(x, dy, w, rstd, widen))]
 
                 (partial,) = loop(zero, chunks, one, [const(0.0)], accumulate)
                 (total,) = t.sum(partial, reused=True)
                 c1 = total * (1.0 / N)
 
                 def finish(start: V) -> None:
-                    x_hat, wdy, dy_raw = row_terms(t, rstd, None, start)
+                    x, dy, w = loads(t, start)
+                    x_hat, wdy = terms(x, dy, w, rstd, widen)
                     write_dx(t, x_hat, wdy, c1, rstd, start)
                     if partial_ptr is not None:
                         old = t.load_row(partial_ptr, slot, "f32", start)
-                        new = [a + d for a, d in zip(old, dw_terms(dy_raw, x_hat), strict=True)]
+                        new = [a + d for a, d in zip(old, dw_terms(dy, x_hat), strict=True)]
                         t.store_row(partial_ptr, slot, new, "f32", start)
 
                 chunked(finish)

@@ -38,7 +38,9 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1e
     if not x.is_cuda:
         return rmsnorm_reference(x, weight, eps)[0]
     x = contiguous(x)
-    needs_grad = _needs_grad(x, weight)
+    needs_grad = torch.is_grad_enabled() and (
+        x.requires_grad or (weight is not None and weight.requires_grad)
+    )
     if torch.compiler.is_compiling():
         return rmsnorm_fwd_op(x, weight, eps, needs_grad)[0]
     if needs_grad:

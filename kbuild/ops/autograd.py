@@ -87,7 +87,11 @@ class FusedAddRMSNormFunction(torch.autograd.Function):
     def backward(ctx, dy, dresidual_out):
         if dy is None:
             dy = torch.zeros_like(ctx.saved_tensors[0], dtype=ctx.out_dtype)
-        return (*_fused_backward(ctx.saved_tensors, ctx.needs_input_grad, dy, dresidual_out), None, None)
+        return (
+            *_fused_backward(ctx.saved_tensors, ctx.needs_input_grad, dy, dresidual_out),
+            None,
+            None,
+        )
 
 
 # ----------------------------------------------------------------------------- custom ops
@@ -114,8 +118,12 @@ def _(x, weight, eps, store_rstd):
 
 @torch.library.custom_op("kbuild::rmsnorm_bwd", mutates_args=())
 def rmsnorm_bwd_op(
-    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, rstd: torch.Tensor,
-    need_dx: bool, need_dw: bool,
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    rstd: torch.Tensor,
+    need_dx: bool,
+    need_dw: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx, dw); dw is empty unless `need_dw` and a weight is given."""
     dx, dw = _rmsnorm_backward((x, weight, rstd), (need_dx, need_dw), dy)
@@ -145,8 +153,12 @@ rmsnorm_fwd_op.register_autograd(_rmsnorm_op_backward, setup_context=_rmsnorm_se
 
 @torch.library.custom_op("kbuild::fused_add_rmsnorm_fwd", mutates_args=())
 def fused_add_rmsnorm_fwd_op(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None, eps: float,
-    residual_dtype: torch.dtype, store_rstd: bool,
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor | None,
+    eps: float,
+    residual_dtype: torch.dtype,
+    store_rstd: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(y, residual_out, rstd); rstd empty unless `store_rstd`."""
     if not x.is_cuda:
@@ -170,8 +182,12 @@ def _(x, residual, weight, eps, residual_dtype, store_rstd):
 
 @torch.library.custom_op("kbuild::fused_add_rmsnorm_bwd", mutates_args=())
 def fused_add_rmsnorm_bwd_op(
-    dy: torch.Tensor, dresidual_out: torch.Tensor | None, residual_out: torch.Tensor,
-    weight: torch.Tensor | None, rstd: torch.Tensor, need_dw: bool,
+    dy: torch.Tensor,
+    dresidual_out: torch.Tensor | None,
+    residual_out: torch.Tensor,
+    weight: torch.Tensor | None,
+    rstd: torch.Tensor,
+    need_dw: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(d(x + residual), dw); dw empty unless `need_dw` and a weight is given."""
     saved = (residual_out, weight, rstd)

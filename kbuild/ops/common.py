@@ -25,7 +25,9 @@ def check_like(name: str, t: object, x: torch.Tensor, x_name: str = "x") -> torc
     """`t` must match `x` in shape, dtype and device (residual, dy, ...)."""
     check_input(name, t)
     if t.shape != x.shape:
-        raise ValueError(f"{name} must have the shape of {x_name} {tuple(x.shape)}; got {tuple(t.shape)}")
+        raise ValueError(
+            f"{name} must have the shape of {x_name} {tuple(x.shape)}; got {tuple(t.shape)}"
+        )
     if t.dtype != x.dtype:
         raise TypeError(f"{name} must have the dtype of {x_name} ({x.dtype}); got {t.dtype}")
     if t.device != x.device:
@@ -41,7 +43,9 @@ def check_param(name: str, p: object, x: torch.Tensor) -> torch.Tensor | None:
         raise TypeError(f"{name} must be a torch.Tensor or None, got {type(p).__name__}")
     n = x.shape[-1]
     if p.shape != (n,):
-        raise ValueError(f"{name} must have shape ({n},) to match x's last dimension; got {tuple(p.shape)}")
+        raise ValueError(
+            f"{name} must have shape ({n},) to match x's last dimension; got {tuple(p.shape)}"
+        )
     if p.dtype is not x.dtype and p.dtype is not torch.float32:
         raise TypeError(f"{name} must have x's dtype ({x.dtype}) or torch.float32; got {p.dtype}")
     if p.device != x.device:
@@ -50,6 +54,8 @@ def check_param(name: str, p: object, x: torch.Tensor) -> torch.Tensor | None:
 
 
 def check_eps(eps: object) -> float:
+    if eps.__class__ is float and 0.0 <= eps < math.inf:  # the common case, checked cheaply
+        return eps
     if isinstance(eps, bool) or not isinstance(eps, (int, float)):
         raise TypeError(f"eps must be a float, got {type(eps).__name__}")
     eps = float(eps)
@@ -67,7 +73,7 @@ _NO_GUARD = contextlib.nullcontext()
 
 def device_guard(t: torch.Tensor):
     """`torch.cuda.device(t.device)` when that is not already current (entering costs ~2 us)."""
-    if t.get_device() == torch.cuda.current_device():
+    if t.get_device() == torch._C._cuda_getDevice():  # CUDA is initialised: x lives there
         return _NO_GUARD
     return torch.cuda.device(t.device)
 

@@ -30,12 +30,15 @@ def column_sum_spec(N: int, out_dtype: str) -> KernelSpec:
     return KernelSpec.make("column_sum", N=N, out_dtype=out_dtype)
 
 
-def column_sum(partial: torch.Tensor, out_dtype: torch.dtype, device: int, stream: int) -> torch.Tensor:
+def column_sum(
+    partial: torch.Tensor, out_dtype: torch.dtype, device: int, stream: int
+) -> torch.Tensor:
     """Sum the rows of an fp32 (R, N) workspace in a fixed order, into an (N,) tensor."""
     R, N = partial.shape
     out = torch.empty(N, dtype=out_dtype, device=partial.device)
     launcher = get_launcher(
-        ("column_sum", N, out_dtype, device), device,
+        ("column_sum", N, out_dtype, device),
+        device,
         lambda: column_sum_spec(N, DTYPE_NAMES[out_dtype]),
     )
     grid = -(-N // launcher.meta["columns_per_block"])

@@ -11,17 +11,28 @@ from __future__ import annotations
 
 import torch
 
+from ..jit import get_launcher, loaded
 from ..spec import KernelSpec
 from .common import DTYPE_NAMES, aligned, stream_of
 from .launch import launch_persistent, launch_rows, vectorizable
 
 
 def rmsnorm_fwd_spec(
-    N: int, dtype: str, weight_dtype: str | None, store_rstd: bool, eps: float, is_aligned: bool = True
+    N: int,
+    dtype: str,
+    weight_dtype: str | None,
+    store_rstd: bool,
+    eps: float,
+    is_aligned: bool = True,
 ) -> KernelSpec:
     return KernelSpec.make(
-        "rmsnorm_fwd", N=N, dtype=dtype, weight_dtype=weight_dtype, store_rstd=store_rstd,
-        eps=float(eps), vectorize=vectorizable(N, (dtype,), is_aligned),
+        "rmsnorm_fwd",
+        N=N,
+        dtype=dtype,
+        weight_dtype=weight_dtype,
+        store_rstd=store_rstd,
+        eps=float(eps),
+        vectorize=vectorizable(N, (dtype,), is_aligned),
     )
 
 
@@ -29,30 +40,52 @@ def rmsnorm_bwd_spec(
     N: int, dtype: str, weight_dtype: str | None, compute_dw: bool, is_aligned: bool = True
 ) -> KernelSpec:
     return KernelSpec.make(
-        "rmsnorm_bwd", N=N, dtype=dtype, weight_dtype=weight_dtype,
+        "rmsnorm_bwd",
+        N=N,
+        dtype=dtype,
+        weight_dtype=weight_dtype,
         compute_dw=compute_dw and weight_dtype is not None,
         vectorize=vectorizable(N, (dtype,), is_aligned),
     )
 
 
 def fused_add_rmsnorm_fwd_spec(
-    N: int, dtype: str, weight_dtype: str | None, residual_dtype: str, store_rstd: bool,
-    eps: float, is_aligned: bool = True,
+    N: int,
+    dtype: str,
+    weight_dtype: str | None,
+    residual_dtype: str,
+    store_rstd: bool,
+    eps: float,
+    is_aligned: bool = True,
 ) -> KernelSpec:
     return KernelSpec.make(
-        "fused_add_rmsnorm_fwd", N=N, dtype=dtype, weight_dtype=weight_dtype,
-        residual_dtype=residual_dtype, store_rstd=store_rstd, eps=float(eps),
+        "fused_add_rmsnorm_fwd",
+        N=N,
+        dtype=dtype,
+        weight_dtype=weight_dtype,
+        residual_dtype=residual_dtype,
+        store_rstd=store_rstd,
+        eps=float(eps),
         vectorize=vectorizable(N, (dtype, residual_dtype), is_aligned),
     )
 
 
 def fused_add_rmsnorm_bwd_spec(
-    N: int, dtype: str, weight_dtype: str | None, residual_dtype: str, has_dresidual_out: bool,
-    compute_dw: bool, is_aligned: bool = True,
+    N: int,
+    dtype: str,
+    weight_dtype: str | None,
+    residual_dtype: str,
+    has_dresidual_out: bool,
+    compute_dw: bool,
+    is_aligned: bool = True,
 ) -> KernelSpec:
     return KernelSpec.make(
-        "fused_add_rmsnorm_bwd", N=N, dtype=dtype, weight_dtype=weight_dtype,
-        residual_dtype=residual_dtype, has_dresidual_out=has_dresidual_out,
+        "fused_add_rmsnorm_bwd",
+        N=N,
+        dtype=dtype,
+        weight_dtype=weight_dtype,
+        residual_dtype=residual_dtype,
+        has_dresidual_out=has_dresidual_out,
         compute_dw=compute_dw and weight_dtype is not None,
         vectorize=vectorizable(N, (dtype, residual_dtype), is_aligned),
     )
@@ -65,7 +98,11 @@ def _name(t: torch.Tensor | None) -> str | None:
 def rmsnorm_fwd(
     x: torch.Tensor, weight: torch.Tensor | None, eps: float, store_rstd: bool
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """y = x * rstd * weight; rstd (M,) fp32 when `store_rstd` (for the backward pass)."""
+    """y = x * rstd * weight; rstd (M,) fp32 when `store_rstd` (for the backward pass).
+
+    The one launch path where host microseconds show (inference at small shapes), so it is
+    written flat: one dict lookup for the loaded kernel, no closures or lists on a hit.
+    """
     N = x.shape[-1]
     M = x.numel() // N if N else 0
     y = torch.empty_like(x)
@@ -73,21 +110,36 @@ def rmsnorm_fwd(
     if M == 0:
         return y, rstd
     device = x.get_device()
-    ptrs = [x.data_ptr()] + ([weight.data_ptr()] if weight is not None else []) + [y.data_ptr()]
-    is_aligned = aligned(*ptrs)
-    if rstd is not None:
-        ptrs.append(rstd.data_ptr())
+    xp, yp = x.data_ptr(), y.data_ptr()
+    wp = 0 if weight is None else weight.data_ptr()
+    is_aligned = not (xp | yp | wp) & 15
     w_dtype = None if weight is None else weight.dtype
-    launch_rows(
-        ("rmsnorm_fwd", N, x.dtype, w_dtype, store_rstd, eps, is_aligned, device),
-        lambda: rmsnorm_fwd_spec(N, _name(x), _name(weight), store_rstd, eps, is_aligned),
-        device, stream_of(device), M, *ptrs,
-    )
+    key = ("rmsnorm_fwd", N, x.dtype, w_dtype, store_rstd, eps, is_aligned, device)
+    launcher = loaded(key)
+    if launcher is None:
+        launcher = get_launcher(
+            key,
+            device,
+            lambda: rmsnorm_fwd_spec(N, _name(x), _name(weight), store_rstd, eps, is_aligned),
+        )
+    grid = -(-M // launcher.rows_per_block)
+    stream = stream_of(device)
+    if weight is None and rstd is None:
+        launcher(grid, stream, xp, yp, M)
+    elif rstd is None:
+        launcher(grid, stream, xp, wp, yp, M)
+    elif weight is None:
+        launcher(grid, stream, xp, yp, rstd.data_ptr(), M)
+    else:
+        launcher(grid, stream, xp, wp, yp, rstd.data_ptr(), M)
     return y, rstd
 
 
 def rmsnorm_bwd(
-    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, rstd: torch.Tensor,
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    rstd: torch.Tensor,
     need_dw: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """dx (x's dtype) and, when `need_dw`, dw (weight's dtype) for y = rmsnorm(x) * weight."""
@@ -103,14 +155,22 @@ def rmsnorm_bwd(
     dw = launch_persistent(
         ("rmsnorm_bwd", N, x.dtype, w_dtype, compute_dw, is_aligned, device),
         lambda: rmsnorm_bwd_spec(N, _name(x), _name(weight), compute_dw, is_aligned),
-        device, M, N, ptrs, weight if compute_dw else None,
+        device,
+        M,
+        N,
+        ptrs,
+        weight if compute_dw else None,
     )
     return dx, dw
 
 
 def fused_add_rmsnorm_fwd(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None, eps: float,
-    residual_dtype: torch.dtype, store_rstd: bool,
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor | None,
+    eps: float,
+    residual_dtype: torch.dtype,
+    store_rstd: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(y, residual_out = x + residual in `residual_dtype`, rstd or None)."""
     N = x.shape[-1]
@@ -122,23 +182,45 @@ def fused_add_rmsnorm_fwd(
         return y, residual_out, rstd
     device = x.get_device()
     ptrs = [x.data_ptr(), residual.data_ptr()]
-    ptrs += ([weight.data_ptr()] if weight is not None else []) + [y.data_ptr(), residual_out.data_ptr()]
+    ptrs += ([weight.data_ptr()] if weight is not None else []) + [
+        y.data_ptr(),
+        residual_out.data_ptr(),
+    ]
     is_aligned = aligned(*ptrs)
     if rstd is not None:
         ptrs.append(rstd.data_ptr())
     w_dtype = None if weight is None else weight.dtype
     r_name = DTYPE_NAMES[residual_dtype]
     launch_rows(
-        ("fused_add_rmsnorm_fwd", N, x.dtype, w_dtype, residual_dtype, store_rstd, eps, is_aligned, device),
-        lambda: fused_add_rmsnorm_fwd_spec(N, _name(x), _name(weight), r_name, store_rstd, eps, is_aligned),
-        device, stream_of(device), M, *ptrs,
+        (
+            "fused_add_rmsnorm_fwd",
+            N,
+            x.dtype,
+            w_dtype,
+            residual_dtype,
+            store_rstd,
+            eps,
+            is_aligned,
+            device,
+        ),
+        lambda: fused_add_rmsnorm_fwd_spec(
+            N, _name(x), _name(weight), r_name, store_rstd, eps, is_aligned
+        ),
+        device,
+        stream_of(device),
+        M,
+        *ptrs,
     )
     return y, residual_out, rstd
 
 
 def fused_add_rmsnorm_bwd(
-    dy: torch.Tensor, dresidual_out: torch.Tensor | None, residual_out: torch.Tensor,
-    weight: torch.Tensor | None, rstd: torch.Tensor, need_dw: bool,
+    dy: torch.Tensor,
+    dresidual_out: torch.Tensor | None,
+    residual_out: torch.Tensor,
+    weight: torch.Tensor | None,
+    rstd: torch.Tensor,
+    need_dw: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """d(x + residual), in dy's dtype (it is both dx and dresidual), and dw when asked."""
     N = dy.shape[-1]
@@ -158,7 +240,11 @@ def fused_add_rmsnorm_bwd(
         lambda: fused_add_rmsnorm_bwd_spec(
             N, _name(dy), _name(weight), _name(residual_out), has_dres, compute_dw, is_aligned
         ),
-        device, M, N, ptrs, weight if compute_dw else None,
+        device,
+        M,
+        N,
+        ptrs,
+        weight if compute_dw else None,
     )
     return dx, dw
 

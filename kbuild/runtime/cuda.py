@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import struct
 import threading
 from typing import Any
 
 from ..artifact import Artifact
 
-_CTYPES = {"ptr": ctypes.c_uint64, "i64": ctypes.c_int64, "f32": ctypes.c_float}
+# Every argument gets an 8-byte slot; one struct.pack_into fills them all per launch.
+_FORMATS = {"ptr": "Q", "i64": "q", "f32": "f4x"}
 
 
 @functools.cache
@@ -72,9 +74,12 @@ class Launcher:
         finally:
             driver.cuCtxPopCurrent()
         kinds = [kind for _, kind in artifact.meta["signature"]]
-        self._storage = [_CTYPES[kind]() for kind in kinds]
-        self._params = (ctypes.c_void_p * len(kinds))(
-            *[ctypes.addressof(s) for s in self._storage]
+        self._nargs = len(kinds)
+        self._pack = struct.Struct("<" + "".join(_FORMATS[k] for k in kinds)).pack_into
+        self._storage = ctypes.create_string_buffer(8 * max(1, len(kinds)))
+        base = ctypes.addressof(self._storage)
+        self._params = (ctypes.c_void_p * max(1, len(kinds)))(
+            *[base + 8 * i for i in range(len(kinds))]
         )
         self._params_address = ctypes.addressof(self._params)
         self._launch = driver.cuLaunchKernel  # measured faster than ctypes on libcuda
@@ -83,11 +88,10 @@ class Launcher:
 
     def __call__(self, grid: int, stream: int, *args: Any) -> None:
         """Launch on `grid` blocks with the kernel's arguments in signature order."""
-        if len(args) != len(self._storage):
+        if len(args) != self._nargs:
             raise TypeError(f"kernel takes {', '.join(self.names)}; got {len(args)} arguments")
         with self._lock:  # the storage is shared: one launch fills it at a time
-            for slot, value in zip(self._storage, args):
-                slot.value = value
+            self._pack(self._storage, 0, *args)
             err = self._launch(
                 self._function, grid, 1, 1, self.block, 1, 1, 0, stream, self._params_address, 0
             )[0]

@@ -58,6 +58,12 @@ class Target:
             return f'#nvvm.target<chip = "{self.arch}", features = "{self.features}", O = 3>'
         return f'#rocdl.target<chip = "{self.arch}", O = 3>'
 
+    def occupancy_attribute(self, min_blocks_per_sm: int | None) -> tuple[str, str] | None:
+        """The kernel attribute asking for `min_blocks_per_sm` resident blocks, if any."""
+        if min_blocks_per_sm is None or self.vendor != "nvidia":
+            return None  # AMD: the compiler's own occupancy heuristics
+        return "nvvm.minctasm", f"{int(min_blocks_per_sm)} : i32"
+
     def key_fields(self) -> dict[str, str | int]:
         return {
             "vendor": self.vendor,

@@ -1,0 +1,83 @@
+"""RMSNorm backward and fused add + RMSNorm forward/backward: kbuild vs torch eager vs
+torch.compile, bf16, M*N = 64 Mi, copy bandwidth measured in the same run.
+
+    KBUILD_CACHE_DIR=.kbuild-aot KBUILD_OFFLINE=1 python bench/bench_rmsnorm_bwd.py [out.json]
+
+Bytes (what must move): rmsnorm backward reads x, dy and writes dx; fused forward reads x,
+residual and writes residual_out, out; fused backward reads dy, d(residual_out),
+residual_out and writes dx (dresidual is the same tensor). The weight gradient's traffic is
+not counted (it is part of our cost, not of the budget). Backward times are of
+torch.autograd.grad over the same graph for every implementation.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import kbuild  # noqa: E402
+from bench.harness import Case, measure_copy, run_cases, write_results  # noqa: E402
+from kbuild.manifest import BENCH_ELEMENTS, BENCH_N  # noqa: E402
+
+
+def torch_fused(x, residual, w, eps):
+    added = x + residual
+    return F.rms_norm(added, (x.shape[-1],), w, eps), added
+
+
+def _grad_fn(fn, args, inputs, grads):
+    """Time only the backward: the graph of fn(*args) built once, replayed (retain_graph)."""
+    outputs = fn(*args)
+    outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+    return lambda: torch.autograd.grad(outputs, inputs, grads[: len(outputs)], retain_graph=True)
+
+
+def cases() -> list[Case]:
+    # Replaying one compiled backward needs retain_graph, which donated buffers forbid.
+    torch._functorch.config.donated_buffer = False
+    compiled_rms = torch.compile(F.rms_norm)
+    compiled_fused = torch.compile(torch_fused)
+    out = []
+    for N in BENCH_N:
+        M = BENCH_ELEMENTS // N
+        x = torch.randn(M, N, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        r = torch.randn(M, N, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        w = torch.randn(N, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        dy = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
+        dres = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
+        elem = x.numel() * 2
+        bwd = {
+            "kbuild": _grad_fn(kbuild.rmsnorm, (x, w), [x, w], [dy]),
+            "eager": _grad_fn(F.rms_norm, (x, (N,), w, 1e-6), [x, w], [dy]),
+            "compile": _grad_fn(compiled_rms, (x, (N,), w, 1e-6), [x, w], [dy]),
+        }
+        out.append(Case("rmsnorm_bwd", (M, N), 3 * elem, bwd))
+        xi, ri, wi = x.detach(), r.detach(), w.detach()  # inference: nothing saved
+        fwd = {
+            "kbuild": lambda xi=xi, ri=ri, wi=wi: kbuild.fused_add_rmsnorm(xi, ri, wi),
+            "eager": lambda xi=xi, ri=ri, wi=wi: torch_fused(xi, ri, wi, 1e-6),
+            "compile": lambda xi=xi, ri=ri, wi=wi: compiled_fused(xi, ri, wi, 1e-6),
+        }
+        out.append(Case("fused_add_rmsnorm_fwd", (M, N), 4 * elem, fwd))
+        fbwd = {
+            "kbuild": _grad_fn(kbuild.fused_add_rmsnorm, (x, r, w), [x, r, w], [dy, dres]),
+            "eager": _grad_fn(torch_fused, (x, r, w, 1e-6), [x, r, w], [dy, dres]),
+            "compile": _grad_fn(compiled_fused, (x, r, w, 1e-6), [x, r, w], [dy, dres]),
+        }
+        out.append(Case("fused_add_rmsnorm_bwd", (M, N), 4 * elem, fbwd))
+    return out
+
+
+def main() -> None:
+    path = sys.argv[1] if len(sys.argv) > 1 else "bench/results/rmsnorm_bwd.json"
+    copy = measure_copy()
+    write_results(path, run_cases(cases(), copy), copy)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,148 @@
+"""RMSNorm and fused add + RMSNorm training on the GPU: gradients against fp64 autograd,
+bitwise-deterministic dw, and a model trained under torch.compile(fullgraph=True)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kbuild
+from kbuild.manifest import (
+    DTYPES,
+    TEST_M,
+    TEST_N,
+    TRAIN_DTYPE,
+    TRAIN_N,
+    residual_dtypes,
+    weight_dtypes,
+)
+
+from .gpu_utils import GRAD_TOL, TORCH_DTYPES, poison_allocator, rand
+from .reference import assert_close_rel, rmsnorm_grads
+
+pytestmark = pytest.mark.gpu
+
+
+def _weight(N, w_dtype, seed):
+    if w_dtype is None:
+        return None
+    return (1.0 + rand((N,), TORCH_DTYPES[w_dtype], seed, scale=0.5)).requires_grad_()
+
+
+@pytest.mark.parametrize("N", TEST_N)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rmsnorm_backward(N: int, dtype: str) -> None:
+    tdtype = TORCH_DTYPES[dtype]
+    for M in TEST_M:
+        for w_dtype in weight_dtypes(dtype):
+            x = rand((M, N), tdtype, seed=N + M).requires_grad_()
+            w = _weight(N, w_dtype, seed=N)
+            dy = rand((M, N), tdtype, seed=N + M + 1)
+            poison_allocator(M * N, tdtype)
+            y = kbuild.rmsnorm(x, w, 1e-6)
+            grads = torch.autograd.grad(y, [t for t in (x, w) if t is not None], dy)
+            ref_y, ref_dx, ref_dw, _ = rmsnorm_grads(x.detach(), w, dy, 1e-6)
+            what = f"M={M} N={N} {dtype} w={w_dtype}"
+            assert grads[0].dtype == tdtype
+            assert_close_rel(grads[0], ref_dx, GRAD_TOL[tdtype], "dx " + what)
+            if w is not None:
+                assert grads[1].dtype == w.dtype
+                assert_close_rel(
+                    grads[1], ref_dw, GRAD_TOL[w.dtype] + GRAD_TOL[tdtype], "dw " + what
+                )
+
+
+def test_frozen_weight_and_input_grads_respected() -> None:
+    x = rand((64, 4096), torch.bfloat16, seed=1).requires_grad_()
+    w = 1.0 + rand((4096,), torch.bfloat16, seed=2)  # no grad: no dw work
+    dy = rand((64, 4096), torch.bfloat16, seed=3)
+    (dx,) = torch.autograd.grad(kbuild.rmsnorm(x, w), [x], dy)
+    assert_close_rel(dx, rmsnorm_grads(x.detach(), w, dy, 1e-6)[1], GRAD_TOL[torch.bfloat16])
+    w.requires_grad_()
+    x2 = x.detach()  # only the weight needs a gradient
+    (dw,) = torch.autograd.grad(kbuild.rmsnorm(x2, w), [w], dy)
+    assert_close_rel(dw, rmsnorm_grads(x2, w, dy, 1e-6)[2], 2 * GRAD_TOL[torch.bfloat16])
+
+
+@pytest.mark.parametrize("N", TEST_N)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_add_rmsnorm(N: int, dtype: str) -> None:
+    tdtype = TORCH_DTYPES[dtype]
+    for M in TEST_M:
+        for w_dtype in (dtype, "f32"):
+            for residual_dtype in residual_dtypes(dtype):
+                for with_dres in (False, True):
+                    x = rand((M, N), tdtype, seed=N + M).requires_grad_()
+                    r = rand((M, N), tdtype, seed=N + M + 7).requires_grad_()
+                    w = _weight(N, w_dtype, seed=N)
+                    fp32 = residual_dtype == "f32"
+                    out, res = kbuild.fused_add_rmsnorm(x, r, w, 1e-6, residual_in_fp32=fp32)
+                    assert res.dtype == TORCH_DTYPES[residual_dtype] and out.dtype == tdtype
+                    dy = rand((M, N), tdtype, seed=N + 2)
+                    dres = rand((M, N), res.dtype, seed=N + 3) if with_dres else None
+                    outputs, grads_in = ([out, res], [dy, dres]) if with_dres else ([out], [dy])
+                    dx, dr, dw = torch.autograd.grad(outputs, [x, r, w], grads_in)
+                    # The reference normalises the stored residual_out, as the kernel must.
+                    res_ref = (x.detach().double() + r.detach().double()).to(res.dtype)
+                    torch.testing.assert_close(res, res_ref, rtol=0, atol=0)
+                    ref_y, ref_d, ref_dw, _ = rmsnorm_grads(
+                        res_ref, w, dy, 1e-6, dresidual_out=dres
+                    )
+                    what = f"M={M} N={N} {dtype} w={w_dtype} res={residual_dtype} dres={with_dres}"
+                    tol = GRAD_TOL[tdtype]
+                    assert_close_rel(out, ref_y.to(tdtype), tol, "out " + what)
+                    assert_close_rel(dx, ref_d, tol, "dx " + what)
+                    assert torch.equal(dx, dr), "dx and dresidual must be the same values"
+                    assert_close_rel(dw, ref_dw, GRAD_TOL[w.dtype] + tol, "dw " + what)
+
+
+@pytest.mark.parametrize("N", (1000, 4096, 65536))
+def test_dw_bitwise_deterministic(N: int) -> None:
+    x = rand((4096, N // 16 if N == 65536 else N), torch.bfloat16, seed=4)
+    N = x.shape[1]
+    w = _weight(N, "bf16", seed=5)
+    dy = rand(x.shape, torch.bfloat16, seed=6)
+    runs = [torch.autograd.grad(kbuild.rmsnorm(x, w), [w], dy)[0] for _ in range(3)]
+    assert all(torch.equal(runs[0], r) for r in runs[1:])
+    r = rand(x.shape, torch.bfloat16, seed=7)
+    fused = [
+        torch.autograd.grad(kbuild.fused_add_rmsnorm(x, r, w)[0], [w], dy)[0] for _ in range(3)
+    ]
+    assert all(torch.equal(fused[0], f) for f in fused[1:])
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, n: int):
+        super().__init__()
+        self.norm1 = torch.nn.Parameter(torch.ones(n))
+        self.norm2 = torch.nn.Parameter(torch.ones(n))
+        self.fc1 = torch.nn.Linear(n, n)
+        self.fc2 = torch.nn.Linear(n, n)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc1(kbuild.rmsnorm(x, self.norm1))
+        normed, residual = kbuild.fused_add_rmsnorm(h, x, self.norm2)
+        return (self.fc2(normed) + residual).square().mean()
+
+
+def test_compiled_training_matches_eager() -> None:
+    torch.manual_seed(0)
+    dtype = TORCH_DTYPES[TRAIN_DTYPE]
+    eager = _Block(TRAIN_N).cuda().to(dtype)
+    compiled_model = _Block(TRAIN_N).cuda().to(dtype)
+    compiled_model.load_state_dict(eager.state_dict())
+    step = torch.compile(compiled_model, fullgraph=True, dynamic=True)
+    opt_e = torch.optim.SGD(eager.parameters(), lr=1e-2)
+    opt_c = torch.optim.SGD(compiled_model.parameters(), lr=1e-2)
+    for i, batch in enumerate((16, 16, 24, 40)):  # dynamic M: no recompile per batch size
+        x = rand((batch, TRAIN_N), dtype, seed=100 + i)
+        for model, fn, opt in ((eager, eager, opt_e), (compiled_model, step, opt_c)):
+            opt.zero_grad()
+            loss = fn(x)
+            loss.backward()
+            opt.step()
+            if model is eager:
+                eager_loss = loss.item()
+        torch.testing.assert_close(loss.item(), eager_loss, rtol=1e-5, atol=1e-6)
+    for (name, a), b in zip(eager.named_parameters(), compiled_model.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
