@@ -30,7 +30,7 @@ def torch_fused(x, residual, w, eps):
     return F.rms_norm(added, (x.shape[-1],), w, eps), added
 
 
-def _grad_fn(fn, args, inputs, grads):
+def grad_fn(fn, args, inputs, grads):
     """Time only the backward: the graph of fn(*args) built once, replayed (retain_graph)."""
     outputs = fn(*args)
     outputs = outputs if isinstance(outputs, tuple) else (outputs,)
@@ -39,6 +39,8 @@ def _grad_fn(fn, args, inputs, grads):
 
 def cases() -> list[Case]:
     # Replaying one compiled backward needs retain_graph, which donated buffers forbid.
+    import torch._functorch.config
+
     torch._functorch.config.donated_buffer = False
     compiled_rms = torch.compile(F.rms_norm)
     compiled_fused = torch.compile(torch_fused)
@@ -52,9 +54,9 @@ def cases() -> list[Case]:
         dres = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
         elem = x.numel() * 2
         bwd = {
-            "kbuild": _grad_fn(kbuild.rmsnorm, (x, w), [x, w], [dy]),
-            "eager": _grad_fn(F.rms_norm, (x, (N,), w, 1e-6), [x, w], [dy]),
-            "compile": _grad_fn(compiled_rms, (x, (N,), w, 1e-6), [x, w], [dy]),
+            "kbuild": grad_fn(kbuild.rmsnorm, (x, w), [x, w], [dy]),
+            "eager": grad_fn(F.rms_norm, (x, (N,), w, 1e-6), [x, w], [dy]),
+            "compile": grad_fn(compiled_rms, (x, (N,), w, 1e-6), [x, w], [dy]),
         }
         out.append(Case("rmsnorm_bwd", (M, N), 3 * elem, bwd))
         xi, ri, wi = x.detach(), r.detach(), w.detach()  # inference: nothing saved
@@ -65,9 +67,9 @@ def cases() -> list[Case]:
         }
         out.append(Case("fused_add_rmsnorm_fwd", (M, N), 4 * elem, fwd))
         fbwd = {
-            "kbuild": _grad_fn(kbuild.fused_add_rmsnorm, (x, r, w), [x, r, w], [dy, dres]),
-            "eager": _grad_fn(torch_fused, (x, r, w, 1e-6), [x, r, w], [dy, dres]),
-            "compile": _grad_fn(compiled_fused, (x, r, w, 1e-6), [x, r, w], [dy, dres]),
+            "kbuild": grad_fn(kbuild.fused_add_rmsnorm, (x, r, w), [x, r, w], [dy, dres]),
+            "eager": grad_fn(torch_fused, (x, r, w, 1e-6), [x, r, w], [dy, dres]),
+            "compile": grad_fn(compiled_fused, (x, r, w, 1e-6), [x, r, w], [dy, dres]),
         }
         out.append(Case("fused_add_rmsnorm_bwd", (M, N), 4 * elem, fbwd))
     return out
@@ -76,7 +78,7 @@ def cases() -> list[Case]:
 def main() -> None:
     path = sys.argv[1] if len(sys.argv) > 1 else "bench/results/rmsnorm_bwd.json"
     copy = measure_copy()
-    write_results(path, run_cases(cases(), copy), copy)
+    write_results(path, run_cases(cases(), copy, device_time=True), copy)
 
 
 if __name__ == "__main__":

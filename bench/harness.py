@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kbuild.manifest import BENCH_ELEMENTS
-from kbuild.timing import copy_gbps, gbps, median_ms
+from kbuild.timing import copy_gbps, device_ms, gbps, median_ms
 
 
 @dataclass
@@ -29,11 +29,15 @@ class Case:
     results: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
-def run_cases(cases: list[Case], copy: float) -> list[Case]:
+def run_cases(cases: list[Case], copy: float, device_time: bool = False) -> list[Case]:
+    """Time every implementation of every case. `device_time`: sum the kernels' GPU time
+    (profiler) instead of events around the call, for calls bound by host time (backward
+    passes replayed through the autograd engine); both numbers are recorded then."""
     for case in cases:
         for name, fn in case.impls.items():
             try:
-                ms = median_ms(fn)
+                wall = median_ms(fn)
+                ms = device_ms(fn) if device_time else wall
             except Exception as err:  # a peer failing (torch.compile) must not hide our numbers
                 case.results[name] = {"error": f"{type(err).__name__}: {err}"[:200]}
                 continue
@@ -42,6 +46,8 @@ def run_cases(cases: list[Case], copy: float) -> list[Case]:
                 "ms": round(ms, 4),
                 "gbps": round(bw, 1),
                 "of_copy": round(bw / copy, 4),
+                "event_ms": round(wall, 4),
+                "timing": "device (profiler)" if device_time else "events",
             }
         print(format_row(case, copy), flush=True)
     return cases

@@ -13,10 +13,21 @@ from __future__ import annotations
 import importlib
 
 __version__ = "0.1.0"
-__all__ = ["FusedAddRMSNormFunction", "RMSNormFunction", "fused_add_rmsnorm", "rmsnorm"]
+__all__ = [
+    "FusedAddRMSNormFunction",
+    "LayerNormFunction",
+    "RMSNormFunction",
+    "fused_add_rmsnorm",
+    "layernorm",
+    "nn",
+    "rmsnorm",
+]
 
 
 def __getattr__(name: str):
     if name in __all__:
-        return getattr(importlib.import_module(".ops", __name__), name)
+        module = importlib.import_module(".nn" if name == "nn" else ".ops", __name__)
+        value = module if name == "nn" else getattr(module, name)
+        globals()[name] = value  # later lookups are plain attribute reads
+        return value
     raise AttributeError(f"module 'kbuild' has no attribute {name!r}")

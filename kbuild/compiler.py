@@ -42,9 +42,8 @@ def toolchain(target_vendor: str = "nvidia") -> dict[str, str]:
 
 def build(spec: KernelSpec, target: Target):
     """Run the spec's builder for `target`; returns the verified dsl.Kernel."""
-    builder = get_builder(spec.kernel)
     try:
-        kernel = builder(**spec.kwargs, target=target)
+        kernel = get_builder(spec.kernel)(**spec.kwargs, target=target)
     except Exception as err:  # a bad parameter surfaces as whatever the builder hit first
         raise CompileError(
             f"cannot build {spec.short()} for {target}: {type(err).__name__}: {err}"

@@ -61,6 +61,26 @@ def _fused_family(N: int, dtype: str, w: str | None, residual: str) -> Iterator[
         yield column_sum_spec(N, w)
 
 
+def affine_dtypes(dtype: str) -> tuple[tuple[str | None, str | None], ...]:
+    """(weight, bias) dtypes the LayerNorm tests cover: both, fp32 both, weight only, none."""
+    pairs = ((dtype, dtype), ("f32", "f32"), (dtype, None), (None, None))
+    return tuple(dict.fromkeys(pairs))
+
+
+def _layernorm_family(
+    N: int, dtype: str, w: str | None, b: str | None, bench: bool = False
+) -> Iterator[KernelSpec]:
+    from .ops.launch import column_sum_spec
+    from .ops.layernorm import layernorm_bwd_spec, layernorm_fwd_spec
+
+    for store_stats in (False, True):
+        yield layernorm_fwd_spec(N, dtype, w, b, store_stats, 1e-5)
+    yield layernorm_bwd_spec(N, dtype, w, w is not None, b is not None)
+    for param in (w, b):
+        if param is not None:
+            yield column_sum_spec(N, param)
+
+
 def _tests() -> Iterator[KernelSpec]:
     from .ops.rmsnorm import rmsnorm_fwd_spec
 
@@ -70,6 +90,9 @@ def _tests() -> Iterator[KernelSpec]:
                 yield from _rmsnorm_family(N, dtype, w)
                 for residual in residual_dtypes(dtype):
                     yield from _fused_family(N, dtype, w, residual)
+            for w, b in affine_dtypes(dtype):
+                yield from _layernorm_family(N, dtype, w, b)
+    yield from _layernorm_family(TRAIN_N, TRAIN_DTYPE, TRAIN_DTYPE, TRAIN_DTYPE)
     yield rmsnorm_fwd_spec(4096, "f32", "f32", False, 1e-2)
     yield rmsnorm_fwd_spec(4096, "bf16", "bf16", False, 1e-6, is_aligned=False)
 
@@ -78,6 +101,7 @@ def _bench() -> Iterator[KernelSpec]:
     for N in BENCH_N:
         yield from _rmsnorm_family(N, BENCH_DTYPE, BENCH_DTYPE, bench=True)
         yield from _fused_family(N, BENCH_DTYPE, BENCH_DTYPE, BENCH_DTYPE)
+        yield from _layernorm_family(N, BENCH_DTYPE, BENCH_DTYPE, BENCH_DTYPE)
     yield from _rmsnorm_family(TINY_SHAPE[1], BENCH_DTYPE, BENCH_DTYPE, bench=True)
 
 
@@ -101,6 +125,7 @@ def _standard() -> Iterator[KernelSpec]:
     for N in STANDARD_N:
         yield from _rmsnorm_family(N, "bf16", "bf16", bench=True)
         yield from _fused_family(N, "bf16", "bf16", "bf16")
+        yield from _layernorm_family(N, "bf16", "bf16", "bf16")
 
 
 MANIFESTS: dict[str, Callable[[], Iterator[KernelSpec]]] = {

@@ -58,3 +58,24 @@ def host_us_per_call(fn: Callable[[], object], calls: int = 2000) -> float:
         fn()
     torch.cuda.synchronize()
     return 1e6 * (time.perf_counter() - start) / calls
+
+
+def device_ms(fn: Callable[[], object], reps: int = 20) -> float:
+    """GPU time of the kernels one call of `fn` launches (profiler), per call.
+
+    For calls whose host side is slower than their kernels (a backward pass through the
+    autograd engine), event timing measures the host: this sums device time alone.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    total_us = 0.0
+    for event in prof.key_averages():
+        total_us += getattr(event, "self_device_time_total", 0.0) or 0.0
+    return total_us / reps / 1e3

@@ -15,6 +15,8 @@ REGISTRY: dict[str, str] = {
     "rmsnorm_bwd": "kbuild.kernels.rmsnorm_bwd:build_rmsnorm_bwd_module",
     "fused_add_rmsnorm_fwd": "kbuild.kernels.rmsnorm:build_fused_add_rmsnorm_module",
     "fused_add_rmsnorm_bwd": "kbuild.kernels.rmsnorm_bwd:build_fused_add_rmsnorm_bwd_module",
+    "layernorm_fwd": "kbuild.kernels.layernorm:build_layernorm_module",
+    "layernorm_bwd": "kbuild.kernels.layernorm:build_layernorm_bwd_module",
     "column_sum": "kbuild.kernels.reduce:build_column_sum_module",
 }
 

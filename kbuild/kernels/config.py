@@ -26,9 +26,10 @@ FORWARD_ELEMS = 64
 # Vectors per thread, in order of preference: 4 keeps several 16-byte loads in flight per
 # thread without crowding the register file.
 _ITERS_PREFERENCE = (4, 3, 5, 2, 6, 8, 7, 1, 16, 12, 10, 9, 11, 13, 14, 15)
-# Backward kernels hold more per element (x, dy, w and a dw partial): the fewest vectors per
-# thread that 1024 threads allow keeps them near 48 registers and the SM full of warps.
-FEWEST_ITERS_FIRST = tuple(range(1, 17))
+# Backward kernels hold more per element (x, dy, w and dw partials), so few vectors per thread;
+# measured on an H200 (bench/results/tune_bwd.json): two vectors per thread in blocks of
+# 128-512 threads run at 90-98% of copy, one vector in 1024-thread blocks at 60%.
+BACKWARD_SHAPES = ((2, 128, 512), (1, 1, 512), (2, 1, 1024), (1, 1, 1024))
 CHUNK_ITERS = 4
 
 
@@ -72,6 +73,7 @@ def choose_row_config(
     threads_per_row: int | None = None,
     words_per_elem: float | None = None,
     iters_preference: tuple[int, ...] = _ITERS_PREFERENCE,
+    shapes: tuple[tuple[int, int, int], ...] = (),
 ) -> RowConfig:
     """Threads, vector width and rows per block for rows of N elements of `dtype`.
 
@@ -79,7 +81,8 @@ def choose_row_config(
     kernels, which also hold dweight partials, ask for fewer); `words_per_elem` is the
     register words one row element costs (default: 0.5 for packed bf16, else 1).
     `threads_per_row` forces the row's thread count (a tuning override; rows that then do
-    not fit are chunked). `iters_preference` orders the vectors-per-thread counts tried.
+    not fit are chunked). `shapes` lists (iters, min threads, max threads) to try first, in
+    order; then `iters_preference` orders the vectors-per-thread counts tried.
     """
     size = ELEMENT_BYTES[dtype]
     vec = 16 // size if vectorize and N % (16 // size) == 0 else 1
@@ -99,6 +102,11 @@ def choose_row_config(
             return _pack(N, vec, threads_per_row, iters, False)
         return _pack(N, vec, threads_per_row, CHUNK_ITERS, True)
 
+    for iters, lo, hi in shapes:
+        if nv % iters == 0:
+            tpr = nv // iters
+            if tpr % warp_size == 0 and lo <= tpr <= hi and fits(tpr, iters):
+                return _pack(N, vec, tpr, iters, False)
     # Exact fits first: a whole number of warps, each thread the same number of vectors.
     for iters in iters_preference:
         if nv % iters == 0:

@@ -49,6 +49,10 @@ class RowTile:
         base = self.lane * c.vec + start
         return [base + i * c.threads_per_row * c.vec for i in range(c.iters)]
 
+    def inside(self, start: V | int = 0) -> list[V | None]:
+        """Per vector: whether its columns lie inside the row (None: always, no test)."""
+        return [self._guarded(col) for col in self.columns(start)]
+
     def _guarded(self, col: V) -> V | None:
         return None if self.cfg.exact else col < self.cfg.N
 

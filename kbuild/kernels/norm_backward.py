@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from ..dsl import Kernel, V, const, hsum, loop, select
 from ..dsl.values import vector_type
 from ..targets import Target
-from .config import FEWEST_ITERS_FIRST, choose_row_config
+from .config import BACKWARD_SHAPES, choose_row_config
 from .kernels_common import RowTile, rewiden_all, widen, wider
 
 BACKWARD_ELEMS = 64  # fp32 words of row data a thread may hold at <= 512 threads
@@ -60,11 +60,13 @@ def build_norm_backward(
         BACKWARD_ELEMS,
         threads_per_row,
         words_per_elem=(2.0 if io == "f32" else 1.0) + partial_words,
-        iters_preference=FEWEST_ITERS_FIRST,
+        iters_preference=tuple(range(1, 17)),
+        shapes=BACKWARD_SHAPES,
     )
     # Exact register-resident rows: ask for >= 1024 resident threads per SM (64 registers
     # each), enough loads in flight. Predicated and chunked rows would spill under that cap.
-    min_blocks = max(1, 1024 // cfg.block) if cfg.exact else None
+    # (LayerNorm holds a second partial and the mean: capped, it spills; it runs uncapped.)
+    min_blocks = max(1, 1024 // cfg.block) if cfg.exact and not p.center else None
     with Kernel(p.name, target, cfg.block, min_blocks_per_sm=min_blocks) as k:
         x_ptr = k.ptr("x")
         w_ptr = k.ptr("weight") if p.weight_dtype else None
@@ -160,14 +162,19 @@ def build_norm_backward(
                 loop(zero, chunks, one, [], lambda c, _: fn(c * cfg.span) or [])
 
             for ptr in partials:
-                chunked(lambda s, ptr=ptr: home.store_row(ptr, slot, [zero_vec] * cfg.iters, "f32", s))
+                chunked(
+                    lambda s, ptr=ptr: home.store_row(ptr, slot, [zero_vec] * cfg.iters, "f32", s)
+                )
 
             def body(g: V, _: list[V]) -> list[V]:
                 t, stats = row_stats(g)
 
                 def accumulate(c: V, acc: list[V]) -> list[V]:
                     x, dy, w = loads(t, c * cfg.span)
-                    return [a + s for a, s in zip(acc, sums(*terms(x, dy, w, stats, widen)), strict=True)]
+                    return [
+                        a + s
+                        for a, s in zip(acc, sums(*terms(x, dy, w, stats, widen)), strict=True)
+                    ]
 
                 init = [const(0.0)] * (2 if p.center else 1)
                 row_sums = t.sum(*loop(zero, chunks, one, init, accumulate), reused=True)

@@ -31,8 +31,15 @@ def build_rmsnorm_bwd_module(
     Launch arguments: x, [weight], dy, rstd, dx, [dw_partial], M. Grid: persistent.
     """
     p = NormBackward(
-        "rmsnorm_bwd", N, dtype, dtype, weight_dtype, center=False, has_dres=False,
-        compute_dw=compute_dw and weight_dtype is not None, compute_db=False,
+        "rmsnorm_bwd",
+        N,
+        dtype,
+        dtype,
+        weight_dtype,
+        center=False,
+        has_dres=False,
+        compute_dw=compute_dw and weight_dtype is not None,
+        compute_db=False,
     )
     return build_norm_backward(p, target, vectorize, threads_per_row)
 
@@ -54,8 +61,14 @@ def build_fused_add_rmsnorm_bwd_module(
     dx (of `dtype`) is both dx and dresidual.
     """
     p = NormBackward(
-        "fused_add_rmsnorm_bwd", N, dtype, residual_dtype, weight_dtype, center=False,
-        has_dres=has_dresidual_out, compute_dw=compute_dw and weight_dtype is not None,
+        "fused_add_rmsnorm_bwd",
+        N,
+        dtype,
+        residual_dtype,
+        weight_dtype,
+        center=False,
+        has_dres=has_dresidual_out,
+        compute_dw=compute_dw and weight_dtype is not None,
         compute_db=False,
     )
     return build_norm_backward(p, target, vectorize, threads_per_row)

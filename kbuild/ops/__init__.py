@@ -1,6 +1,13 @@
 """PyTorch-facing layer: public functions, autograd, custom ops. Knows nothing of MLIR."""
 
-from .api import fused_add_rmsnorm, rmsnorm
-from .autograd import FusedAddRMSNormFunction, RMSNormFunction
+from .api import fused_add_rmsnorm, layernorm, rmsnorm
+from .autograd import FusedAddRMSNormFunction, LayerNormFunction, RMSNormFunction
 
-__all__ = ["FusedAddRMSNormFunction", "RMSNormFunction", "fused_add_rmsnorm", "rmsnorm"]
+__all__ = [
+    "FusedAddRMSNormFunction",
+    "LayerNormFunction",
+    "RMSNormFunction",
+    "fused_add_rmsnorm",
+    "layernorm",
+    "rmsnorm",
+]

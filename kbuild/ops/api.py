@@ -11,11 +11,21 @@ import torch
 
 from .autograd import (
     FusedAddRMSNormFunction,
+    LayerNormFunction,
     RMSNormFunction,
     fused_add_rmsnorm_fwd_op,
+    layernorm_fwd_op,
     rmsnorm_fwd_op,
 )
-from .common import check_eps, check_input, check_like, check_param, contiguous, device_guard
+from .common import (
+    check_eps,
+    check_input,
+    check_like,
+    check_param,
+    contiguous,
+    device_guard,
+)
+from .layernorm import layernorm_fwd, layernorm_reference
 from .rmsnorm import fused_add_rmsnorm_fwd, rmsnorm_fwd, rmsnorm_reference
 
 
@@ -45,6 +55,8 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1e
         return rmsnorm_fwd_op(x, weight, eps, needs_grad)[0]
     if needs_grad:
         return RMSNormFunction.apply(x, weight, eps)
+    if x.get_device() == torch._C._cuda_getDevice():  # the guard costs ~2 us: only if needed
+        return rmsnorm_fwd(x, weight, eps, False)[0]
     with device_guard(x):
         return rmsnorm_fwd(x, weight, eps, False)[0]
 
@@ -87,3 +99,32 @@ def fused_add_rmsnorm(
                 contiguous(x), contiguous(residual), weight, eps, residual_dtype, False
             )
     return (out, residual_out) if prenorm else out
+
+
+def layernorm(
+    x: torch.Tensor,
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    eps: float = 1e-5,
+) -> torch.Tensor:
+    """LayerNorm over the last dimension: (x - mean) * rsqrt(var + eps) * weight + bias.
+
+    x: (..., N), float32/float16/bfloat16, any layout. weight, bias: (N,) of x's dtype or
+    float32, or None (elementwise_affine=False / bias=False). The variance is taken over the
+    centred row (exact for rows with a large mean). Differentiable in x, weight and bias
+    (saved for backward: x, weight, bias and one fp32 mean and rstd per row).
+    """
+    check_input("x", x)
+    weight = check_param("weight", weight, x)
+    bias = check_param("bias", bias, x)
+    eps = check_eps(eps)
+    if not x.is_cuda:
+        return layernorm_reference(x, weight, bias, eps)[0]
+    x = contiguous(x)
+    needs_grad = _needs_grad(x, weight, bias)
+    if torch.compiler.is_compiling():
+        return layernorm_fwd_op(x, weight, bias, eps, needs_grad)[0]
+    if needs_grad:
+        return LayerNormFunction.apply(x, weight, bias, eps)
+    with device_guard(x):
+        return layernorm_fwd(x, weight, bias, eps, False)[0]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from .common import device_guard
+from .layernorm import layernorm_bwd, layernorm_bwd_reference, layernorm_fwd, layernorm_reference
 from .rmsnorm import (
     fused_add_rmsnorm_bwd,
     fused_add_rmsnorm_fwd,
@@ -164,7 +165,7 @@ def fused_add_rmsnorm_fwd_op(
     if not x.is_cuda:
         added = (x.float() + residual.float()).to(residual_dtype)
         y, rstd = rmsnorm_reference(added, weight, eps)
-        return y.to(x.dtype), added, rstd if store_rstd else rstd.new_empty(0)
+        return y.to(x.dtype), added, rstd.reshape(-1) if store_rstd else rstd.new_empty(0)
     with device_guard(x):
         y, res, rstd = fused_add_rmsnorm_fwd(x, residual, weight, eps, residual_dtype, store_rstd)
     return y, res, rstd if rstd is not None else x.new_empty(0, dtype=torch.float32)
@@ -217,3 +218,109 @@ def _fused_op_backward(ctx, dy, dresidual_out, _drstd):
 
 
 fused_add_rmsnorm_fwd_op.register_autograd(_fused_op_backward, setup_context=_fused_setup)
+
+
+# ----------------------------------------------------------------------------- layernorm
+
+
+def _layernorm_backward(saved, needs, dy):
+    """needs: (x, weight, bias) need grads."""
+    x, weight, bias, mean, rstd = saved
+    if not dy.is_cuda:
+        dx, dw, db = layernorm_bwd_reference(dy, x, weight, mean, rstd)
+        dw = dw.to(weight.dtype) if needs[1] and weight is not None else None
+        db = db.to(bias.dtype) if needs[2] and bias is not None else None
+        return (dx if needs[0] else None), dw, db
+    with device_guard(dy):
+        dx, dw, db = layernorm_bwd(dy.contiguous(), x, weight, mean, rstd, needs[1], bias, needs[2])
+    return (dx if needs[0] else None), dw, db
+
+
+class LayerNormFunction(torch.autograd.Function):
+    """y = layernorm(x) * weight + bias on a contiguous CUDA x; saves x, weight, mean, rstd."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps):
+        with device_guard(x):
+            y, mean, rstd = layernorm_fwd(x, weight, bias, eps, store_stats=True)
+        ctx.save_for_backward(x, weight, bias, mean, rstd)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        return (*_layernorm_backward(ctx.saved_tensors, ctx.needs_input_grad, dy), None)
+
+
+@torch.library.custom_op("kbuild::layernorm_fwd", mutates_args=())
+def layernorm_fwd_op(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float,
+    store_stats: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(y, mean, rstd); mean and rstd are (M,) fp32 when `store_stats`, else empty."""
+    if not x.is_cuda:
+        y, mean, rstd = layernorm_reference(x, weight, bias, eps)
+        if not store_stats:
+            return y, mean.new_empty(0), rstd.new_empty(0)
+        return y, mean.reshape(-1), rstd.reshape(-1)
+    with device_guard(x):
+        y, mean, rstd = layernorm_fwd(x, weight, bias, eps, store_stats)
+    if mean is None:
+        mean = rstd = x.new_empty(0, dtype=torch.float32)
+    return y, mean, rstd
+
+
+@layernorm_fwd_op.register_fake
+def _(x, weight, bias, eps, store_stats):
+    rows = x.numel() // x.shape[-1] if store_stats else 0
+    return torch.empty_like(x), *(x.new_empty(rows, dtype=torch.float32) for _ in range(2))
+
+
+@torch.library.custom_op("kbuild::layernorm_bwd", mutates_args=())
+def layernorm_bwd_op(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    mean: torch.Tensor,
+    rstd: torch.Tensor,
+    need_dx: bool,
+    need_dw: bool,
+    need_db: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx, dw, db); each empty unless asked for (and its parameter given)."""
+    saved = (x, weight, bias, mean, rstd)
+    grads = _layernorm_backward(saved, (need_dx, need_dw, need_db), dy)
+    return tuple(g if g is not None else x.new_empty(0) for g in grads)
+
+
+@layernorm_bwd_op.register_fake
+def _(dy, x, weight, bias, mean, rstd, need_dx, need_dw, need_db):
+    dx = torch.empty_like(x) if need_dx else x.new_empty(0)
+    dw = torch.empty_like(weight) if need_dw and weight is not None else x.new_empty(0)
+    db = torch.empty_like(bias) if need_db and bias is not None else x.new_empty(0)
+    return dx, dw, db
+
+
+def _layernorm_setup(ctx, inputs, output):
+    x, weight, bias, _, _ = inputs
+    ctx.save_for_backward(x, weight, bias, output[1], output[2])
+
+
+def _layernorm_op_backward(ctx, dy, _dmean, _drstd):
+    x, weight, bias, mean, rstd = ctx.saved_tensors
+    need = ctx.needs_input_grad
+    need_dw, need_db = need[1] and weight is not None, need[2] and bias is not None
+    dx, dw, db = layernorm_bwd_op(dy, x, weight, bias, mean, rstd, need[0], need_dw, need_db)
+    return (
+        (dx if need[0] else None),
+        (dw if need_dw else None),
+        (db if need_db else None),
+        None,
+        None,
+    )
+
+
+layernorm_fwd_op.register_autograd(_layernorm_op_backward, setup_context=_layernorm_setup)

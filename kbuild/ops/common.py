@@ -54,14 +54,15 @@ def check_param(name: str, p: object, x: torch.Tensor) -> torch.Tensor | None:
 
 
 def check_eps(eps: object) -> float:
+    # Comparisons only (no math.isfinite): under torch.compile eps may be a symbolic float,
+    # which compares but does not convert. NaN fails both comparisons.
     if eps.__class__ is float and 0.0 <= eps < math.inf:  # the common case, checked cheaply
         return eps
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
+    if isinstance(eps, bool) or not isinstance(eps, (int, float, torch.SymFloat)):
         raise TypeError(f"eps must be a float, got {type(eps).__name__}")
-    eps = float(eps)
-    if not math.isfinite(eps) or eps < 0:
+    if not 0.0 <= eps < math.inf:
         raise ValueError(f"eps must be a finite number >= 0; got {eps}")
-    return eps
+    return eps if isinstance(eps, torch.SymFloat) else float(eps)
 
 
 def contiguous(t: torch.Tensor) -> torch.Tensor:

@@ -71,8 +71,17 @@ class Launcher:
             _check(driver, err, f"loading {artifact.entry} ({artifact.format})")
             err, self._function = driver.cuModuleGetFunction(self._module, artifact.entry.encode())
             _check(driver, err, f"cuModuleGetFunction({artifact.entry})")
+            err, per_sm = driver.cuOccupancyMaxActiveBlocksPerMultiprocessor(
+                self._function, self.block, 0
+            )
+            _check(driver, err, "cuOccupancyMaxActiveBlocksPerMultiprocessor")
         finally:
             driver.cuCtxPopCurrent()
+        # Blocks of this kernel the whole device runs at once: a persistent grid's size.
+        sms = device_attribute(device_index, "MULTIPROCESSOR_COUNT")
+        self.resident_blocks = max(1, per_sm) * sms
+        self._context = context
+        self._no_context = driver.CUresult.CUDA_ERROR_INVALID_CONTEXT
         kinds = [kind for _, kind in artifact.meta["signature"]]
         self._nargs = len(kinds)
         self._pack = struct.Struct("<" + "".join(_FORMATS[k] for k in kinds)).pack_into
@@ -95,15 +104,22 @@ class Launcher:
             err = self._launch(
                 self._function, grid, 1, 1, self.block, 1, 1, 0, stream, self._params_address, 0
             )[0]
+            if err == self._no_context:
+                # A thread that has not touched CUDA yet (autograd's backward threads, user
+                # threads) has no current context: bind the device's primary one, retry once.
+                _check(_driver(), _driver().cuCtxSetCurrent(self._context)[0], "cuCtxSetCurrent")
+                err = self._launch(
+                    self._function,
+                    grid,
+                    1,
+                    1,
+                    self.block,
+                    1,
+                    1,
+                    0,
+                    stream,
+                    self._params_address,
+                    0,
+                )[0]
         if err != self._success:
             _check(_driver(), err, f"launching {self.meta['spec']['kernel']}")
-
-    @functools.cached_property
-    def resident_blocks(self) -> int:
-        """Blocks of this kernel the whole device runs at once: a persistent grid's size."""
-        driver = _driver()
-        err, per_sm = driver.cuOccupancyMaxActiveBlocksPerMultiprocessor(
-            self._function, self.block, 0
-        )
-        _check(driver, err, "cuOccupancyMaxActiveBlocksPerMultiprocessor")
-        return max(1, per_sm) * device_attribute(self.device_index, "MULTIPROCESSOR_COUNT")

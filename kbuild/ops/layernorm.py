@@ -1,0 +1,151 @@
+"""LayerNorm on tensors: specs, launches, and the torch reference (see ops/rmsnorm.py for the
+conventions: contiguous (..., N) CUDA tensors seen as (M, N) rows)."""
+
+from __future__ import annotations
+
+import torch
+
+from ..spec import KernelSpec
+from .common import DTYPE_NAMES, aligned, stream_of
+from .launch import launch_persistent, launch_rows, vectorizable
+
+
+def _name(t: torch.Tensor | None) -> str | None:
+    return None if t is None else DTYPE_NAMES[t.dtype]
+
+
+def layernorm_fwd_spec(
+    N: int,
+    dtype: str,
+    weight_dtype: str | None,
+    bias_dtype: str | None,
+    store_stats: bool,
+    eps: float,
+    is_aligned: bool = True,
+) -> KernelSpec:
+    return KernelSpec.make(
+        "layernorm_fwd",
+        N=N,
+        dtype=dtype,
+        weight_dtype=weight_dtype,
+        bias_dtype=bias_dtype,
+        store_stats=store_stats,
+        eps=float(eps),
+        vectorize=vectorizable(N, (dtype,), is_aligned),
+    )
+
+
+def layernorm_bwd_spec(
+    N: int,
+    dtype: str,
+    weight_dtype: str | None,
+    compute_dw: bool,
+    compute_db: bool,
+    is_aligned: bool = True,
+) -> KernelSpec:
+    return KernelSpec.make(
+        "layernorm_bwd",
+        N=N,
+        dtype=dtype,
+        weight_dtype=weight_dtype,
+        compute_dw=compute_dw and weight_dtype is not None,
+        compute_db=compute_db,
+        vectorize=vectorizable(N, (dtype,), is_aligned),
+    )
+
+
+def layernorm_fwd(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float,
+    store_stats: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """(y, mean, rstd); mean and rstd are (M,) fp32 when `store_stats`, else None."""
+    N = x.shape[-1]
+    M = x.numel() // N if N else 0
+    y = torch.empty_like(x)
+    stats = [torch.empty(M, dtype=torch.float32, device=x.device) for _ in range(2)]
+    mean, rstd = stats if store_stats else (None, None)
+    if M == 0:
+        return y, mean, rstd
+    device = x.get_device()
+    ptrs = [t.data_ptr() for t in (x, weight, bias, y) if t is not None]
+    is_aligned = aligned(*ptrs)
+    if store_stats:
+        ptrs += [mean.data_ptr(), rstd.data_ptr()]
+    w_dtype = None if weight is None else weight.dtype
+    b_dtype = None if bias is None else bias.dtype
+    launch_rows(
+        ("layernorm_fwd", N, x.dtype, w_dtype, b_dtype, store_stats, eps, is_aligned, device),
+        lambda: layernorm_fwd_spec(
+            N, _name(x), _name(weight), _name(bias), store_stats, eps, is_aligned
+        ),
+        device,
+        stream_of(device),
+        M,
+        *ptrs,
+    )
+    return y, mean, rstd
+
+
+def layernorm_bwd(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    mean: torch.Tensor,
+    rstd: torch.Tensor,
+    need_dw: bool,
+    bias: torch.Tensor | None,
+    need_db: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """(dx, dw or None, db or None); dw/db in the parameters' dtypes."""
+    N = x.shape[-1]
+    M = x.numel() // N if N else 0
+    compute_dw = need_dw and weight is not None
+    compute_db = need_db and bias is not None
+    dx = torch.empty_like(x)
+    device = x.get_device()
+    ptrs = [x.data_ptr()] + ([weight.data_ptr()] if weight is not None else [])
+    ptrs += [dy.data_ptr(), mean.data_ptr(), rstd.data_ptr(), dx.data_ptr()]
+    is_aligned = aligned(*ptrs)
+    w_dtype = None if weight is None else weight.dtype
+    dw, db = launch_persistent(
+        ("layernorm_bwd", N, x.dtype, w_dtype, compute_dw, compute_db, is_aligned, device),
+        lambda: layernorm_bwd_spec(N, _name(x), _name(weight), compute_dw, compute_db, is_aligned),
+        device,
+        M,
+        N,
+        ptrs,
+        weight if compute_dw else None,
+        bias if compute_db else None,
+    )
+    return dx, dw, db
+
+
+def layernorm_reference(
+    x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Plain torch, fp32, centred variance, differentiable: (y, mean, rstd)."""
+    xf = x.float()
+    mean = xf.mean(-1)
+    centred = xf - mean.unsqueeze(-1)
+    rstd = torch.rsqrt(centred.square().mean(-1) + eps)
+    y = centred * rstd.unsqueeze(-1)
+    if weight is not None:
+        y = y * weight.float()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype), mean, rstd
+
+
+def layernorm_bwd_reference(dy, x, weight, mean, rstd):
+    """The backward formulas of kernels/layernorm.py in plain torch (fp32): (dx, dw, db)."""
+    N = x.shape[-1]
+    x_hat = (x.float() - mean.reshape(*x.shape[:-1], 1)) * rstd.reshape(*x.shape[:-1], 1)
+    wdy = dy.float() * (weight.float() if weight is not None else 1.0)
+    c1 = wdy.mean(-1, keepdim=True)
+    c2 = (wdy * x_hat).mean(-1, keepdim=True)
+    dx = (wdy - c1 - x_hat * c2) * rstd.reshape(*x.shape[:-1], 1)
+    flat_dy, flat_xhat = dy.float().reshape(-1, N), x_hat.reshape(-1, N)
+    return dx.to(x.dtype), (flat_dy * flat_xhat).sum(0), flat_dy.sum(0)
