@@ -12,6 +12,7 @@ import os
 import sys
 
 import torch
+import torch._functorch.config
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -23,8 +24,6 @@ from kbuild.manifest import BENCH_ELEMENTS, BENCH_N  # noqa: E402
 
 
 def cases() -> list[Case]:
-    import torch._functorch.config
-
     torch._functorch.config.donated_buffer = False  # replaying a compiled backward
     compiled = torch.compile(F.layer_norm)
     out = []

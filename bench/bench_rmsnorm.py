@@ -76,9 +76,7 @@ def host_overhead() -> dict[str, float]:
     stream = stream_of(0)
     args = (x.data_ptr(), w.data_ptr(), y.data_ptr(), M)
     out["raw_launch_us"] = host_us_per_call(functools.partial(launcher, M, stream, *args))
-    print(
-        "host us/call at %s: " % (TINY_SHAPE,) + ", ".join(f"{k} {v:.2f}" for k, v in out.items())
-    )
+    print(f"host us/call at {TINY_SHAPE}: " + ", ".join(f"{k} {v:.2f}" for k, v in out.items()))
     return {k: round(v, 2) for k, v in out.items()}
 
 

@@ -16,6 +16,7 @@ import os
 import sys
 
 import torch
+import torch._functorch.config
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -39,8 +40,6 @@ def grad_fn(fn, args, inputs, grads):
 
 def cases() -> list[Case]:
     # Replaying one compiled backward needs retain_graph, which donated buffers forbid.
-    import torch._functorch.config
-
     torch._functorch.config.donated_buffer = False
     compiled_rms = torch.compile(F.rms_norm)
     compiled_fused = torch.compile(torch_fused)

@@ -8,8 +8,8 @@ row (the backward kernels keep their dweight partials in registers because of it
 
 Rows that fit in registers stay there and are read once: a thread may hold `max_elems` fp32
 words of row data (half that at 1024 threads, where a thread gets only 64 registers); bf16
-rows are held packed, two to a word, and widened where used (dsl.to_f32). Longer rows are walked in chunks twice (sum, then normalise), the second read
-mostly served from L2.
+rows are held packed, two to a word, and widened where used (dsl.rewiden). Longer rows are
+walked in chunks, two or three passes, the later ones mostly served from L2.
 """
 
 from __future__ import annotations

@@ -81,7 +81,9 @@ class RowTile:
                 zero = vector_type(dtype, self.cfg.vec) if self.cfg.vec > 1 else scalar_type(dtype)
                 out.append(
                     if_else(
-                        guard, lambda p=ptr: load(p, dtype, self.cfg.vec), lambda: const(0, zero)
+                        guard,
+                        lambda p=ptr: load(p, dtype, self.cfg.vec),
+                        lambda z=zero: const(0, z),
                     )
                 )
         return out

@@ -36,7 +36,7 @@ def check_like(name: str, t: object, x: torch.Tensor, x_name: str = "x") -> torc
 
 
 def check_param(name: str, p: object, x: torch.Tensor) -> torch.Tensor | None:
-    """A per-feature parameter (weight, bias): None, or shape (N,), x's dtype or fp32, x's device."""
+    """A per-feature parameter (weight, bias): None, or (N,) of x's dtype or fp32 on x's device."""
     if p is None:
         return None
     if not isinstance(p, torch.Tensor):

