@@ -10,6 +10,7 @@ and the binary is loaded into that device's context.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Hashable
 
 from . import env
@@ -19,6 +20,7 @@ from .spec import KernelSpec
 from .targets import Target, target_for_capability
 
 _loaded = MemoryCache()
+_loading = threading.Lock()
 loaded = _loaded.get  # the hot path's one lookup: launcher for a key, or None
 
 
@@ -33,9 +35,11 @@ def warmup_command(spec: KernelSpec, target: Target, cache_dir: str | None = Non
 
 def artifact_for(spec: KernelSpec, target: Target, cache: DiskCache | None = None) -> Artifact:
     """The binary of `spec` for `target`: from the disk cache, else compiled and stored."""
-    cache = cache or DiskCache(default_cache_dir())
+    offline = env.offline()
+    # Offline, the cache is read-only: processes sharing it (DDP ranks) never delete or write.
+    cache = cache or DiskCache(default_cache_dir(), read_only=offline)
     key = entry_key(spec, target)
-    if env.offline():
+    if offline:
         artifact = cache.get(key, None)
         if artifact is None:
             raise KernelNotCached(
@@ -67,7 +71,10 @@ def get_launcher(key: Hashable, device_index: int, make_spec: Callable[[], Kerne
     if launcher is None:
         from .runtime.cuda import Launcher
 
-        artifact = artifact_for(make_spec(), device_target(device_index))
-        launcher = Launcher(artifact, device_index)
-        _loaded.put(key, launcher)
+        with _loading:  # two threads missing at once load the module once
+            launcher = _loaded.get(key)
+            if launcher is None:
+                artifact = artifact_for(make_spec(), device_target(device_index))
+                launcher = Launcher(artifact, device_index)
+                _loaded.put(key, launcher)
     return launcher
