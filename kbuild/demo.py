@@ -8,7 +8,7 @@ import torch
 from .manifest import BENCH_ELEMENTS, STANDARD_N
 
 
-def _cases(N: int):
+def _cases(N: int, device: str = "cuda"):
     """(name, kbuild fn, torch fp32 reference fn, inputs needing grad, bytes fwd, bytes bwd)."""
     import torch.nn.functional as F
 
@@ -17,7 +17,7 @@ def _cases(N: int):
     M = BENCH_ELEMENTS // N
 
     def make(*shape):
-        return torch.randn(*shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        return torch.randn(*shape, device=device, dtype=torch.bfloat16, requires_grad=True)
 
     x, r, w, b = make(M, N), make(M, N), make(N), make(N)
     elem = x.numel() * 2

@@ -36,7 +36,6 @@ class Kernel:
         self.target = target
         self.block = block
         self.args: list[tuple[str, str]] = []  # (name, "ptr" | "i64" | "f32")
-        self._arg_values: list[ir.Value] = []
         self._shared_bytes = 0
         self._n_shared = 0
         self.meta: dict[str, object] = {}  # launch facts for the runtime (rows_per_block, ...)

@@ -11,6 +11,11 @@ DTYPE_NAMES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16
 _ACCEPTED = "torch.float32, torch.float16 or torch.bfloat16"
 
 
+def dtype_name(t: torch.Tensor | None) -> str | None:
+    """A tensor's dtype as kernels name it ("bf16", ...); None for no tensor."""
+    return None if t is None else DTYPE_NAMES[t.dtype]
+
+
 def check_input(name: str, x: object) -> torch.Tensor:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
@@ -81,6 +86,11 @@ def device_guard(t: torch.Tensor):
 
 def stream_of(device_index: int) -> int:
     return torch._C._cuda_getCurrentRawStream(device_index)
+
+
+def data_ptrs(*tensors: torch.Tensor | None) -> list[int]:
+    """The addresses of the tensors given (None skipped): a kernel's pointer arguments."""
+    return [t.data_ptr() for t in tensors if t is not None]
 
 
 def aligned(*ptrs: int) -> bool:

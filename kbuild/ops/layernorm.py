@@ -6,12 +6,8 @@ from __future__ import annotations
 import torch
 
 from ..spec import KernelSpec
-from .common import DTYPE_NAMES, aligned, stream_of
+from .common import aligned, data_ptrs, dtype_name, stream_of
 from .launch import launch_persistent, launch_rows, vectorizable
-
-
-def _name(t: torch.Tensor | None) -> str | None:
-    return None if t is None else DTYPE_NAMES[t.dtype]
 
 
 def layernorm_fwd_spec(
@@ -70,16 +66,15 @@ def layernorm_fwd(
     if M == 0:
         return y, mean, rstd
     device = x.get_device()
-    ptrs = [t.data_ptr() for t in (x, weight, bias, y) if t is not None]
+    ptrs = data_ptrs(x, weight, bias, y)
     is_aligned = aligned(*ptrs)
-    if store_stats:
-        ptrs += [mean.data_ptr(), rstd.data_ptr()]
+    ptrs += data_ptrs(mean, rstd)
     w_dtype = None if weight is None else weight.dtype
     b_dtype = None if bias is None else bias.dtype
     launch_rows(
         ("layernorm_fwd", N, x.dtype, w_dtype, b_dtype, store_stats, eps, is_aligned, device),
         lambda: layernorm_fwd_spec(
-            N, _name(x), _name(weight), _name(bias), store_stats, eps, is_aligned
+            N, dtype_name(x), dtype_name(weight), dtype_name(bias), store_stats, eps, is_aligned
         ),
         device,
         stream_of(device),
@@ -106,13 +101,14 @@ def layernorm_bwd(
     compute_db = need_db and bias is not None
     dx = torch.empty_like(x)
     device = x.get_device()
-    ptrs = [x.data_ptr()] + ([weight.data_ptr()] if weight is not None else [])
-    ptrs += [dy.data_ptr(), mean.data_ptr(), rstd.data_ptr(), dx.data_ptr()]
+    ptrs = data_ptrs(x, weight, dy, mean, rstd, dx)
     is_aligned = aligned(*ptrs)
     w_dtype = None if weight is None else weight.dtype
     dw, db = launch_persistent(
         ("layernorm_bwd", N, x.dtype, w_dtype, compute_dw, compute_db, is_aligned, device),
-        lambda: layernorm_bwd_spec(N, _name(x), _name(weight), compute_dw, compute_db, is_aligned),
+        lambda: layernorm_bwd_spec(
+            N, dtype_name(x), dtype_name(weight), compute_dw, compute_db, is_aligned
+        ),
         device,
         M,
         N,

@@ -13,7 +13,7 @@ import torch
 
 from ..jit import get_launcher, loaded
 from ..spec import KernelSpec
-from .common import DTYPE_NAMES, aligned, stream_of
+from .common import DTYPE_NAMES, aligned, data_ptrs, dtype_name, stream_of
 from .launch import launch_persistent, launch_rows, vectorizable
 
 
@@ -91,10 +91,6 @@ def fused_add_rmsnorm_bwd_spec(
     )
 
 
-def _name(t: torch.Tensor | None) -> str | None:
-    return None if t is None else DTYPE_NAMES[t.dtype]
-
-
 def rmsnorm_fwd(
     x: torch.Tensor, weight: torch.Tensor | None, eps: float, store_rstd: bool
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -120,7 +116,9 @@ def rmsnorm_fwd(
         launcher = get_launcher(
             key,
             device,
-            lambda: rmsnorm_fwd_spec(N, _name(x), _name(weight), store_rstd, eps, is_aligned),
+            lambda: rmsnorm_fwd_spec(
+                N, dtype_name(x), dtype_name(weight), store_rstd, eps, is_aligned
+            ),
         )
     grid = -(-M // launcher.rows_per_block)
     stream = stream_of(device)
@@ -143,25 +141,7 @@ def rmsnorm_bwd(
     need_dw: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """dx (x's dtype) and, when `need_dw`, dw (weight's dtype) for y = rmsnorm(x) * weight."""
-    N = x.shape[-1]
-    M = x.numel() // N if N else 0
-    compute_dw = need_dw and weight is not None
-    dx = torch.empty_like(x)
-    device = x.get_device()
-    ptrs = [x.data_ptr()] + ([weight.data_ptr()] if weight is not None else [])
-    ptrs += [dy.data_ptr(), rstd.data_ptr(), dx.data_ptr()]
-    is_aligned = aligned(*ptrs)
-    w_dtype = None if weight is None else weight.dtype
-    dw = launch_persistent(
-        ("rmsnorm_bwd", N, x.dtype, w_dtype, compute_dw, is_aligned, device),
-        lambda: rmsnorm_bwd_spec(N, _name(x), _name(weight), compute_dw, is_aligned),
-        device,
-        M,
-        N,
-        ptrs,
-        weight if compute_dw else None,
-    )
-    return dx, dw
+    return _backward(dy, None, x, weight, rstd, need_dw, fused=False)
 
 
 def fused_add_rmsnorm_fwd(
@@ -181,35 +161,26 @@ def fused_add_rmsnorm_fwd(
     if M == 0:
         return y, residual_out, rstd
     device = x.get_device()
-    ptrs = [x.data_ptr(), residual.data_ptr()]
-    ptrs += ([weight.data_ptr()] if weight is not None else []) + [
-        y.data_ptr(),
-        residual_out.data_ptr(),
-    ]
+    ptrs = data_ptrs(x, residual, weight, y, residual_out)
     is_aligned = aligned(*ptrs)
-    if rstd is not None:
-        ptrs.append(rstd.data_ptr())
     w_dtype = None if weight is None else weight.dtype
-    r_name = DTYPE_NAMES[residual_dtype]
+    key = ("fused_add_rmsnorm_fwd", N, x.dtype, w_dtype, residual_dtype, store_rstd, eps)
     launch_rows(
-        (
-            "fused_add_rmsnorm_fwd",
+        (*key, is_aligned, device),
+        lambda: fused_add_rmsnorm_fwd_spec(
             N,
-            x.dtype,
-            w_dtype,
-            residual_dtype,
+            dtype_name(x),
+            dtype_name(weight),
+            DTYPE_NAMES[residual_dtype],
             store_rstd,
             eps,
             is_aligned,
-            device,
-        ),
-        lambda: fused_add_rmsnorm_fwd_spec(
-            N, _name(x), _name(weight), r_name, store_rstd, eps, is_aligned
         ),
         device,
         stream_of(device),
         M,
         *ptrs,
+        *data_ptrs(rstd),
     )
     return y, residual_out, rstd
 
@@ -223,28 +194,31 @@ def fused_add_rmsnorm_bwd(
     need_dw: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """d(x + residual), in dy's dtype (it is both dx and dresidual), and dw when asked."""
+    return _backward(dy, dresidual_out, residual_out, weight, rstd, need_dw, fused=True)
+
+
+def _backward(dy, dres, x, weight, rstd, need_dw: bool, fused: bool):
+    """The one launch behind both backward passes (x is residual_out in the fused form)."""
     N = dy.shape[-1]
     M = dy.numel() // N if N else 0
     compute_dw = need_dw and weight is not None
     dx = torch.empty_like(dy)
     device = dy.get_device()
-    ptrs = [residual_out.data_ptr()] + ([weight.data_ptr()] if weight is not None else [])
-    ptrs += [dy.data_ptr(), rstd.data_ptr()]
-    ptrs += ([dresidual_out.data_ptr()] if dresidual_out is not None else []) + [dx.data_ptr()]
+    ptrs = data_ptrs(x, weight, dy, rstd, dres, dx)
     is_aligned = aligned(*ptrs)
     w_dtype = None if weight is None else weight.dtype
-    has_dres = dresidual_out is not None
-    key = ("fused_add_rmsnorm_bwd", N, dy.dtype, w_dtype, residual_out.dtype, has_dres, compute_dw)
+    has_dres = dres is not None
+
+    def spec() -> KernelSpec:
+        if not fused:
+            return rmsnorm_bwd_spec(N, dtype_name(x), dtype_name(weight), compute_dw, is_aligned)
+        return fused_add_rmsnorm_bwd_spec(
+            N, dtype_name(dy), dtype_name(weight), dtype_name(x), has_dres, compute_dw, is_aligned
+        )
+
+    key = (fused, N, dy.dtype, x.dtype, w_dtype, has_dres, compute_dw, is_aligned, device)
     dw = launch_persistent(
-        (*key, is_aligned, device),
-        lambda: fused_add_rmsnorm_bwd_spec(
-            N, _name(dy), _name(weight), _name(residual_out), has_dres, compute_dw, is_aligned
-        ),
-        device,
-        M,
-        N,
-        ptrs,
-        weight if compute_dw else None,
+        ("rmsnorm_bwd", *key), spec, device, M, N, ptrs, weight if compute_dw else None
     )
     return dx, dw
 
