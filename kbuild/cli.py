@@ -111,8 +111,9 @@ def _cmd_cache(args) -> int:
         print(f"cleared {root}")
     else:
         for path, meta in cache.entries():
-            spec = KernelSpec.from_json(meta["meta"]["spec"])
-            print(f"{meta['meta'].get('target', '?'):7} {meta['format']:5} {spec.short()}  {path}")
+            spec = meta["meta"].get("spec")
+            label = KernelSpec.from_json(spec).short() if spec else "(no spec recorded)"
+            print(f"{meta['meta'].get('target', '?'):7} {meta['format']:5} {label}  {path}")
     return 0
 
 

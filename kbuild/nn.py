@@ -22,6 +22,16 @@ def _last_dim_only(cls: str, normalized_shape) -> None:
         )
 
 
+def _check_last_dim(module: torch.nn.Module, x: torch.Tensor) -> None:
+    # With a weight, kbuild's own checks catch this; without one (elementwise_affine=False)
+    # nothing else would, and torch's modules raise here too.
+    (n,) = module.normalized_shape
+    if x.ndim == 0 or x.shape[-1] != n:
+        raise ValueError(
+            f"{type(module).__name__} expects inputs (..., {n}); got shape {tuple(x.shape)}"
+        )
+
+
 class RMSNorm(torch.nn.RMSNorm):
     """torch.nn.RMSNorm computed by kbuild.rmsnorm (eps=None means finfo(x.dtype).eps)."""
 
@@ -32,6 +42,7 @@ class RMSNorm(torch.nn.RMSNorm):
         super().__init__(normalized_shape, eps, elementwise_affine, device, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _check_last_dim(self, x)
         eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
         return rmsnorm(x, self.weight, eps)
 
@@ -52,4 +63,5 @@ class LayerNorm(torch.nn.LayerNorm):
         super().__init__(normalized_shape, eps, elementwise_affine, bias, device, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _check_last_dim(self, x)
         return layernorm(x, self.weight, self.bias, self.eps)

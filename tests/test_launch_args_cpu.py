@@ -152,3 +152,26 @@ def test_layernorm_arguments(recorder, affine):
     sums = [c for c in recorder.calls if c[0].kernel == "column_sum"]
     outs = [_ptr(g) for g in (dw, db) if g is not None]
     assert [c[2]["out"] for c in sums] == outs
+
+
+def test_strided_weight_is_made_dense():
+    """Kernels read a weight as a dense (N,) array: a strided view is copied first."""
+    from kbuild.ops.common import check_param
+
+    x = _t(3, 64)
+    packed = _t(64, 2)
+    weight = check_param("weight", packed[:, 0], x)
+    assert weight.is_contiguous() and torch.equal(weight, packed[:, 0])
+
+
+@pytest.mark.parametrize("store", [True, False])
+def test_empty_rows_launch_nothing(recorder, store):
+    """N == 0 (rows with no elements) and M == 0 launch nothing; stats of empty rows are NaN."""
+    y, rstd = rmsnorm.rmsnorm_fwd(_t(3, 0), None, 1e-6, store)
+    assert y.shape == (3, 0) and not recorder.calls
+    assert (rstd.shape == (3,) and rstd.isnan().all()) if store else rstd is None
+    y, mean, rstd = layernorm.layernorm_fwd(_t(0, 64), None, None, 1e-5, store)
+    assert y.shape == (0, 64) and not recorder.calls
+    dx, dw = rmsnorm.rmsnorm_bwd(_t(0, 64), _t(0, 64), _t(64), torch.rand(0), need_dw=True)
+    assert dx.shape == (0, 64) and torch.equal(dw, torch.zeros(64, dtype=dw.dtype))
+    assert not recorder.calls

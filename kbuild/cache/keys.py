@@ -34,7 +34,7 @@ CACHE_FORMAT_VERSION = 1
 # What generates code, relative to the package: edits here must invalidate every entry.
 # The runtime, the cache and the ops are left out, since they never change a binary.
 _SOURCE_DIRS = ("kernels", "dsl", "targets")
-_SOURCE_FILES = ("spec.py", "compiler.py")
+_SOURCE_FILES = ("spec.py", "compiler.py", "dtypes.py")
 
 
 def _digest(payload: Any) -> str:

@@ -85,18 +85,18 @@ def fused_add_rmsnorm(
         raise TypeError("prenorm and residual_in_fp32 must be bools")
     residual_dtype = torch.float32 if residual_in_fp32 else x.dtype
     needs_grad = _needs_grad(x, residual, weight)
+    if x.is_cuda:
+        x, residual = contiguous(x), contiguous(residual)
     if not x.is_cuda or torch.compiler.is_compiling():
         out, residual_out, _ = fused_add_rmsnorm_fwd_op(
             x, residual, weight, eps, residual_dtype, needs_grad
         )
     elif needs_grad:
-        out, residual_out = FusedAddRMSNormFunction.apply(
-            contiguous(x), contiguous(residual), weight, eps, residual_dtype
-        )
+        out, residual_out = FusedAddRMSNormFunction.apply(x, residual, weight, eps, residual_dtype)
     else:
         with device_guard(x):
             out, residual_out, _ = fused_add_rmsnorm_fwd(
-                contiguous(x), contiguous(residual), weight, eps, residual_dtype, False
+                x, residual, weight, eps, residual_dtype, False
             )
     return (out, residual_out) if prenorm else out
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .common import device_guard
+from .common import contiguous, device_guard, row_count
 from .layernorm import layernorm_bwd, layernorm_bwd_reference, layernorm_fwd, layernorm_reference
 from .rmsnorm import (
     fused_add_rmsnorm_bwd,
@@ -113,7 +113,7 @@ def rmsnorm_fwd_op(
 
 @rmsnorm_fwd_op.register_fake
 def _(x, weight, eps, store_rstd):
-    rows = x.numel() // x.shape[-1] if store_rstd else 0
+    rows = row_count(x) if store_rstd else 0
     return torch.empty_like(x), x.new_empty(rows, dtype=torch.float32)
 
 
@@ -167,16 +167,18 @@ def fused_add_rmsnorm_fwd_op(
         y, rstd = rmsnorm_reference(added, weight, eps)
         return y.to(x.dtype), added, rstd.reshape(-1) if store_rstd else rstd.new_empty(0)
     with device_guard(x):
-        y, res, rstd = fused_add_rmsnorm_fwd(x, residual, weight, eps, residual_dtype, store_rstd)
+        y, res, rstd = fused_add_rmsnorm_fwd(
+            contiguous(x), contiguous(residual), weight, eps, residual_dtype, store_rstd
+        )
     return y, res, rstd if rstd is not None else x.new_empty(0, dtype=torch.float32)
 
 
 @fused_add_rmsnorm_fwd_op.register_fake
 def _(x, residual, weight, eps, residual_dtype, store_rstd):
-    rows = x.numel() // x.shape[-1] if store_rstd else 0
+    rows = row_count(x) if store_rstd else 0
     return (
-        torch.empty_like(x),
-        torch.empty_like(x, dtype=residual_dtype),
+        x.new_empty(x.shape),
+        x.new_empty(x.shape, dtype=residual_dtype),
         x.new_empty(rows, dtype=torch.float32),
     )
 
@@ -199,7 +201,7 @@ def fused_add_rmsnorm_bwd_op(
 @fused_add_rmsnorm_bwd_op.register_fake
 def _(dy, dresidual_out, residual_out, weight, rstd, need_dw):
     dw = torch.empty_like(weight) if need_dw and weight is not None else dy.new_empty(0)
-    return torch.empty_like(dy), dw
+    return dy.new_empty(dy.shape), dw
 
 
 def _fused_setup(ctx, inputs, output):
@@ -274,7 +276,7 @@ def layernorm_fwd_op(
 
 @layernorm_fwd_op.register_fake
 def _(x, weight, bias, eps, store_stats):
-    rows = x.numel() // x.shape[-1] if store_stats else 0
+    rows = row_count(x) if store_stats else 0
     return torch.empty_like(x), *(x.new_empty(rows, dtype=torch.float32) for _ in range(2))
 
 

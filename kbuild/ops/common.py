@@ -55,7 +55,7 @@ def check_param(name: str, p: object, x: torch.Tensor) -> torch.Tensor | None:
         raise TypeError(f"{name} must have x's dtype ({x.dtype}) or torch.float32; got {p.dtype}")
     if p.device != x.device:
         raise ValueError(f"{name} must be on x's device {x.device}; got {p.device}")
-    return p
+    return contiguous(p)  # kernels read it as a dense (N,) array (a strided view would not be)
 
 
 def check_eps(eps: object) -> float:
@@ -99,3 +99,14 @@ def aligned(*ptrs: int) -> bool:
     for p in ptrs:
         combined |= p
     return combined & 15 == 0
+
+
+def row_count(t: torch.Tensor) -> int:
+    """M for a (..., N) tensor seen as (M, N) rows, also when N is 0 (symbolic-shape safe:
+    torch.Size.numel would specialise a dynamic batch dimension under torch.compile)."""
+    return math.prod(t.shape[:-1])
+
+
+def empty_row_stats(stats: torch.Tensor | None) -> torch.Tensor | None:
+    """Statistics of rows with no elements are undefined: NaN, as torch's mean of nothing."""
+    return None if stats is None else stats.fill_(float("nan"))

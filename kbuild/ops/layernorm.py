@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from ..spec import KernelSpec
-from .common import aligned, data_ptrs, dtype_name, stream_of
+from .common import aligned, data_ptrs, dtype_name, empty_row_stats, row_count, stream_of
 from .launch import launch_persistent, launch_rows, vectorizable
 
 
@@ -59,12 +59,12 @@ def layernorm_fwd(
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """(y, mean, rstd); mean and rstd are (M,) fp32 when `store_stats`, else None."""
     N = x.shape[-1]
-    M = x.numel() // N if N else 0
+    M = x.numel() // N if N else row_count(x)
     y = torch.empty_like(x)
     stats = [torch.empty(M, dtype=torch.float32, device=x.device) for _ in range(2)]
     mean, rstd = stats if store_stats else (None, None)
-    if M == 0:
-        return y, mean, rstd
+    if M == 0 or N == 0:
+        return y, empty_row_stats(mean), empty_row_stats(rstd)
     device = x.get_device()
     ptrs = data_ptrs(x, weight, bias, y)
     is_aligned = aligned(*ptrs)

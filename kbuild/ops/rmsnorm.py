@@ -13,7 +13,15 @@ import torch
 
 from ..jit import get_launcher, loaded
 from ..spec import KernelSpec
-from .common import DTYPE_NAMES, aligned, data_ptrs, dtype_name, stream_of
+from .common import (
+    DTYPE_NAMES,
+    aligned,
+    data_ptrs,
+    dtype_name,
+    empty_row_stats,
+    row_count,
+    stream_of,
+)
 from .launch import launch_persistent, launch_rows, vectorizable
 
 
@@ -100,11 +108,11 @@ def rmsnorm_fwd(
     written flat: one dict lookup for the loaded kernel, no closures or lists on a hit.
     """
     N = x.shape[-1]
-    M = x.numel() // N if N else 0
+    M = x.numel() // N if N else row_count(x)
     y = torch.empty_like(x)
     rstd = torch.empty(M, dtype=torch.float32, device=x.device) if store_rstd else None
-    if M == 0:
-        return y, rstd
+    if M == 0 or N == 0:
+        return y, empty_row_stats(rstd)
     device = x.get_device()
     xp, yp = x.data_ptr(), y.data_ptr()
     wp = 0 if weight is None else weight.data_ptr()
@@ -154,12 +162,12 @@ def fused_add_rmsnorm_fwd(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(y, residual_out = x + residual in `residual_dtype`, rstd or None)."""
     N = x.shape[-1]
-    M = x.numel() // N if N else 0
+    M = x.numel() // N if N else row_count(x)
     y = torch.empty_like(x)
     residual_out = torch.empty_like(x, dtype=residual_dtype)
     rstd = torch.empty(M, dtype=torch.float32, device=x.device) if store_rstd else None
-    if M == 0:
-        return y, residual_out, rstd
+    if M == 0 or N == 0:
+        return y, residual_out, empty_row_stats(rstd)
     device = x.get_device()
     ptrs = data_ptrs(x, residual, weight, y, residual_out)
     is_aligned = aligned(*ptrs)
@@ -218,7 +226,13 @@ def _backward(dy, dres, x, weight, rstd, need_dw: bool, fused: bool):
 
     key = (fused, N, dy.dtype, x.dtype, w_dtype, has_dres, compute_dw, is_aligned, device)
     dw = launch_persistent(
-        ("rmsnorm_bwd", *key), spec, device, M, N, ptrs, weight if compute_dw else None
+        ("fused_add_rmsnorm_bwd" if fused else "rmsnorm_bwd", *key),
+        spec,
+        device,
+        M,
+        N,
+        ptrs,
+        weight if compute_dw else None,
     )
     return dx, dw
 
