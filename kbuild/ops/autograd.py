@@ -10,6 +10,7 @@ per-row fp32 rstd; nothing at all when no input needs a gradient.
 from __future__ import annotations
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from .common import contiguous, device_guard, row_count
 from .layernorm import layernorm_bwd, layernorm_bwd_reference, layernorm_fwd, layernorm_reference
@@ -65,6 +66,7 @@ class RMSNormFunction(torch.autograd.Function):
         return y
 
     @staticmethod
+    @once_differentiable  # the kernels' backward has no graph of its own: no double backward
     def backward(ctx, dy):
         dx, dw = _rmsnorm_backward(ctx.saved_tensors, ctx.needs_input_grad, dy)
         return dx, dw, None
@@ -85,6 +87,7 @@ class FusedAddRMSNormFunction(torch.autograd.Function):
         return y, residual_out
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, dy, dresidual_out):
         if dy is None:
             dy = torch.zeros_like(ctx.saved_tensors[0], dtype=ctx.out_dtype)
@@ -249,6 +252,7 @@ class LayerNormFunction(torch.autograd.Function):
         return y
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, dy):
         return (*_layernorm_backward(ctx.saved_tensors, ctx.needs_input_grad, dy), None)
 
