@@ -14,7 +14,7 @@ import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 
-from .cache import DiskCache, default_cache_dir, entry_key, toolchain_key
+from .cache import DiskCache, default_cache_dir
 from .manifest import MANIFESTS, manifest
 from .spec import KernelSpec
 from .targets import target_for_arch
@@ -22,14 +22,11 @@ from .targets import target_for_arch
 
 def _warm_one(spec_json: str, arch: str, root: str) -> tuple[str, dict, bool, float]:
     """Compile one spec into the cache (a worker process); returns its label and metadata."""
-    from .compiler import compile_kernel, toolchain
+    from .jit import build_into
 
     spec, target = KernelSpec.from_json(json.loads(spec_json)), target_for_arch(arch)
-    tools = toolchain(target.vendor)
     start = time.perf_counter()
-    artifact, built = DiskCache(root).get_or_build(
-        entry_key(spec, target), toolchain_key(tools), tools, lambda: compile_kernel(spec, target)
-    )
+    artifact, built = build_into(DiskCache(root), spec, target)
     return spec.short(), artifact.meta, built, 1e3 * (time.perf_counter() - start)
 
 

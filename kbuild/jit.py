@@ -48,13 +48,18 @@ def artifact_for(spec: KernelSpec, target: Target, cache: DiskCache | None = Non
                 f"machine with the compiler: {warmup_command(spec, target, str(cache.root))}"
             )
         return artifact
+    return build_into(cache, spec, target)[0]
+
+
+def build_into(cache: DiskCache, spec: KernelSpec, target: Target) -> tuple[Artifact, bool]:
+    """The binary from `cache`, compiled and stored first if absent (once across processes);
+    also whether this call compiled it."""
     from .compiler import compile_kernel, toolchain
 
     tools = toolchain(target.vendor)
-    artifact, _ = cache.get_or_build(
-        key, toolchain_key(tools), tools, lambda: compile_kernel(spec, target)
+    return cache.get_or_build(
+        entry_key(spec, target), toolchain_key(tools), tools, lambda: compile_kernel(spec, target)
     )
-    return artifact
 
 
 def device_target(device_index: int) -> Target:

@@ -225,8 +225,3 @@ def hsum(v: V) -> V:
         return v
     elem = _element_type(v.type)
     return V(vector.reduction(elem, vector.CombiningKind.ADD, v.value))
-
-
-def lanes(v: V) -> list[V]:
-    """The lanes of a vector as scalars."""
-    return [V(vector.extract(v.value, [], [i])) for i in range(v.width)]

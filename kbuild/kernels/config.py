@@ -56,12 +56,15 @@ class RowConfig:
         """No column predicates needed: the threads cover the row exactly."""
         return not self.chunked and self.span == self.N
 
-    def grid(self, rows: int) -> int:
-        return -(-rows // self.rows_per_block)
-
 
 def _pow2_ceil(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
+
+
+def vector_width(N: int, dtype: str, vectorize: bool = True) -> int:
+    """Elements per access: 16 bytes when allowed and rows are a whole number of vectors."""
+    vec = 16 // ELEMENT_BYTES[dtype]
+    return vec if vectorize and N % vec == 0 else 1
 
 
 def choose_row_config(
@@ -84,8 +87,7 @@ def choose_row_config(
     not fit are chunked). `shapes` lists (iters, min threads, max threads) to try first, in
     order; then `iters_preference` orders the vectors-per-thread counts tried.
     """
-    size = ELEMENT_BYTES[dtype]
-    vec = 16 // size if vectorize and N % (16 // size) == 0 else 1
+    vec = vector_width(N, dtype, vectorize)
     nv = -(-N // vec)
     if words_per_elem is None:
         words_per_elem = 0.5 if dtype == "bf16" else 1.0

@@ -15,7 +15,6 @@ from ..dsl import (
     minimum,
     rewiden,
     row_sum,
-    splat,
     store,
     to_f32,
 )
@@ -142,7 +141,3 @@ def widen(values: list[V]) -> list[V]:
 def rewiden_all(values: list[V]) -> list[V]:
     """Widen raw row values a second time without an fp32 copy kept alive (dsl.rewiden)."""
     return [rewiden(v) for v in values]
-
-
-def broadcast(scalar: V, like: V) -> V:
-    return splat(scalar, like.width) if like.width > 1 else scalar

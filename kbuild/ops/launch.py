@@ -9,14 +9,16 @@ import torch
 
 from ..dtypes import ELEMENT_BYTES
 from ..jit import get_launcher
+from ..kernels.config import vector_width
 from ..spec import KernelSpec
 from .common import DTYPE_NAMES, stream_of
 
 
 def vectorizable(N: int, dtypes: Sequence[str], is_aligned: bool) -> bool:
-    """128-bit accesses are legal: aligned bases and rows a whole number of vectors long."""
-    widest = max(ELEMENT_BYTES[d] for d in dtypes)
-    return is_aligned and N % (16 // widest) == 0
+    """128-bit accesses are legal: aligned bases and rows a whole number of vectors long
+    (the kernels' own rule, for the widest of `dtypes`)."""
+    widest = max(dtypes, key=lambda d: ELEMENT_BYTES[d])
+    return vector_width(N, widest, is_aligned) > 1
 
 
 def launch_rows(
