@@ -1,5 +1,5 @@
-"""Launch-shape sweep: time each kernel at several `threads_per_row` against the default
-choice, to check the config chooser. Shapes as the benchmarks (bf16, M*N = 64 Mi).
+"""Launch-shape sweep: time each kernel variant of the `tune` manifest (threads per row,
+prefetch) against the config chooser's default. Shapes as the benchmarks (bf16, M*N = 64 Mi).
 
     kbuild warmup --manifest tune ...   then   python bench/tune.py [out.json]
 """
@@ -19,8 +19,43 @@ from bench.harness import measure_copy  # noqa: E402
 from kbuild.jit import artifact_for, device_target  # noqa: E402
 from kbuild.manifest import BENCH_ELEMENTS, manifest  # noqa: E402
 from kbuild.ops.common import stream_of  # noqa: E402
+from kbuild.ops.launch import persistent_grid, rows_grid  # noqa: E402
 from kbuild.runtime.cuda import Launcher  # noqa: E402
 from kbuild.timing import gbps, median_ms  # noqa: E402
+
+# Row-sized arrays each kernel reads (the rest it writes); the byte count is the tensors of
+# M x N elements the kernel must move (row stats and parameters are noise at these sizes).
+_MOVED = {
+    "rmsnorm_fwd": 2,
+    "layernorm_fwd": 2,
+    "rmsnorm_bwd": 3,
+    "layernorm_bwd": 3,
+    "fused_add_rmsnorm_bwd": 4,  # x (residual_out), dy, dresidual_out -> dx
+}
+
+
+def _arguments(launcher: Launcher, M: int, N: int) -> tuple[int, list[object]]:
+    """Grid and arguments bound by signature name: inputs random, outputs scratch."""
+    if launcher.meta.get("grid") == "persistent":
+        grid, partial_rows = persistent_grid(launcher, M)
+    else:
+        grid, partial_rows = rows_grid(launcher, M), 0
+    keep = []
+
+    def tensor(name: str) -> torch.Tensor:
+        if name in ("weight", "bias"):
+            t = torch.randn(N, device="cuda", dtype=torch.bfloat16)
+        elif name in ("mean", "rstd"):
+            t = torch.rand(M, device="cuda") + 0.5
+        elif name.endswith("_partial"):
+            t = torch.empty(partial_rows, N, device="cuda")
+        else:
+            t = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
+        keep.append(t)
+        return t
+
+    args = [M if name == "M" else tensor(name).data_ptr() for name in launcher.names]
+    return grid, args + [keep]
 
 
 def main() -> None:
@@ -30,30 +65,20 @@ def main() -> None:
         launcher = Launcher(artifact_for(spec, device_target(0)), 0)
         N = spec["N"]
         M = BENCH_ELEMENTS // N
-        x, y = (torch.randn(M, N, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-        w = torch.randn(N, device="cuda", dtype=torch.bfloat16)
-        stream = stream_of(0)
-        if spec.kernel == "rmsnorm_fwd":
-            nbytes = 2 * x.numel() * 2
-            grid = -(-M // launcher.rows_per_block)
-            args = (x.data_ptr(), w.data_ptr(), y.data_ptr(), M)
-        else:
-            dy = torch.randn_like(x)
-            rstd = torch.rand(M, device="cuda") + 0.5
-            grid = min(-(-M // launcher.rows_per_block), launcher.resident_blocks)
-            part = torch.empty(grid * launcher.rows_per_block, N, device="cuda")
-            nbytes = 3 * x.numel() * 2
-            ptrs = (x, w, dy, rstd, y, part)
-            args = (*(t.data_ptr() for t in ptrs), M)
-        fn = functools.partial(launcher, grid, stream, *args)
-        bw = gbps(nbytes, median_ms(fn))
+        grid, args = _arguments(launcher, M, N)
+        fn = functools.partial(launcher, grid, stream_of(0), *args[:-1])
+        bw = gbps(_MOVED[spec.kernel] * M * N * 2, median_ms(fn))
         meta = launcher.meta
         row = dict(
             kernel=spec.kernel,
             N=N,
-            tpr=spec.kwargs.get("threads_per_row"),
-            block=meta["block"],
+            tpr=meta.get("block"),
+            prefetch=spec.kwargs.get("prefetch"),
+            cluster=meta.get("cluster"),
+            shared=spec.kwargs.get("shared_partials"),
+            smem=meta.get("dynamic_shared_bytes", 0) + meta.get("shared_bytes", 0),
             regs=meta.get("registers"),
+            spills=meta.get("spill_stores"),
             gbps=round(bw),
             of_copy=round(bw / copy, 3),
             resident=launcher.resident_blocks,

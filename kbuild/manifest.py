@@ -106,19 +106,21 @@ def _bench() -> Iterator[KernelSpec]:
 
 
 def _tune() -> Iterator[KernelSpec]:
-    """Launch-shape variants for bench/tune.py (threads_per_row None = the chooser's pick)."""
-    for N in BENCH_N:
-        for tpr in (None, 256, 512, 1024):
-            extra = {} if tpr is None else {"threads_per_row": tpr}
-            yield KernelSpec.make(
-                "rmsnorm_bwd",
-                N=N,
-                dtype="bf16",
-                weight_dtype="bf16",
-                compute_dw=True,
-                vectorize=True,
-                **extra,
-            )
+    """Launch-shape alternatives to the chooser's picks (the bench manifest has those) for
+    bench/tune.py: blocks per row (cluster) and where the backward's partials live."""
+    ln_fwd = dict(weight_dtype="bf16", bias_dtype="bf16", store_stats=True, eps=1e-5)
+    ln_bwd = dict(weight_dtype="bf16", compute_dw=True, compute_db=True)
+    rms_bwd = dict(weight_dtype="bf16", compute_dw=True)
+    bf16 = dict(dtype="bf16", vectorize=True)
+    for cluster in (1, 2, 4, 8):
+        yield KernelSpec.make("layernorm_fwd", N=65536, cluster=cluster, **ln_fwd, **bf16)
+    for cluster in (2, 8):
+        yield KernelSpec.make("layernorm_fwd", N=16384, cluster=cluster, **ln_fwd, **bf16)
+    for cluster in (4, 8):
+        yield KernelSpec.make("layernorm_bwd", N=16384, cluster=cluster, **ln_bwd, **bf16)
+    for shared in (False, True):
+        yield KernelSpec.make("rmsnorm_bwd", N=65536, shared_partials=shared, **rms_bwd, **bf16)
+        yield KernelSpec.make("layernorm_bwd", N=65536, shared_partials=shared, **ln_bwd, **bf16)
 
 
 def _standard() -> Iterator[KernelSpec]:

@@ -168,14 +168,16 @@ def test_unaligned_bf16_uses_no_vector_accesses():
 
 
 # A spill the kernel code accepts on purpose; the test still fails if it goes away unnoticed.
-KNOWN_SPILLS = {
-    BF16_65536: "8-byte spill accepted in kbuild/kernels/norm_forward.py build_norm_forward "
-    "(register path measured 88% of copy vs 67% chunked), against the zero-spill rule"
-}
+_FWD_65536_SPILL = (
+    "8-byte spill accepted in kbuild/kernels/norm_forward.py build_norm_forward (register "
+    "path measured 88% of copy vs 67% chunked, 79-84% split over a cluster), against the "
+    "zero-spill rule"
+)
+KNOWN_SPILLS = {(BF16_65536, arch): _FWD_65536_SPILL for arch in ("sm_80", "sm_90")}
 
 
-def _known_spill(spec: KernelSpec) -> list:
-    reason = KNOWN_SPILLS.get(spec)
+def _known_spill(spec: KernelSpec, arch: str) -> list:
+    reason = KNOWN_SPILLS.get((spec, arch))
     return [pytest.mark.xfail(strict=True, raises=AssertionError, reason=reason)] if reason else []
 
 
@@ -183,10 +185,11 @@ def _known_spill(spec: KernelSpec) -> list:
 @pytest.mark.parametrize(
     "spec, arch",
     [
-        pytest.param(spec, arch, marks=_known_spill(spec), id=name)
+        pytest.param(spec, arch, marks=_known_spill(spec, arch), id=name)
         for spec, arch, name in (
             (BF16_4096, "sm_90", "bf16-4096-sm90"),
             (BF16_65536, "sm_90", "bf16-65536-sm90"),
+            (BF16_65536, "sm_80", "bf16-65536-sm80"),
             (F32_4096, "sm_90", "f32-4096-sm90"),
             (BF16_4096, "sm_80", "bf16-4096-sm80"),
         )
@@ -263,7 +266,7 @@ def _bench_specs() -> list[KernelSpec]:
 
 
 def _bench_params() -> list:
-    return [pytest.param(spec, marks=_known_spill(spec)) for spec in _bench_specs()]
+    return [pytest.param(spec, marks=_known_spill(spec, "sm_90")) for spec in _bench_specs()]
 
 
 @needs_ptxas

@@ -39,7 +39,8 @@ class Recorder:
         self.spec = spec
         self.signature = _signature(spec)
         self.rows_per_block = 2
-        self.resident_blocks = 3
+        self.cluster = 1
+        self.resident_blocks = self.resident_clusters = 3
         self.meta = {"columns_per_block": 32}
 
     def __call__(self, grid, stream, *args):

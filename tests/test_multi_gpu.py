@@ -28,7 +28,7 @@ import kbuild
 from kbuild import jit
 from kbuild.cache import DiskCache, default_cache_dir, entry_key
 from kbuild.manifest import TRAIN_DTYPE, TRAIN_N, manifest
-from kbuild.ops.launch import column_sum_spec
+from kbuild.ops.launch import column_sum_spec, rows_grid
 from kbuild.ops.rmsnorm import rmsnorm_bwd_spec, rmsnorm_fwd_spec
 
 from . import multi_gpu_worker
@@ -396,7 +396,7 @@ def test_launch_without_context_binds_primary_context(memory_tier) -> None:
     y = torch.full_like(x, float("nan"))
     stream = torch.cuda.current_stream(0).cuda_stream
     torch.cuda.synchronize(0)
-    grid = -(-M // launcher.rows_per_block)
+    grid = rows_grid(launcher, M)
     args = (x.data_ptr(), w.data_ptr(), y.data_ptr(), M)
     _, before, after = _in_fresh_thread(lambda: launcher(grid, stream, *args))
     torch.cuda.synchronize(0)

@@ -8,7 +8,7 @@ compiler and the kernel builders do.
 from .control import if_else, if_then, loop
 from .kernel import Kernel
 from .memory import atomic_add, get_llvm_ptr, load, store
-from .reduce import group_sum, row_sum
+from .reduce import add, cluster_reduce, group_reduce, group_sum, row_reduce, row_sum
 from .values import (
     V,
     cast,
@@ -17,11 +17,13 @@ from .values import (
     hsum,
     i32,
     i64,
+    join,
     minimum,
     rewiden,
     rsqrt,
     select,
     splat,
+    split,
     to_f32,
 )
 
@@ -29,23 +31,29 @@ __all__ = [
     "Kernel",
     "V",
     "atomic_add",
+    "add",
     "cast",
+    "cluster_reduce",
     "const",
     "element_bytes",
     "get_llvm_ptr",
+    "group_reduce",
     "group_sum",
     "hsum",
     "i32",
     "i64",
     "if_else",
     "if_then",
+    "join",
     "load",
     "loop",
     "minimum",
     "rewiden",
+    "row_reduce",
     "row_sum",
     "rsqrt",
     "select",
+    "split",
     "splat",
     "store",
     "to_f32",

@@ -14,13 +14,14 @@ Arguments are raw global pointers (`!llvm.ptr<1>`) and i64/f32 scalars, in decla
 from __future__ import annotations
 
 from mlir import ir
-from mlir.dialects import gpu, llvm
+from mlir.dialects import gpu, llvm, nvvm
 
 from ..targets import Target
-from .values import V, cast, scalar_type
+from .values import V, cast, const, scalar_type
 
 GLOBAL = 1
 SHARED = 3
+SHARED_CLUSTER = 7  # another block's shared memory, within a cluster
 
 
 def global_ptr_type() -> ir.Type:
@@ -28,11 +29,21 @@ def global_ptr_type() -> ir.Type:
 
 
 class Kernel:
-    def __init__(self, name: str, target: Target, block: int, min_blocks_per_sm: int | None = None):
+    def __init__(
+        self,
+        name: str,
+        target: Target,
+        block: int,
+        min_blocks_per_sm: int | None = None,
+        cluster: int = 1,
+    ):
         """`min_blocks_per_sm` asks the backend to fit that many blocks on a multiprocessor
-        (on NVIDIA, `.minnctapersm`: registers are capped to make room)."""
+        (on NVIDIA, `.minnctapersm`: registers are capped to make room). `cluster` > 1 groups
+        that many consecutive blocks into a cluster (see `remote`, `cluster_barrier`); the
+        grid must then be a multiple of it."""
         self.name = name
         self.min_blocks_per_sm = min_blocks_per_sm
+        self.cluster = cluster
         self.target = target
         self.block = block
         self.args: list[tuple[str, str]] = []  # (name, "ptr" | "i64" | "f32")
@@ -68,9 +79,13 @@ class Kernel:
                 kernel=True,
                 known_block_size=[self.block, 1, 1],
             )
-            hint = self.target.occupancy_attribute(self.min_blocks_per_sm)
-            if hint is not None:
-                self._fn.attributes[hint[0]] = ir.Attribute.parse(hint[1])
+            hints = (
+                self.target.occupancy_attribute(self.min_blocks_per_sm),
+                self.target.cluster_attribute(self.cluster),
+            )
+            for hint in hints:
+                if hint is not None:
+                    self._fn.attributes[hint[0]] = ir.Attribute.parse(hint[1])
             self._entry = self._fn.body.blocks.append()
         self._ip = ir.InsertionPoint(self._entry)
         self._ip.__enter__()
@@ -115,6 +130,26 @@ class Kernel:
     def barrier(self) -> None:
         gpu.barrier()
 
+    # ------------------------------------------------------------------ clusters
+
+    def cluster_rank(self) -> V:
+        """This block's index within its cluster (i64; 0 without clusters)."""
+        if self.cluster == 1:
+            return const(0, "i64")
+        rank = nvvm.read_ptx_sreg_cluster_ctarank(ir.IntegerType.get_signless(32))
+        return cast(V(rank), "i64")
+
+    def remote(self, shared_ptr: V, rank: V) -> V:
+        """The same shared-memory address in block `rank` of this cluster (store to it)."""
+        ptr_t = llvm.PointerType.get(address_space=SHARED_CLUSTER)
+        return V(nvvm.mapa(ptr_t, shared_ptr.value, cast(rank, "i32").value))
+
+    def cluster_barrier(self) -> None:
+        """Every thread of every block in the cluster arrives (release) and waits (acquire):
+        shared-memory stores made before it, local or remote, are visible after it."""
+        nvvm.cluster_arrive(aligned=True)
+        nvvm.cluster_wait(aligned=True)
+
     @property
     def warp_size(self) -> int:
         return self.target.warp_size
@@ -136,8 +171,24 @@ class Kernel:
         ptr_t = llvm.PointerType.get(address_space=SHARED)
         return V(llvm.AddressOfOp(ptr_t, name).result)
 
+    def dynamic_shared(self, count: int, dtype: str = "f32") -> V:
+        """A shared array sized at launch (`meta["dynamic_shared_bytes"]`, which the launcher
+        passes): unlike `shared`, it may exceed the 48 KB a kernel can declare statically.
+        One per kernel."""
+        if "dynamic_shared_bytes" in self.meta:
+            raise ValueError("a kernel has one dynamic shared array")
+        text = (
+            "llvm.mlir.global external @__dynamic_smem() {addr_space = 3 : i32, "
+            "alignment = 16 : i64} : !llvm.array<0 x i8>"
+        )
+        self._module_ip.insert(ir.Operation.parse(text))
+        self.meta["dynamic_shared_bytes"] = count * (scalar_type(dtype).width // 8)
+        ptr_t = llvm.PointerType.get(address_space=SHARED)
+        return V(llvm.AddressOfOp(ptr_t, "__dynamic_smem").result)
+
     @property
     def shared_bytes(self) -> int:
+        """Static shared memory (dynamic: `meta["dynamic_shared_bytes"]`)."""
         return self._shared_bytes
 
     def signature(self) -> list[tuple[str, str]]:

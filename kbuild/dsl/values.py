@@ -113,6 +113,9 @@ class V:
     def __truediv__(self, o):
         return self._binary(o, arith.divf, arith.divsi)
 
+    def __rtruediv__(self, o):
+        return self._binary(o, arith.divf, arith.divsi, reverse=True)
+
     def __floordiv__(self, o):
         return self._binary(o, arith.divf, arith.divsi)
 
@@ -225,3 +228,22 @@ def hsum(v: V) -> V:
         return v
     elem = _element_type(v.type)
     return V(vector.reduction(elem, vector.CombiningKind.ADD, v.value))
+
+
+def split(v: V, width: int) -> list[V]:
+    """A vector as consecutive pieces of `width` lanes (a scalar, or width >= lanes: [v])."""
+    if v.width <= width:
+        return [v]
+    # vector.shuffle lowers to llvm.shufflevector (extract_strided_slice has no GPU lowering).
+    return [
+        V(vector.shuffle(v.value, v.value, list(range(o, o + width))))
+        for o in range(0, v.width, width)
+    ]
+
+
+def join(parts: list[V]) -> V:
+    """The inverse of `split`: consecutive pieces concatenated into one vector."""
+    while len(parts) > 1:
+        pairs = zip(parts[::2], parts[1::2], strict=True)
+        parts = [V(vector.shuffle(a.value, b.value, list(range(2 * a.width)))) for a, b in pairs]
+    return parts[0]

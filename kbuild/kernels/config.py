@@ -8,8 +8,14 @@ row (the backward kernels keep their dweight partials in registers because of it
 
 Rows that fit in registers stay there and are read once: a thread may hold `max_elems` fp32
 words of row data (half that at 1024 threads, where a thread gets only 64 registers); bf16
-rows are held packed, two to a word, and widened where used (dsl.rewiden). Longer rows are
-walked in chunks, two or three passes, the later ones mostly served from L2.
+rows are held packed, two to a word, and widened where used (dsl.rewiden).
+
+Longer rows are walked in chunks, two or three passes, the later ones mostly served from L2.
+The backward kernels, where that costs most (20-39% of copy at N = 65536), split such rows
+across a cluster of blocks instead where the target has clusters (Hopper on): each block
+holds a contiguous slice and the row sums are combined through distributed shared memory,
+so the row is read once. Forward kernels do not: one cluster barrier per row cost more than
+chunking saved there (bench/results/h200_tune_clusters.json).
 """
 
 from __future__ import annotations
@@ -27,9 +33,12 @@ FORWARD_ELEMS = 64
 # thread without crowding the register file.
 _ITERS_PREFERENCE = (4, 3, 5, 2, 6, 8, 7, 1, 16, 12, 10, 9, 11, 13, 14, 15)
 # Backward kernels hold more per element (x, dy, w and dw partials), so few vectors per thread;
-# measured on an H200 (bench/results/tune_bwd.json): two vectors per thread in blocks of
-# 128-512 threads run at 90-98% of copy, one vector in 1024-thread blocks at 60%.
+# measured on an H200 (bench/results/h200_tune_backward.json): two vectors per thread in
+# blocks of 128-512 threads run at 86-98% of copy, one vector in 1024-thread blocks at
+# 60-90%. The plain RMSNorm backward prefers one vector per thread up to 512 threads, where
+# it can also prefetch the next row within 64 registers (99% at N = 2048, against 91%).
 BACKWARD_SHAPES = ((2, 128, 512), (1, 1, 512), (2, 1, 1024), (1, 1, 1024))
+RMS_BACKWARD_SHAPES = ((1, 128, 512), (2, 128, 512), (2, 1, 1024), (1, 1, 1024))
 CHUNK_ITERS = 4
 
 
@@ -41,20 +50,26 @@ class RowConfig:
     rows_per_block: int
     iters: int  # vectors per thread per row (per chunk when chunked)
     chunked: bool  # row too long for registers: loop over chunks, two passes
+    cluster: int = 1  # blocks sharing one row, each a contiguous slice (rows_per_block 1)
 
     @property
     def block(self) -> int:
         return self.threads_per_row * self.rows_per_block
 
     @property
+    def slice(self) -> int:
+        """Elements of the row one block covers (the whole row without a cluster)."""
+        return self.N // self.cluster
+
+    @property
     def span(self) -> int:
-        """Elements covered by one pass of the row's threads."""
+        """Elements covered by one pass of the block's threads over its slice."""
         return self.iters * self.threads_per_row * self.vec
 
     @property
     def exact(self) -> bool:
-        """No column predicates needed: the threads cover the row exactly."""
-        return not self.chunked and self.span == self.N
+        """No column predicates needed: the threads cover the slice exactly."""
+        return not self.chunked and self.span == self.slice
 
 
 def _pow2_ceil(n: int) -> int:
@@ -77,6 +92,8 @@ def choose_row_config(
     words_per_elem: float | None = None,
     iters_preference: tuple[int, ...] = _ITERS_PREFERENCE,
     shapes: tuple[tuple[int, int, int], ...] = (),
+    max_cluster: int = 1,
+    cluster: int | None = None,
 ) -> RowConfig:
     """Threads, vector width and rows per block for rows of N elements of `dtype`.
 
@@ -86,7 +103,37 @@ def choose_row_config(
     `threads_per_row` forces the row's thread count (a tuning override; rows that then do
     not fit are chunked). `shapes` lists (iters, min threads, max threads) to try first, in
     order; then `iters_preference` orders the vectors-per-thread counts tried.
+
+    Rows that would be chunked are split over a cluster of up to `max_cluster` blocks
+    instead (see `cluster_size`); `cluster` forces the number of blocks per row (a tuning
+    override, 1 = none).
     """
+    shape = (max_elems, threads_per_row, words_per_elem, iters_preference, shapes)
+    if cluster is None:
+        one = _single_block(N, dtype, warp_size, vectorize, *shape)
+        if not one.chunked or max_cluster == 1:
+            return one
+        cluster = cluster_size(N, dtype, vectorize, max_cluster)
+    if cluster == 1:
+        return _single_block(N, dtype, warp_size, vectorize, *shape)
+    if N % (cluster * vector_width(N, dtype, vectorize)):
+        raise ValueError(f"a cluster of {cluster} cannot split rows of {N} into vectors")
+    one = _single_block(N // cluster, dtype, warp_size, vectorize, *shape)
+    return RowConfig(N, one.vec, one.threads_per_row, 1, one.iters, one.chunked, cluster)
+
+
+def _single_block(
+    N: int,
+    dtype: str,
+    warp_size: int,
+    vectorize: bool,
+    max_elems: int,
+    threads_per_row: int | None,
+    words_per_elem: float | None,
+    iters_preference: tuple[int, ...],
+    shapes: tuple[tuple[int, int, int], ...],
+) -> RowConfig:
+    """choose_row_config for one block per row."""
     vec = vector_width(N, dtype, vectorize)
     nv = -(-N // vec)
     if words_per_elem is None:
@@ -123,6 +170,18 @@ def choose_row_config(
     if fits(tpr, iters):
         return _pack(N, vec, tpr, iters, False)
     return _pack(N, vec, MAX_THREADS // 2, CHUNK_ITERS, True)
+
+
+def cluster_size(N: int, dtype: str, vectorize: bool, max_cluster: int) -> int:
+    """Blocks per row: the most (a power of two up to `max_cluster`) whose slices are a
+    whole number of vectors; 1 where none are. More, smaller blocks hide the per-row cluster
+    barrier better (LayerNorm backward, N = 16384 on an H200: 68%, 76%, 76% of copy for
+    2, 4, 8 blocks)."""
+    vec = vector_width(N, dtype, vectorize)
+    c = max_cluster
+    while c > 1 and (vec == 1 or N % (c * vec)):
+        c //= 2
+    return max(1, c)
 
 
 def _pack(N: int, vec: int, tpr: int, iters: int, chunked: bool) -> RowConfig:

@@ -6,7 +6,9 @@ from __future__ import annotations
 from ..dsl import (
     Kernel,
     V,
+    add,
     cast,
+    cluster_reduce,
     const,
     get_llvm_ptr,
     if_else,
@@ -14,7 +16,7 @@ from ..dsl import (
     load,
     minimum,
     rewiden,
-    row_sum,
+    row_reduce,
     store,
     to_f32,
 )
@@ -26,34 +28,41 @@ class RowTile:
     """One thread's place in the row grid of a kernel, and its row loads, stores and sums."""
 
     def __init__(self, k: Kernel, cfg: RowConfig, rows: V, row_group: V | None = None):
-        """`rows` is M (i64). `row_group` (default: the block index) picks the block's rows."""
+        """`rows` is M (i64). `row_group` (default: the block's, or with a cluster the
+        cluster's, index) picks the rows; a block of a cluster covers slice `rank` of them."""
         self.k, self.cfg, self.rows = k, cfg, rows
         tid = k.thread_id()
         self.lane = tid % cfg.threads_per_row if cfg.rows_per_block > 1 else tid
         self.row_in_block = tid / cfg.threads_per_row if cfg.rows_per_block > 1 else const(0, "i64")
-        group = k.block_id() if row_group is None else row_group
-        row = group * cfg.rows_per_block + self.row_in_block
-        # Rows past M (in the last block) still take part in barriers: they compute on row
-        # M - 1 and skip their stores.
-        self.partial_rows = cfg.rows_per_block > 1 or row_group is not None
+        if row_group is None:
+            row_group = k.block_id() / cfg.cluster if cfg.cluster > 1 else k.block_id()
+            # Rows past M (in the last block) still take part in barriers: they compute on
+            # row M - 1 and skip their stores. A rows grid has no such rows at one per block.
+            self.partial_rows = cfg.rows_per_block > 1
+        else:
+            self.partial_rows = True
+        row = row_group * cfg.rows_per_block + self.row_in_block
         self.valid = row < rows if self.partial_rows else None
         self.row = minimum(row, rows - 1) if self.partial_rows else row
-        self.offset = self.row * cfg.N
+        # First column of this block's slice (0 without a cluster).
+        self.first = k.cluster_rank() * cfg.slice if cfg.cluster > 1 else 0
+        self.offset = self.row * cfg.N + self.first
 
     # ------------------------------------------------------------------ columns
 
     def columns(self, start: V | int = 0) -> list[V]:
-        """Element column of each of this thread's vectors (from chunk `start`)."""
+        """Column of each of this thread's vectors within the block's slice of the row (the
+        row without a cluster), from chunk `start`."""
         c = self.cfg
         base = self.lane * c.vec + start
         return [base + i * c.threads_per_row * c.vec for i in range(c.iters)]
 
     def inside(self, start: V | int = 0) -> list[V | None]:
-        """Per vector: whether its columns lie inside the row (None: always, no test)."""
+        """Per vector: whether its columns lie inside the slice (None: always, no test)."""
         return [self._guarded(col) for col in self.columns(start)]
 
     def _guarded(self, col: V) -> V | None:
-        return None if self.cfg.exact else col < self.cfg.N
+        return None if self.cfg.exact else col < self.cfg.slice
 
     # ------------------------------------------------------------------ loads and stores
 
@@ -63,11 +72,11 @@ class RowTile:
 
     def load_row(self, base: V, row: V, dtype: str, start: V | int = 0) -> list[V]:
         """Like `load`, from row `row` of an (R, N) array (a workspace) instead of this row."""
-        return self._load(base, row * self.cfg.N, dtype, start)
+        return self._load(base, row * self.cfg.N + self.first, dtype, start)
 
     def load_param(self, base: V, dtype: str, start: V | int = 0) -> list[V]:
         """This thread's vectors of a length-N parameter (weight, bias), raw."""
-        return self._load(base, const(0, "i64"), dtype, start)
+        return self._load(base, const(0, "i64") + self.first, dtype, start)
 
     def _load(self, base: V, offset: V, dtype: str, start: V | int) -> list[V]:
         out = []
@@ -93,7 +102,7 @@ class RowTile:
 
     def store_row(self, base: V, row: V, values: list[V], dtype: str, start: V | int = 0) -> None:
         """Store into row `row` of an (R, N) array (a workspace), whatever this row's validity."""
-        self._store(base, row * self.cfg.N, values, dtype, start, None)
+        self._store(base, row * self.cfg.N + self.first, values, dtype, start, None)
 
     def _store(self, base, offset, values, dtype, start, valid: V | None) -> None:
         for col, v in zip(self.columns(start), values, strict=True):
@@ -119,12 +128,33 @@ class RowTile:
 
     # ------------------------------------------------------------------ reductions
 
-    def sum(self, *per_thread: V, reused: bool = False) -> list[V]:
+    def sum(self, *per_thread: V, reused: bool = False, phase: V | None = None) -> list[V]:
         """Row totals of per-thread f32 partials (several at once share one barrier)."""
+        return self.reduce(list(per_thread), add, reused, phase)
+
+    def reduce(
+        self, state: list[V], merge, reused: bool = False, phase: V | None = None
+    ) -> list[V]:
+        """A per-thread state merged over the row (dsl.row_reduce; `sum` merges by adding).
+
+        `reused`: the call sits in a loop (its shared slots are reused). With a cluster the
+        block results are then merged across the cluster (dsl.cluster_reduce), whose barrier
+        also orders the slot reuse; a call in a loop passes `phase` (iteration % 2) for it.
+        """
         c = self.cfg
-        return row_sum(
-            self.k, list(per_thread), c.threads_per_row, self.row_in_block, c.rows_per_block, reused
+        clustered = c.cluster > 1
+        if clustered and reused and phase is None:
+            raise ValueError("a cluster row reduction inside a loop needs its phase")
+        out = row_reduce(
+            self.k,
+            state,
+            c.threads_per_row,
+            self.row_in_block,
+            c.rows_per_block,
+            reused and not clustered,
+            merge,
         )
+        return cluster_reduce(self.k, out, phase, merge) if clustered else out
 
 
 def wider(*dtypes: str | None) -> str:

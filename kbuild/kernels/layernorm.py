@@ -30,6 +30,7 @@ def build_layernorm_module(
     target: Target,
     vectorize: bool = True,
     threads_per_row: int | None = None,
+    cluster: int | None = None,
 ) -> Kernel:
     """Launch arguments: x, [weight], [bias], y, [mean, rstd], M."""
     p = NormForward(
@@ -43,7 +44,7 @@ def build_layernorm_module(
         store_stats=store_stats,
         eps=eps,
     )
-    return build_norm_forward(p, target, vectorize, threads_per_row)
+    return build_norm_forward(p, target, vectorize, threads_per_row, cluster)
 
 
 def build_layernorm_bwd_module(
@@ -55,6 +56,9 @@ def build_layernorm_bwd_module(
     target: Target,
     vectorize: bool = True,
     threads_per_row: int | None = None,
+    prefetch: bool | None = None,
+    cluster: int | None = None,
+    shared_partials: bool | None = None,
 ) -> Kernel:
     """Launch arguments: x, [weight], dy, mean, rstd, dx, [dw_partial], [db_partial], M."""
     p = NormBackward(
@@ -68,4 +72,6 @@ def build_layernorm_bwd_module(
         compute_dw=compute_dw and weight_dtype is not None,
         compute_db=compute_db,
     )
-    return build_norm_backward(p, target, vectorize, threads_per_row)
+    return build_norm_backward(
+        p, target, vectorize, threads_per_row, prefetch, cluster, shared_partials
+    )

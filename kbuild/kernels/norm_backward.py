@@ -22,13 +22,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..dsl import Kernel, V, const, hsum, loop, select
+from ..dsl import Kernel, V, const, get_llvm_ptr, hsum, join, load, loop, select, split, store
 from ..dsl.values import vector_type
 from ..targets import Target
-from .config import BACKWARD_SHAPES, choose_row_config
+from .config import BACKWARD_SHAPES, RMS_BACKWARD_SHAPES, choose_row_config
 from .kernels_common import RowTile, rewiden_all, widen, wider
 
 BACKWARD_ELEMS = 64  # fp32 words of row data a thread may hold at <= 512 threads
+# Shared-memory partials up to this size are declared statically (the limit is 48 KB with the
+# row sums' slots); larger ones are dynamic shared memory, reserved at launch.
+_STATIC_PARTIAL_BYTES = 40 * 1024
+SHARED_PARTIALS_MAX = 128 * 1024  # one block still fits a multiprocessor (227 KB on Hopper)
 
 
 @dataclass(frozen=True)
@@ -45,29 +49,66 @@ class NormBackward:
 
 
 def build_norm_backward(
-    p: NormBackward, target: Target, vectorize: bool, threads_per_row: int | None
+    p: NormBackward,
+    target: Target,
+    vectorize: bool,
+    threads_per_row: int | None,
+    prefetch: bool | None = None,
+    cluster: int | None = None,
+    shared_partials: bool | None = None,
 ) -> Kernel:
     """Launch arguments: x, [weight], dy, [mean], rstd, [dresidual_out], dx, [dw_partial],
-    [db_partial], M. Grid: persistent (at most the device's resident blocks)."""
-    N = p.N
+    [db_partial], M. Grid: persistent (at most the device's resident clusters, times the
+    cluster size).
+
+    `prefetch` loads the next row while the current one is reduced (register-resident rows;
+    default: where the registers allow it). `shared_partials` keeps the dw/db partials in
+    shared memory instead of registers. `threads_per_row`, `prefetch`, `cluster` and
+    `shared_partials` override the chooser (tuning).
+    """
     io = wider(p.dtype, p.x_dtype)
-    partial_words = (1.0 if p.compute_dw else 0.0) + (1.0 if p.compute_db else 0.0)
-    cfg = choose_row_config(
-        N,
-        io,
-        target.warp_size,
-        vectorize,
-        BACKWARD_ELEMS,
-        threads_per_row,
-        words_per_elem=(2.0 if io == "f32" else 1.0) + partial_words,
-        iters_preference=tuple(range(1, 17)),
-        shapes=BACKWARD_SHAPES,
-    )
+    n_partials = int(p.compute_dw) + int(p.compute_db)
+    plain_rms = not p.center and not p.has_dres
+
+    def config(partial_words: float, blocks_per_row: int | None):
+        return choose_row_config(
+            p.N,
+            io,
+            target.warp_size,
+            vectorize,
+            BACKWARD_ELEMS,
+            threads_per_row,
+            words_per_elem=(2.0 if io == "f32" else 1.0) + partial_words,
+            iters_preference=tuple(range(1, 17)),
+            shapes=RMS_BACKWARD_SHAPES if plain_rms else BACKWARD_SHAPES,
+            max_cluster=target.max_cluster,
+            cluster=blocks_per_row,
+        )
+
+    cfg = config(float(n_partials), cluster)  # partials in registers
+    if shared_partials is None:
+        # Measured on an H200 (bench/results/h200_tune_backward.json): shared-memory partials
+        # win for the fused backward (97-103% of copy against 91-100%) and for every row split
+        # over a cluster (LayerNorm N = 65536: 65% against 50%); a LayerNorm row that fits
+        # one block runs best with register partials and prefetch, uncapped (88%).
+        shared_partials = p.has_dres or cfg.cluster > 1
+    if shared_partials and n_partials:  # a shape for the row alone, partials off registers
+        alone = config(0.0, cfg.cluster)
+        size = n_partials * alone.slice * alone.rows_per_block * 4
+        shared_partials = not alone.chunked and size <= SHARED_PARTIALS_MAX
+        cfg = alone if shared_partials else cfg
+    shared_partials = bool(shared_partials and n_partials)
     # Exact register-resident rows: ask for >= 1024 resident threads per SM (64 registers
     # each), enough loads in flight. Predicated and chunked rows would spill under that cap.
-    # (LayerNorm holds a second partial and the mean: capped, it spills; it runs uncapped.)
-    min_blocks = max(1, 1024 // cfg.block) if cfg.exact and not p.center else None
-    with Kernel(p.name, target, cfg.block, min_blocks_per_sm=min_blocks) as k:
+    # (LayerNorm with both partials in registers spills 144 bytes capped: it runs uncapped.)
+    capped = cfg.exact and (not p.center or shared_partials or not n_partials)
+    min_blocks = max(1, 1024 // cfg.block) if capped else None
+    if prefetch is None:
+        # The prefetched row doubles the raw row's registers: under the 64-register cap that
+        # spills from two vectors per thread on (measured on an H200: 61-64% against 91-95%).
+        prefetch = min_blocks is None or cfg.iters == 1
+    C = cfg.cluster
+    with Kernel(p.name, target, cfg.block, min_blocks_per_sm=min_blocks, cluster=C) as k:
         x_ptr = k.ptr("x")
         w_ptr = k.ptr("weight") if p.weight_dtype else None
         dy_ptr = k.ptr("dy")
@@ -79,11 +120,27 @@ def build_norm_backward(
         db_ptr = k.ptr("db_partial") if p.compute_db else None
         partials = [ptr for ptr in (dw_ptr, db_ptr) if ptr is not None]
         rows = k.i64("M")
-        home = RowTile(k, cfg, rows, row_group=k.block_id())  # this thread's columns
-        slot = k.block_id() * cfg.rows_per_block + home.row_in_block  # its workspace row
+        # The persistent loop runs over clusters (blocks, without one): cluster c takes row
+        # groups c, c + clusters, ...; its blocks each cover their slice of those rows.
+        first_group = k.block_id() / C if C > 1 else k.block_id()
+        stride = k.grid_size() / C if C > 1 else k.grid_size()
+        home = RowTile(k, cfg, rows, row_group=first_group)  # this thread's columns
+        slot = first_group * cfg.rows_per_block + home.row_in_block  # its workspace row
         groups = (rows + (cfg.rows_per_block - 1)) / cfg.rows_per_block
         zero_vec = const(0.0, vector_type("f32", cfg.vec) if cfg.vec > 1 else "f32")
-        inv_n = 1.0 / N
+        inv_n = 1.0 / p.N
+
+        def row_loop(init: list[V], body) -> list[V]:
+            """This block's loop over its row groups: body(g, phase, carried) -> carried.
+            `phase` (i64) alternates 0, 1, ... for the cluster row sum's double buffer;
+            None without a cluster."""
+            if C == 1:
+                return loop(first_group, groups, stride, init, lambda g, c: body(g, None, c))
+
+            def step(g: V, carried: list[V]) -> list[V]:
+                return [1 - carried[0]] + body(g, carried[0], carried[1:])
+
+            return loop(first_group, groups, stride, [const(0, "i64")] + init, step)[1:]
 
         def loads(t: RowTile, start: V | int = 0):
             """Raw x, dy and w of one (chunk of a) row. w is read again for every row (from
@@ -141,22 +198,80 @@ def build_norm_backward(
             return t, (mean, rstd)
 
         if not cfg.chunked:
+            n = cfg.iters
 
-            def body(g: V, acc: list[V]) -> list[V]:
-                t, stats = row_stats(g)
-                x, dy, w = loads(t)
-                row_sums = t.sum(*sums(*terms(x, dy, w, stats, widen)), reused=True)
+            def fetch(g: V) -> list[V]:
+                """Raw x, dy and saved stats of row group g (a row past M reads row M - 1)."""
+                t = RowTile(k, cfg, rows, row_group=g)
+                stats = [t.load_row_scalar(rstd_ptr)]
+                if p.center:
+                    stats.append(t.load_row_scalar(mean_ptr))
+                return t.load(x_ptr, p.x_dtype) + t.load(dy_ptr, p.dtype) + stats
+
+            if shared_partials:
+                # Partial (j) of vector i of this thread: vec fp32 in pieces of 4 (16 bytes),
+                # each piece's slots contiguous over the block's threads (no bank conflicts).
+                sub = min(cfg.vec, 4)
+                pieces = cfg.vec // sub
+                count = n_partials * n * cfg.vec * cfg.block
+                static = count * 4 <= _STATIC_PARTIAL_BYTES
+                base = k.shared(count) if static else k.dynamic_shared(count)
+                tid = k.thread_id()
+
+                def slots(j: int, i: int) -> list[V]:
+                    first = ((j * n + i) * pieces) * cfg.block
+                    return [
+                        get_llvm_ptr(base, (tid + (first + q * cfg.block)) * sub, "f32")
+                        for q in range(pieces)
+                    ]
+
+                def get(j: int, i: int) -> V:
+                    return join([load(ptr, "f32", sub) for ptr in slots(j, i)])
+
+                def put(j: int, i: int, value: V) -> None:
+                    for ptr, piece in zip(slots(j, i), split(value, sub), strict=True):
+                        store(piece, ptr)
+
+                for j in range(n_partials):
+                    for i in range(n):
+                        put(j, i, zero_vec)
+
+            def process(g: V, phase: V | None, acc: list[V], fetched: list[V]) -> list[V]:
+                t = RowTile(k, cfg, rows, row_group=g)
+                x, dy, rstd = fetched[:n], fetched[n : 2 * n], fetched[2 * n]
+                # A row past M (last group) has rstd 0: it adds nothing to dw, stores nothing.
+                stats = (fetched[2 * n + 1] if p.center else None, select(t.valid, rstd, 0.0))
+                w = None if w_ptr is None else t.load_param(w_ptr, p.weight_dtype)
+                row_sums = t.sum(*sums(*terms(x, dy, w, stats, widen)), reused=True, phase=phase)
                 x_hat, wdy = terms(x, dy, w, stats, rewiden_all)
                 write_dx(t, x_hat, wdy, row_sums, stats[1])
                 new = [v for terms_ in partial_terms(t, dy, x_hat) for v in terms_]
+                if shared_partials:
+                    for index, d in enumerate(new):
+                        put(*divmod(index, n), get(*divmod(index, n)) + d)
+                    return []
                 return [a + d for a, d in zip(acc, new, strict=True)]
 
-            init = [zero_vec] * (cfg.iters * len(partials))
-            acc = loop(k.block_id(), groups, k.grid_size(), init, body)
-            for i, ptr in enumerate(partials):
-                home.store_row(ptr, slot, acc[i * cfg.iters : (i + 1) * cfg.iters], "f32")
+            init = [] if shared_partials else [zero_vec] * (n * n_partials)
+            if prefetch:
+                # Software pipelining: the next row's loads are issued before this row's sum
+                # and barrier, so they are in flight while the block reduces and stores.
+                def body(g: V, phase: V | None, carried: list[V]) -> list[V]:
+                    acc, current = carried[: len(init)], carried[len(init) :]
+                    upcoming = fetch(g + stride)
+                    return process(g, phase, acc, current) + upcoming
+
+                acc = row_loop(init + fetch(first_group), body)[: len(init)]
+            else:
+                acc = row_loop(init, lambda g, phase, a: process(g, phase, a, fetch(g)))
+            for j, ptr in enumerate(partials):
+                if shared_partials:
+                    values = [get(j, i) for i in range(n)]
+                else:
+                    values = acc[j * n : (j + 1) * n]
+                home.store_row(ptr, slot, values, "f32")
         else:
-            chunks, one, zero = const(-(-N // cfg.span), "i64"), const(1, "i64"), const(0, "i64")
+            chunks, one, zero = const(-(-p.N // cfg.span), "i64"), const(1, "i64"), const(0, "i64")
 
             def chunked(fn) -> None:
                 loop(zero, chunks, one, [], lambda c, _: fn(c * cfg.span) or [])
@@ -166,7 +281,7 @@ def build_norm_backward(
                     lambda s, ptr=ptr: home.store_row(ptr, slot, [zero_vec] * cfg.iters, "f32", s)
                 )
 
-            def body(g: V, _: list[V]) -> list[V]:
+            def body(g: V, phase: V | None, _: list[V]) -> list[V]:
                 t, stats = row_stats(g)
 
                 def accumulate(c: V, acc: list[V]) -> list[V]:
@@ -177,7 +292,9 @@ def build_norm_backward(
                     ]
 
                 init = [const(0.0)] * (2 if p.center else 1)
-                row_sums = t.sum(*loop(zero, chunks, one, init, accumulate), reused=True)
+                row_sums = t.sum(
+                    *loop(zero, chunks, one, init, accumulate), reused=True, phase=phase
+                )
 
                 def finish(start: V) -> None:
                     x, dy, w = loads(t, start)
@@ -191,6 +308,6 @@ def build_norm_backward(
                 chunked(finish)
                 return []
 
-            loop(k.block_id(), groups, k.grid_size(), [], body)
-        k.meta.update(rows_per_block=cfg.rows_per_block, grid="persistent")
+            row_loop([], body)
+        k.meta.update(rows_per_block=cfg.rows_per_block, grid="persistent", cluster=C)
     return k

@@ -8,9 +8,11 @@ For one row of N elements, fp32 math whatever the I/O dtype:
     fused add:  s = round_to_residual_dtype(x + residual) is stored as residual_out and
                 normalised in place of x (from exactly the stored values)
 
-The LayerNorm variance is taken over the centred row held in registers (two row sums), never
-as E[x^2] - mean^2, which loses all precision for rows with a large mean. Chunked rows (too
-long for registers) take three passes over the row instead, the later ones mostly from L2.
+The LayerNorm variance is never taken as E[x^2] - mean^2, which loses all precision for rows
+with a large mean: each thread centres its own elements on their mean (count, mean, M2), and
+the row merges those states pairwise (Chan et al.), one reduction and one barrier. Chunked
+rows (too long for registers) merge chunk by chunk, then take a second pass (mostly from L2)
+to normalise.
 
 One row per `threads_per_row` threads; M is a runtime argument; N, dtypes, eps and the flags
 are compile-time constants. Stats (fp32, one per row) are written when asked for backward.
@@ -40,17 +42,23 @@ class NormForward:
 
 
 def build_norm_forward(
-    p: NormForward, target: Target, vectorize: bool, threads_per_row: int | None
+    p: NormForward,
+    target: Target,
+    vectorize: bool,
+    threads_per_row: int | None,
+    cluster: int | None = None,
 ) -> Kernel:
-    """Launch arguments: x, [residual], [weight], [bias], y, [residual_out], [mean], [rstd], M."""
+    """Launch arguments: x, [residual], [weight], [bias], y, [residual_out], [mean], [rstd], M.
+    Grid: one block per row group, times the cluster size (`cluster` overrides the choice)."""
     N, fused = p.N, p.residual_dtype is not None
     row_dtype = p.residual_dtype if fused else p.dtype  # what the statistics are taken over
     # Register words per row element at the peak: the row (packed when bf16; the fused form
-    # has x and residual in flight; LayerNorm also its centred row) plus fp32 parameters,
-    # whose loads are issued together.
-    # (2-byte weights are left out: counting them pushes N = 65536 bf16 off the register
-    # path, which measured 88% of copy against 67% chunked, for an 8-byte spill.)
-    row_words = 1.0 if fused or p.center or row_dtype != "bf16" else 0.5
+    # has x and residual in flight) plus fp32 parameters, whose loads are issued together.
+    # LayerNorm widens its packed row at each use too, but its moments cost more: at 0.5 a
+    # 65536 bf16 row takes 1024 threads and spills 288 bytes (440 before the one-pass
+    # moments: 31% of copy, against 66% chunked). (2-byte weights are left out: counting
+    # them pushes RMSNorm N = 65536 bf16 off the register path: 88% against 67% chunked.)
+    row_words = 1.0 if fused or row_dtype != "bf16" else 0.625 if p.center else 0.5
     param_words = sum(0.5 for d in (p.weight_dtype, p.bias_dtype) if d == "f32")
     cfg = choose_row_config(
         N,
@@ -59,8 +67,14 @@ def build_norm_forward(
         vectorize,
         threads_per_row=threads_per_row,
         words_per_elem=row_words + param_words,
+        max_cluster=target.max_cluster,
+        cluster=cluster,
     )
-    with Kernel(p.name, target, cfg.block) as k:
+    # Keep >= 1024 threads resident per SM (64 registers each) where the row needs no
+    # predicates; the merge of LayerNorm's moments would otherwise take 72-73 registers and
+    # halve the resident blocks at N = 8192-16384.
+    min_blocks = max(1, 1024 // cfg.block) if cfg.exact else None
+    with Kernel(p.name, target, cfg.block, min_blocks, cluster=cfg.cluster) as k:
         x_ptr = k.ptr("x")
         res_ptr = k.ptr("residual") if fused else None
         w_ptr = k.ptr("weight") if p.weight_dtype else None
@@ -83,14 +97,26 @@ def build_norm_forward(
             t.store(res_out_ptr, s, row_dtype, start)
             return s
 
-        def centred_squares(x: list[V], mean: V, start: V | int = 0) -> V:
-            """sum((x - mean)^2) over this thread's elements; padding past N counts 0."""
-            total = const(0.0)
-            for v, inside in zip(widen(x), t.inside(start), strict=True):
-                d = v - mean
-                d = d if inside is None else select(inside, d, 0.0)
-                total = total + hsum(d * d)
-            return total
+        def moments(x: list[V], start: V | int = 0) -> list[V]:
+            """(count, mean, M2) of this thread's elements of one (chunk of a) row: the mean
+            of its own elements, then squares centred on it (M2 = sum((x - mean)^2))."""
+            inside = t.inside(start)
+            xs = widen(x)
+            if all(g is None for g in inside):
+                count = float(len(xs) * cfg.vec)  # the same in every thread (dsl.reduce)
+            else:
+                count = const(0.0)
+                for g in inside:
+                    count = count + (
+                        float(cfg.vec) if g is None else select(g, const(float(cfg.vec)), 0.0)
+                    )
+            local_mean = _sum(xs) * _reciprocal(count)  # padding loads as 0
+            m2 = const(0.0)
+            for v, g in zip(rewiden_all(x), inside, strict=True):
+                d = v - local_mean
+                d = d if g is None else select(g, d, 0.0)
+                m2 = m2 + hsum(d * d)
+            return [count, local_mean, m2]
 
         def normalize(x: list[V], mean: V | None, rstd: V, start: V | int = 0) -> None:
             xs = rewiden_all(x)
@@ -107,37 +133,32 @@ def build_norm_forward(
         if not cfg.chunked:
             x = row_input()  # held raw, widened at each use (see dsl.rewiden)
             if p.center:
-                (total,) = t.sum(_sum(widen(x)))
-                mean = total * inv_n
-                (sq,) = t.sum(centred_squares(x, mean))
+                _, mean, m2 = t.reduce(moments(x), merge_moments)
             else:
-                (sq,) = t.sum(_sum_squares(widen(x)))
-            rstd = rsqrt(sq * inv_n + p.eps)
+                (m2,) = t.sum(_sum_squares(widen(x)))
+            rstd = rsqrt(m2 * inv_n + p.eps)
             normalize(x, mean, rstd)
         else:
             chunks, step, zero = const(-(-N // cfg.span), "i64"), const(1, "i64"), const(0, "i64")
-            # The first pass makes residual_out; later passes read it back.
+            # The first pass makes residual_out; the second reads it back.
             source, source_dtype = (res_out_ptr, row_dtype) if fused else (x_ptr, p.dtype)
 
-            def chunk(c: V) -> list[V]:
-                return t.load(source, source_dtype, c * cfg.span)
-
             def first(c: V, acc: list[V]) -> list[V]:
-                x = widen(row_input(c * cfg.span))
-                return [acc[0] + (_sum(x) if p.center else _sum_squares(x))]
+                x = row_input(c * cfg.span)
+                if p.center:
+                    return merge_moments(acc, moments(x, c * cfg.span))
+                return [acc[0] + _sum_squares(widen(x))]
 
-            (partial,) = loop(zero, chunks, step, [const(0.0)], first)
             if p.center:
-                mean = t.sum(partial)[0] * inv_n
-
-                def second(c: V, acc: list[V]) -> list[V]:
-                    return [acc[0] + centred_squares(chunk(c), mean, c * cfg.span)]
-
-                (partial,) = loop(zero, chunks, step, [const(0.0)], second)
-            rstd = rsqrt(t.sum(partial)[0] * inv_n + p.eps)
+                # Chunk counts differ when the last chunk is partial: counts are carried as values.
+                zeros = [const(0.0)] * 3
+                _, mean, m2 = t.reduce(loop(zero, chunks, step, zeros, first), merge_moments)
+            else:
+                (m2,) = t.sum(*loop(zero, chunks, step, [const(0.0)], first))
+            rstd = rsqrt(m2 * inv_n + p.eps)
 
             def write(c: V, _: list[V]) -> list[V]:
-                normalize(chunk(c), mean, rstd, c * cfg.span)
+                normalize(t.load(source, source_dtype, c * cfg.span), mean, rstd, c * cfg.span)
                 return []
 
             loop(zero, chunks, step, [], write)
@@ -146,8 +167,25 @@ def build_norm_forward(
             t.store_row_scalar(mean_ptr, mean)
         if rstd_ptr is not None:
             t.store_row_scalar(rstd_ptr, rstd)
-        k.meta.update(rows_per_block=cfg.rows_per_block, grid="rows")
+        k.meta.update(rows_per_block=cfg.rows_per_block, grid="rows", cluster=cfg.cluster)
     return k
+
+
+def _reciprocal(n: V | float) -> V | float:
+    """1 / n, or 0 where n is 0 (a thread or chunk with no elements inside the row)."""
+    if not isinstance(n, V):
+        return 1.0 / n if n > 0 else 0.0
+    return select(n > 0.0, 1.0 / n, 0.0)
+
+
+def merge_moments(a: list[V], b: list[V]) -> list[V]:
+    """Merge two (count, mean, M2) states (Chan et al.): the combined mean, and M2 grown by
+    the squared gap between the means. Symmetric bit for bit, as dsl.row_reduce needs."""
+    (na, ma, qa), (nb, mb, qb) = a, b
+    n = na + nb
+    inv = _reciprocal(n)
+    gap = mb - ma
+    return [n, (na * ma + nb * mb) * inv, qa + qb + gap * gap * (na * nb * inv)]
 
 
 def _sum(x: list[V]) -> V:

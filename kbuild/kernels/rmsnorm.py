@@ -26,12 +26,13 @@ def build_rmsnorm_module(
     target: Target,
     vectorize: bool = True,
     threads_per_row: int | None = None,
+    cluster: int | None = None,
 ) -> Kernel:
     """RMSNorm forward over rows of N `dtype` elements; weight of `weight_dtype` or none.
 
     Launch arguments: x, [weight], y, [rstd], M. `vectorize=False` gives the kernel for
-    tensors whose addresses are not 16-byte aligned; `threads_per_row` overrides the launch
-    shape the config chooser picks (for tuning).
+    tensors whose addresses are not 16-byte aligned; `threads_per_row` and `cluster` (blocks
+    per row, 1 = no cluster) override the launch shape the config chooser picks (tuning).
     """
     p = NormForward(
         "rmsnorm_fwd",
@@ -44,7 +45,7 @@ def build_rmsnorm_module(
         store_stats=store_rstd,
         eps=eps,
     )
-    return build_norm_forward(p, target, vectorize, threads_per_row)
+    return build_norm_forward(p, target, vectorize, threads_per_row, cluster)
 
 
 def build_fused_add_rmsnorm_module(
@@ -57,6 +58,7 @@ def build_fused_add_rmsnorm_module(
     target: Target,
     vectorize: bool = True,
     threads_per_row: int | None = None,
+    cluster: int | None = None,
 ) -> Kernel:
     """residual_out = x + residual (stored as `residual_dtype`: x's dtype, or "f32" to keep
     the residual stream in fp32), y = rmsnorm(residual_out).
@@ -74,4 +76,4 @@ def build_fused_add_rmsnorm_module(
         store_stats=store_rstd,
         eps=eps,
     )
-    return build_norm_forward(p, target, vectorize, threads_per_row)
+    return build_norm_forward(p, target, vectorize, threads_per_row, cluster)

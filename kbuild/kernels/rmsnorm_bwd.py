@@ -25,6 +25,9 @@ def build_rmsnorm_bwd_module(
     target: Target,
     vectorize: bool = True,
     threads_per_row: int | None = None,
+    prefetch: bool | None = None,
+    cluster: int | None = None,
+    shared_partials: bool | None = None,
 ) -> Kernel:
     """dx (and dw partials) for y = rmsnorm(x) * w with x, dy, dx of `dtype`.
 
@@ -41,7 +44,9 @@ def build_rmsnorm_bwd_module(
         compute_dw=compute_dw and weight_dtype is not None,
         compute_db=False,
     )
-    return build_norm_backward(p, target, vectorize, threads_per_row)
+    return build_norm_backward(
+        p, target, vectorize, threads_per_row, prefetch, cluster, shared_partials
+    )
 
 
 def build_fused_add_rmsnorm_bwd_module(
@@ -54,6 +59,9 @@ def build_fused_add_rmsnorm_bwd_module(
     target: Target,
     vectorize: bool = True,
     threads_per_row: int | None = None,
+    prefetch: bool | None = None,
+    cluster: int | None = None,
+    shared_partials: bool | None = None,
 ) -> Kernel:
     """Gradient of (y, residual_out) = fused_add_rmsnorm(x, residual) w.r.t. x + residual.
 
@@ -71,4 +79,6 @@ def build_fused_add_rmsnorm_bwd_module(
         compute_dw=compute_dw and weight_dtype is not None,
         compute_db=False,
     )
-    return build_norm_backward(p, target, vectorize, threads_per_row)
+    return build_norm_backward(
+        p, target, vectorize, threads_per_row, prefetch, cluster, shared_partials
+    )

@@ -21,11 +21,24 @@ def vectorizable(N: int, dtypes: Sequence[str], is_aligned: bool) -> bool:
     return vector_width(N, widest, is_aligned) > 1
 
 
+def rows_grid(launcher, M: int) -> int:
+    """Blocks for a kernel that gives each row group its own block (or cluster of blocks)."""
+    return -(-M // launcher.rows_per_block) * launcher.cluster
+
+
+def persistent_grid(launcher, M: int) -> tuple[int, int]:
+    """(blocks, workspace rows) of a persistent kernel over M rows: as many clusters as the
+    device holds at once (never more than there are row groups), one partial row each per
+    row of a block. Fixed per device and kernel, so the reduction order is too."""
+    clusters = min(-(-M // launcher.rows_per_block), launcher.resident_clusters)
+    return clusters * launcher.cluster, clusters * launcher.rows_per_block
+
+
 def launch_rows(
     key: Hashable, make_spec: Callable[[], KernelSpec], device: int, stream: int, M: int, *ptrs
 ) -> None:
     launcher = get_launcher(key, device, make_spec)
-    launcher(-(-M // launcher.rows_per_block), stream, *ptrs, M)
+    launcher(rows_grid(launcher, M), stream, *ptrs, M)
 
 
 def column_sum_spec(N: int, out_dtype: str) -> KernelSpec:
@@ -60,18 +73,17 @@ def launch_persistent(
     """Run a backward kernel on a persistent grid; return the gradient of each of `params`
     (None where a param is None, i.e. not wanted).
 
-    The kernel takes `ptrs`, then one fp32 (blocks * rows_per_block, N) workspace per wanted
-    param, then M. The grid is what the device holds at once (fixed per device and kernel),
-    so the summation order, and with it every bit of the result, is the same on every run.
+    The kernel takes `ptrs`, then one fp32 (clusters * rows_per_block, N) workspace per
+    wanted param, then M. The grid is what the device holds at once (fixed per device and
+    kernel), so the summation order, and with it every bit of the result, is the same on
+    every run.
     """
     wanted = [p for p in params if p is not None]
     if M == 0:
         grads = [None if p is None else torch.zeros_like(p) for p in params]
         return grads[0] if len(grads) == 1 else tuple(grads)
     launcher = get_launcher(key, device, make_spec)
-    groups = -(-M // launcher.rows_per_block)
-    grid = min(groups, launcher.resident_blocks)
-    rows = grid * launcher.rows_per_block
+    grid, rows = persistent_grid(launcher, M)
     options = dict(dtype=torch.float32, device=wanted[0].device) if wanted else {}
     partials = [torch.empty((rows, N), **options) for _ in wanted]
     stream = stream_of(device)

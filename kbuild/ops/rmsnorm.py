@@ -22,7 +22,7 @@ from .common import (
     row_count,
     stream_of,
 )
-from .launch import launch_persistent, launch_rows, vectorizable
+from .launch import launch_persistent, launch_rows, rows_grid, vectorizable
 
 
 def rmsnorm_fwd_spec(
@@ -128,7 +128,7 @@ def rmsnorm_fwd(
                 N, dtype_name(x), dtype_name(weight), store_rstd, eps, is_aligned
             ),
         )
-    grid = -(-M // launcher.rows_per_block)
+    grid = rows_grid(launcher, M)
     stream = stream_of(device)
     if weight is None and rstd is None:
         launcher(grid, stream, xp, yp, M)

@@ -45,7 +45,7 @@ def _primary_context(device_index: int):
     return context
 
 
-_ONE, _ZERO, _NULL = ctypes.c_uint(1), ctypes.c_uint(0), ctypes.c_void_p(0)
+_ONE, _NULL = ctypes.c_uint(1), ctypes.c_void_p(0)
 _INVALID_CONTEXT = 201  # CUDA_ERROR_INVALID_CONTEXT
 
 
@@ -66,6 +66,21 @@ def device_attribute(device_index: int, name: str) -> int:
     return value
 
 
+def _max_active_clusters(
+    driver, function, block: int, shared: int, cluster: int, fallback: int
+) -> int:
+    """cuOccupancyMaxActiveClusters for a kernel with a compile-time cluster shape."""
+    config = driver.CUlaunchConfig()
+    config.gridDimX, config.gridDimY, config.gridDimZ = cluster * fallback, 1, 1
+    config.blockDimX, config.blockDimY, config.blockDimZ = block, 1, 1
+    config.sharedMemBytes = shared
+    config.numAttrs = 0
+    err, count = driver.cuOccupancyMaxActiveClusters(function, config)
+    if err != driver.CUresult.CUDA_SUCCESS or count < 1:
+        return max(1, fallback)
+    return count
+
+
 class Launcher:
     """A kernel loaded on one device, with its argument storage prepared."""
 
@@ -75,6 +90,8 @@ class Launcher:
         self.meta = artifact.meta
         self.block = int(artifact.meta["block"])
         self.rows_per_block = int(artifact.meta.get("rows_per_block", 1))
+        self.cluster = int(artifact.meta.get("cluster", 1))  # blocks per cluster
+        self.dynamic_shared = int(artifact.meta.get("dynamic_shared_bytes", 0))
         self.names = [name for name, _ in artifact.meta["signature"]]
         context = _primary_context(device_index)
         _check(driver, driver.cuCtxPushCurrent(context)[0], "cuCtxPushCurrent")
@@ -83,15 +100,31 @@ class Launcher:
             _check(driver, err, f"loading {artifact.entry} ({artifact.format})")
             err, self._function = driver.cuModuleGetFunction(self._module, artifact.entry.encode())
             _check(driver, err, f"cuModuleGetFunction({artifact.entry})")
+            if self.dynamic_shared:  # static + dynamic past 48 KB needs this; harmless below
+                attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+                err = driver.cuFuncSetAttribute(self._function, attr, self.dynamic_shared)[0]
+                _check(driver, err, f"reserving {self.dynamic_shared} bytes of shared memory")
             err, per_sm = driver.cuOccupancyMaxActiveBlocksPerMultiprocessor(
-                self._function, self.block, 0
+                self._function, self.block, self.dynamic_shared
             )
             _check(driver, err, "cuOccupancyMaxActiveBlocksPerMultiprocessor")
+            # Blocks (clusters) of this kernel the whole device runs at once: the size of a
+            # persistent grid. Clusters are placed within a GPC, so fewer may fit than
+            # blocks / cluster; the driver says how many.
+            sms = device_attribute(device_index, "MULTIPROCESSOR_COUNT")
+            self.resident_blocks = max(1, per_sm) * sms
+            self.resident_clusters = self.resident_blocks // self.cluster
+            if self.cluster > 1:
+                self.resident_clusters = _max_active_clusters(
+                    driver,
+                    self._function,
+                    self.block,
+                    self.dynamic_shared,
+                    self.cluster,
+                    self.resident_clusters,
+                )
         finally:
             driver.cuCtxPopCurrent()
-        # Blocks of this kernel the whole device runs at once: a persistent grid's size.
-        sms = device_attribute(device_index, "MULTIPROCESSOR_COUNT")
-        self.resident_blocks = max(1, per_sm) * sms
         self._context = context
         kinds = [kind for _, kind in artifact.meta["signature"]]
         self._nargs = len(kinds)
@@ -108,6 +141,7 @@ class Launcher:
         self._launch = _libcuda_launch()
         self._c_function = ctypes.c_void_p(int(self._function))
         self._c_block = ctypes.c_uint(self.block)
+        self._c_shared = ctypes.c_uint(self.dynamic_shared)
         self._c_params = ctypes.c_void_p(self._params_address)
         self._grid, self._c_grid = 0, ctypes.c_uint(0)
         self._stream, self._c_stream = 0, ctypes.c_void_p(0)
@@ -143,7 +177,7 @@ class Launcher:
             self._c_block,
             one,
             one,
-            _ZERO,
+            self._c_shared,
             self._c_stream,
             self._c_params,
             _NULL,

@@ -64,6 +64,22 @@ class Target:
             return None  # AMD: the compiler's own occupancy heuristics
         return "nvvm.minctasm", f"{int(min_blocks_per_sm)} : i32"
 
+    @property
+    def max_cluster(self) -> int:
+        """Most blocks a kernel may group into one cluster sharing shared memory (thread
+        block clusters, Hopper and later); 1 where there are none."""
+        if self.vendor == "nvidia" and int(self.arch[3:].rstrip("a")) >= 90:
+            return 8  # the portable cluster size limit
+        return 1
+
+    def cluster_attribute(self, cluster: int) -> tuple[str, str] | None:
+        """The kernel attribute fixing its cluster shape (`.reqnctapercluster`), if any."""
+        if cluster == 1:
+            return None
+        if cluster > self.max_cluster:
+            raise ValueError(f"{self.arch} allows clusters of at most {self.max_cluster}")
+        return "nvvm.cluster_dim", f"array<i32: {cluster}, 1, 1>"
+
     def key_fields(self) -> dict[str, str | int]:
         return {
             "vendor": self.vendor,
