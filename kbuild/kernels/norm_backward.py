@@ -12,9 +12,14 @@ With the saved per-row statistics (fp32) and wdy = dy * w:
 Bytes that must move: read x and dy, write dx (3 * M * N elements; + d_residual_out).
 
 Persistent grid: block b walks row groups b, b + grid, ... and keeps its dw/db partials in
-fp32 registers (a thread sees the same columns in every row), then writes one fp32 row per
-partial to a [grid * rows_per_block, N] workspace that reduce.py sums in a fixed order: dw and
-db are bitwise reproducible, no atomics. Rows too long for registers are walked in chunks,
+fp32, in registers or in its shared memory (a thread sees the same columns in every row),
+then writes one fp32 row per partial to a [grid * rows_per_block, N] workspace that
+reduce.py sums in a fixed order: dw and db are bitwise reproducible, no atomics. The next
+row's loads are issued before the current row's sum where registers allow (prefetch).
+
+Rows too long for one block are split over a cluster of blocks where the target has them:
+the persistent loop runs over clusters, each block holds its slice of the row, and the row
+sums are merged through distributed shared memory. Elsewhere such rows are walked in chunks,
 twice, with the partial rows read and written in the workspace instead (it stays in L2).
 """
 
