@@ -147,7 +147,15 @@ class Kernel:
     def cluster_barrier(self) -> None:
         """Every thread of every block in the cluster arrives (release) and waits (acquire):
         shared-memory stores made before it, local or remote, are visible after it."""
+        self.cluster_arrive()
+        self.cluster_wait()
+
+    def cluster_arrive(self) -> None:
+        """The first half of `cluster_barrier`; work placed before `cluster_wait` overlaps
+        the wait for the other blocks."""
         nvvm.cluster_arrive(aligned=True)
+
+    def cluster_wait(self) -> None:
         nvvm.cluster_wait(aligned=True)
 
     @property

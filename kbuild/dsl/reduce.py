@@ -118,7 +118,11 @@ def row_sum(
 
 
 def cluster_reduce(
-    k: Kernel, state: list[V], phase: V | None = None, merge: Merge = add
+    k: Kernel,
+    state: list[V],
+    phase: V | None = None,
+    merge: Merge = add,
+    meanwhile: Callable[[], None] | None = None,
 ) -> list[V]:
     """Merge block results (the same in every thread of a block) over a cluster's blocks.
 
@@ -128,7 +132,8 @@ def cluster_reduce(
     (iteration % 2, i64): slots alternate between two halves, so a fast block writing the next
     iteration's state never lands on a half a slow block still reads (it would first have to
     pass the barrier of the iteration between, which the slow block reaches only after
-    reading).
+    reading). `meanwhile()` runs between arriving at the barrier and waiting on it: work that
+    does not need the result hides the wait for the other blocks.
     """
     cluster, n = k.cluster, len(state)
     buffer = k.shared(2 * cluster * n)
@@ -142,7 +147,10 @@ def cluster_reduce(
                 store(v, k.remote(get_llvm_ptr(buffer, half + rank * n + j, "f32"), tid))
 
     if_then(tid < cluster, publish)
-    k.cluster_barrier()
+    k.cluster_arrive()
+    if meanwhile is not None:
+        meanwhile()
+    k.cluster_wait()
 
     def block_state(r: int) -> list[V]:
         return [

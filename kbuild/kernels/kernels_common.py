@@ -128,18 +128,27 @@ class RowTile:
 
     # ------------------------------------------------------------------ reductions
 
-    def sum(self, *per_thread: V, reused: bool = False, phase: V | None = None) -> list[V]:
+    def sum(
+        self, *per_thread: V, reused: bool = False, phase: V | None = None, meanwhile=None
+    ) -> list[V]:
         """Row totals of per-thread f32 partials (several at once share one barrier)."""
-        return self.reduce(list(per_thread), add, reused, phase)
+        return self.reduce(list(per_thread), add, reused, phase, meanwhile)
 
     def reduce(
-        self, state: list[V], merge, reused: bool = False, phase: V | None = None
+        self,
+        state: list[V],
+        merge,
+        reused: bool = False,
+        phase: V | None = None,
+        meanwhile=None,
     ) -> list[V]:
         """A per-thread state merged over the row (dsl.row_reduce; `sum` merges by adding).
 
         `reused`: the call sits in a loop (its shared slots are reused). With a cluster the
         block results are then merged across the cluster (dsl.cluster_reduce), whose barrier
         also orders the slot reuse; a call in a loop passes `phase` (iteration % 2) for it.
+        `meanwhile()`, work that does not need the result, runs while the cluster barrier
+        waits for the other blocks (without a cluster: after the row's reduction).
         """
         c = self.cfg
         clustered = c.cluster > 1
@@ -154,7 +163,11 @@ class RowTile:
             reused and not clustered,
             merge,
         )
-        return cluster_reduce(self.k, out, phase, merge) if clustered else out
+        if clustered:
+            return cluster_reduce(self.k, out, phase, merge, meanwhile)
+        if meanwhile is not None:
+            meanwhile()
+        return out
 
 
 def wider(*dtypes: str | None) -> str:

@@ -242,20 +242,40 @@ def build_norm_backward(
                         put(j, i, zero_vec)
 
             def process(g: V, phase: V | None, acc: list[V], fetched: list[V]) -> list[V]:
+                acc = list(acc)
                 t = RowTile(k, cfg, rows, row_group=g)
                 x, dy, rstd = fetched[:n], fetched[n : 2 * n], fetched[2 * n]
                 # A row past M (last group) has rstd 0: it adds nothing to dw, stores nothing.
                 stats = (fetched[2 * n + 1] if p.center else None, select(t.valid, rstd, 0.0))
                 w = None if w_ptr is None else t.load_param(w_ptr, p.weight_dtype)
-                row_sums = t.sum(*sums(*terms(x, dy, w, stats, widen)), reused=True, phase=phase)
-                x_hat, wdy = terms(x, dy, w, stats, rewiden_all)
-                write_dx(t, x_hat, wdy, row_sums, stats[1])
-                new = [v for terms_ in partial_terms(t, dy, x_hat) for v in terms_]
-                if shared_partials:
-                    for index, d in enumerate(new):
-                        put(*divmod(index, n), get(*divmod(index, n)) + d)
-                    return []
-                return [a + d for a, d in zip(acc, new, strict=True)]
+                row_state = sums(*terms(x, dy, w, stats, widen))
+
+                def accumulate(x_hat: list[V]) -> None:
+                    """This row's dw/db terms: they do not need the row sums."""
+                    new = [v for terms_ in partial_terms(t, dy, x_hat) for v in terms_]
+                    if shared_partials:
+                        for index, d in enumerate(new):
+                            put(*divmod(index, n), get(*divmod(index, n)) + d)
+                    else:
+                        acc[:] = [a + d for a, d in zip(acc, new, strict=True)]
+
+                if C > 1:
+                    # Split over a cluster: x_hat and the accumulation fill the wait for the
+                    # other blocks at the cluster barrier.
+                    done = []
+
+                    def meanwhile() -> None:
+                        done.extend(terms(x, dy, w, stats, rewiden_all))
+                        accumulate(done[0])
+
+                    row_sums = t.sum(*row_state, reused=True, phase=phase, meanwhile=meanwhile)
+                    write_dx(t, *done, row_sums, stats[1])
+                else:  # one block: dx first, so fewer values stay live across the barrier
+                    row_sums = t.sum(*row_state, reused=True)
+                    x_hat, wdy = terms(x, dy, w, stats, rewiden_all)
+                    write_dx(t, x_hat, wdy, row_sums, stats[1])
+                    accumulate(x_hat)
+                return acc
 
             init = [] if shared_partials else [zero_vec] * (n * n_partials)
             if prefetch:
