@@ -10,9 +10,10 @@ For one row of N elements, fp32 math whatever the I/O dtype:
 
 The LayerNorm variance is never taken as E[x^2] - mean^2, which loses all precision for rows
 with a large mean: each thread centres its own elements on their mean (count, mean, M2), and
-the row merges those states pairwise (Chan et al.), one reduction and one barrier. Chunked
-rows (too long for registers) merge chunk by chunk, then take a second pass (mostly from L2)
-to normalise.
+the row merges those states pairwise (Chan et al.), one reduction and one barrier. The row
+is first shifted by its own first element, so every rounding happens at the row's spread,
+not at its mean. Chunked rows (too long for registers) merge chunk by chunk, then take a
+second pass (mostly from L2) to normalise.
 
 One row per `threads_per_row` threads; M is a runtime argument; N, dtypes, eps and the flags
 are compile-time constants. Stats (fp32, one per row) are written when asked for backward.
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..dsl import Kernel, V, cast, const, hsum, loop, rsqrt, select
+from ..dsl import Kernel, V, cast, const, get_llvm_ptr, hsum, load, loop, rsqrt, select, to_f32
 from ..targets import Target
 from .config import choose_row_config
 from .kernels_common import RowTile, rewiden_all, widen, wider
@@ -97,30 +98,47 @@ def build_norm_forward(
             t.store(res_out_ptr, s, row_dtype, start)
             return s
 
+        # LayerNorm works on x - shift, shift = the row's first element (one broadcast load):
+        # the moments and their merges then round at the row's spread, not at its mean
+        # (x = 1000 + randn: 2^-24 * 1000 per merge level otherwise). Any shift is exact in
+        # theory; a sample of the row keeps the shifted values small.
+        shift = None
+        if p.center:
+            shift = to_f32(load(get_llvm_ptr(x_ptr, t.row * N, p.dtype), p.dtype))
+
         def moments(x: list[V], start: V | int = 0) -> list[V]:
-            """(count, mean, M2) of this thread's elements of one (chunk of a) row: the mean
-            of its own elements, then squares centred on it (M2 = sum((x - mean)^2))."""
+            """(count, mean, M2) of this thread's elements of one (chunk of a) row, shifted:
+            the mean of its own x - shift, then squares centred on it."""
             inside = t.inside(start)
-            xs = widen(x)
+
+            def shifted(values: list[V]) -> list[V]:  # x - shift; 0 past the row's end
+                out = [v - shift for v in values]
+                return [
+                    d if g is None else select(g, d, 0.0) for d, g in zip(out, inside, strict=True)
+                ]
+
             if all(g is None for g in inside):
-                count = float(len(xs) * cfg.vec)  # the same in every thread (dsl.reduce)
+                count = float(len(x) * cfg.vec)  # the same in every thread (dsl.reduce)
             else:
                 count = const(0.0)
                 for g in inside:
                     count = count + (
                         float(cfg.vec) if g is None else select(g, const(float(cfg.vec)), 0.0)
                     )
-            local_mean = _sum(xs) * _reciprocal(count)  # padding loads as 0
+            local_mean = _sum(shifted(widen(x))) * _reciprocal(count)
             m2 = const(0.0)
-            for v, g in zip(rewiden_all(x), inside, strict=True):
-                d = v - local_mean
+            for d, g in zip(rewiden_all(x), inside, strict=True):
+                d = d - shift - local_mean
                 d = d if g is None else select(g, d, 0.0)
                 m2 = m2 + hsum(d * d)
             return [count, local_mean, m2]
 
         def normalize(x: list[V], mean: V | None, rstd: V, start: V | int = 0) -> None:
             xs = rewiden_all(x)
-            y = [(v - mean) * rstd for v in xs] if mean is not None else [v * rstd for v in xs]
+            if mean is not None:  # LayerNorm: mean of x - shift
+                y = [(v - shift - mean) * rstd for v in xs]
+            else:
+                y = [v * rstd for v in xs]
             if w_ptr is not None:
                 w = widen(t.load_param(w_ptr, p.weight_dtype, start))
                 y = [yi * wi for yi, wi in zip(y, w, strict=True)]
@@ -164,7 +182,7 @@ def build_norm_forward(
             loop(zero, chunks, step, [], write)
 
         if mean_ptr is not None:
-            t.store_row_scalar(mean_ptr, mean)
+            t.store_row_scalar(mean_ptr, shift + mean)
         if rstd_ptr is not None:
             t.store_row_scalar(rstd_ptr, rstd)
         k.meta.update(rows_per_block=cfg.rows_per_block, grid="rows", cluster=cfg.cluster)
