@@ -10,9 +10,9 @@ For one row of N elements, fp32 math whatever the I/O dtype:
 
 The LayerNorm variance is never taken as E[x^2] - mean^2, which loses all precision for rows
 with a large mean: each thread centres its own elements on their mean (count, mean, M2), and
-the row merges those states pairwise (Chan et al.), one reduction and one barrier. The row
-is first shifted by its own first element, so every rounding happens at the row's spread,
-not at its mean. Chunked rows (too long for registers) merge chunk by chunk, then take a
+the row merges those states pairwise (Chan et al.), one reduction and one barrier. The
+moments are of x minus the row's first element, so the merges round at the row's spread,
+not at its mean; the mean is rounded once at its own size, as fp32 x itself is. Chunked rows (too long for registers) merge chunk by chunk, then take a
 second pass (mostly from L2) to normalise.
 
 One row per `threads_per_row` threads; M is a runtime argument; N, dtypes, eps and the flags
@@ -126,19 +126,19 @@ def build_norm_forward(
                         float(cfg.vec) if g is None else select(g, const(float(cfg.vec)), 0.0)
                     )
             local_mean = _sum(shifted(widen(x))) * _reciprocal(count)
+            # M2 is insensitive to where exactly it is centred (second order): one rounded
+            # centre, one subtraction per element.
+            centre = shift + local_mean
             m2 = const(0.0)
             for d, g in zip(rewiden_all(x), inside, strict=True):
-                d = d - shift - local_mean
+                d = d - centre
                 d = d if g is None else select(g, d, 0.0)
                 m2 = m2 + hsum(d * d)
             return [count, local_mean, m2]
 
         def normalize(x: list[V], mean: V | None, rstd: V, start: V | int = 0) -> None:
             xs = rewiden_all(x)
-            if mean is not None:  # LayerNorm: mean of x - shift
-                y = [(v - shift - mean) * rstd for v in xs]
-            else:
-                y = [v * rstd for v in xs]
+            y = [(v - mean) * rstd for v in xs] if mean is not None else [v * rstd for v in xs]
             if w_ptr is not None:
                 w = widen(t.load_param(w_ptr, p.weight_dtype, start))
                 y = [yi * wi for yi, wi in zip(y, w, strict=True)]
@@ -152,6 +152,7 @@ def build_norm_forward(
             x = row_input()  # held raw, widened at each use (see dsl.rewiden)
             if p.center:
                 _, mean, m2 = t.reduce(moments(x), merge_moments)
+                mean = shift + mean  # one rounding at the mean's size, as fp32 x carries
             else:
                 (m2,) = t.sum(_sum_squares(widen(x)))
             rstd = rsqrt(m2 * inv_n + p.eps)
@@ -171,6 +172,7 @@ def build_norm_forward(
                 # Chunk counts differ when the last chunk is partial: counts are carried as values.
                 zeros = [const(0.0)] * 3
                 _, mean, m2 = t.reduce(loop(zero, chunks, step, zeros, first), merge_moments)
+                mean = shift + mean
             else:
                 (m2,) = t.sum(*loop(zero, chunks, step, [const(0.0)], first))
             rstd = rsqrt(m2 * inv_n + p.eps)
@@ -182,7 +184,7 @@ def build_norm_forward(
             loop(zero, chunks, step, [], write)
 
         if mean_ptr is not None:
-            t.store_row_scalar(mean_ptr, shift + mean)
+            t.store_row_scalar(mean_ptr, mean)
         if rstd_ptr is not None:
             t.store_row_scalar(rstd_ptr, rstd)
         k.meta.update(rows_per_block=cfg.rows_per_block, grid="rows", cluster=cfg.cluster)
