@@ -12,8 +12,9 @@ The LayerNorm variance is never taken as E[x^2] - mean^2, which loses all precis
 with a large mean: each thread centres its own elements on their mean (count, mean, M2), and
 the row merges those states pairwise (Chan et al.), one reduction and one barrier. The
 moments are of x minus the row's first element, so the merges round at the row's spread,
-not at its mean; the mean is rounded once at its own size, as fp32 x itself is. Chunked rows (too long for registers) merge chunk by chunk, then take a
-second pass (mostly from L2) to normalise.
+not at its mean; the mean is rounded once at its own size, as fp32 x itself is. Chunked
+rows (too long for registers) merge chunk by chunk, then take a second pass (mostly from
+L2) to normalise.
 
 One row per `threads_per_row` threads; M is a runtime argument; N, dtypes, eps and the flags
 are compile-time constants. Stats (fp32, one per row) are written when asked for backward.
