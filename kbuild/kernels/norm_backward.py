@@ -92,7 +92,7 @@ def build_norm_backward(
 
     cfg = config(float(n_partials), cluster)  # partials in registers
     if shared_partials is None:
-        # Measured on an H200 (bench/results/h200_tune_backward.json): shared-memory partials
+        # Measured on an H200 (bench/results/h200_tune_shared_partials.json): shared partials
         # win for the fused backward (97-103% of copy against 91-100%) and for every row split
         # over a cluster (LayerNorm N = 65536: 65% against 50%); a LayerNorm row that fits
         # one block runs best with register partials and prefetch, uncapped (88%).
