@@ -11,8 +11,8 @@ For one row of N elements, fp32 math whatever the I/O dtype:
 The LayerNorm variance is never taken as E[x^2] - mean^2, which loses all precision for rows
 with a large mean: each thread centres its own elements on their mean (count, mean, M2), and
 the row merges those states pairwise (Chan et al.), one reduction and one barrier. The
-moments are of x minus the row's first element, so the merges round at the row's spread,
-not at its mean; the mean is rounded once at its own size, as fp32 x itself is. Chunked
+moments of fp32 rows are of x minus the row's first element, so the merges round at the
+row's spread, not at its mean; the mean is rounded once at its own size, as x itself is. Chunked
 rows (too long for registers) merge chunk by chunk, then take a second pass (mostly from
 L2) to normalise.
 
@@ -99,12 +99,14 @@ def build_norm_forward(
             t.store(res_out_ptr, s, row_dtype, start)
             return s
 
-        # LayerNorm works on x - shift, shift = the row's first element (one broadcast load):
-        # the moments and their merges then round at the row's spread, not at its mean
-        # (x = 1000 + randn: 2^-24 * 1000 per merge level otherwise). Any shift is exact in
-        # theory; a sample of the row keeps the shifted values small.
+        # fp32 LayerNorm takes its moments of x - shift, shift = the row's first element (one
+        # broadcast load): the merges then round at the row's spread, not at its mean
+        # (x = 1000 + randn: 2^-24 * 1000 per merge level, which add up to 7x torch's fp32
+        # error). 16-bit inputs carry 2^-8 or 2^-11 of their own, far above any merge
+        # rounding, and skip it (it costs 3-5% of bandwidth at N = 8192-16384).
+        shifted_moments = p.center and p.dtype == "f32"
         shift = None
-        if p.center:
+        if shifted_moments:
             shift = to_f32(load(get_llvm_ptr(x_ptr, t.row * N, p.dtype), p.dtype))
 
         def moments(x: list[V], start: V | int = 0) -> list[V]:
@@ -113,7 +115,7 @@ def build_norm_forward(
             inside = t.inside(start)
 
             def shifted(values: list[V]) -> list[V]:  # x - shift; 0 past the row's end
-                out = [v - shift for v in values]
+                out = [v - shift for v in values] if shifted_moments else values
                 return [
                     d if g is None else select(g, d, 0.0) for d, g in zip(out, inside, strict=True)
                 ]
@@ -129,7 +131,7 @@ def build_norm_forward(
             local_mean = _sum(shifted(widen(x))) * _reciprocal(count)
             # M2 is insensitive to where exactly it is centred (second order): one rounded
             # centre, one subtraction per element.
-            centre = shift + local_mean
+            centre = shift + local_mean if shifted_moments else local_mean
             m2 = const(0.0)
             for d, g in zip(rewiden_all(x), inside, strict=True):
                 d = d - centre
@@ -153,7 +155,8 @@ def build_norm_forward(
             x = row_input()  # held raw, widened at each use (see dsl.rewiden)
             if p.center:
                 _, mean, m2 = t.reduce(moments(x), merge_moments)
-                mean = shift + mean  # one rounding at the mean's size, as fp32 x carries
+                if shifted_moments:
+                    mean = shift + mean  # one rounding at the mean's size, as fp32 x carries
             else:
                 (m2,) = t.sum(_sum_squares(widen(x)))
             rstd = rsqrt(m2 * inv_n + p.eps)
@@ -173,7 +176,8 @@ def build_norm_forward(
                 # Chunk counts differ when the last chunk is partial: counts are carried as values.
                 zeros = [const(0.0)] * 3
                 _, mean, m2 = t.reduce(loop(zero, chunks, step, zeros, first), merge_moments)
-                mean = shift + mean
+                if shifted_moments:
+                    mean = shift + mean
             else:
                 (m2,) = t.sum(*loop(zero, chunks, step, [const(0.0)], first))
             rstd = rsqrt(m2 * inv_n + p.eps)
