@@ -115,7 +115,9 @@ def build_norm_forward(
             inside = t.inside(start)
 
             def shifted(values: list[V]) -> list[V]:  # x - shift; 0 past the row's end
-                out = [v - shift for v in values] if shifted_moments else values
+                if not shifted_moments:
+                    return values  # padding loads as 0
+                out = [v - shift for v in values]
                 return [
                     d if g is None else select(g, d, 0.0) for d, g in zip(out, inside, strict=True)
                 ]
