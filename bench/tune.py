@@ -1,5 +1,6 @@
 """Launch-shape sweep: time each kernel variant of the `tune` manifest (threads per row,
-prefetch) against the config chooser's default. Shapes as the benchmarks (bf16, M*N = 64 Mi).
+blocks per row in a cluster, prefetch, where the backward's partials live), the kernel alone,
+back to back. Shapes as the benchmarks (bf16, M*N = 64 Mi).
 
     kbuild warmup --manifest tune ...   then   python bench/tune.py [out.json]
 """
@@ -72,7 +73,7 @@ def main() -> None:
         row = dict(
             kernel=spec.kernel,
             N=N,
-            tpr=meta.get("block"),
+            block=meta.get("block"),
             prefetch=spec.kwargs.get("prefetch"),
             cluster=meta.get("cluster"),
             shared=spec.kwargs.get("shared_partials"),
@@ -81,7 +82,7 @@ def main() -> None:
             spills=meta.get("spill_stores"),
             gbps=round(bw),
             of_copy=round(bw / copy, 3),
-            resident=launcher.resident_blocks,
+            resident_clusters=launcher.resident_clusters,
         )
         print(row, flush=True)
         rows.append(row)

@@ -80,6 +80,9 @@ def test_forced_cluster_must_split_rows_into_whole_vectors():
     assert (cfg.cluster, cfg.slice, cfg.exact) == (2, 2048, True)
     with pytest.raises(ValueError, match="cannot split rows of 4104"):
         choose_row_config(4104, "bf16", 32, cluster=8)
+    # Each block's first `cluster` threads publish its sums to the cluster's blocks.
+    with pytest.raises(ValueError, match="needs blocks of at least 8 threads"):
+        choose_row_config(1024, "bf16", 32, cluster=8)
 
 
 def test_grids_count_clusters_and_partial_rows():
@@ -119,6 +122,24 @@ def test_long_backward_rows_split_over_a_cluster_on_sm90(spec):
     assert cfg_iters <= 3 * 2 * 2 + 2  # x, dy, w (+ dresidual) of two vectors, prefetch off
     artifact = compiler.compile_kernel(spec, SM90)
     assert artifact.meta["spill_stores"] == 0 and artifact.meta["registers"] <= 64
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        layernorm_bwd_spec(65536, "bf16", "bf16", True, True),
+        layernorm_fwd_spec(65536, "bf16", "bf16", "bf16", True, 1e-5),
+    ],
+    ids=lambda s: s.kernel,
+)
+def test_no_block_writes_into_a_peer_before_the_whole_cluster_runs(spec):
+    """Distributed shared memory is valid once every block of the cluster has started: an
+    arrive at entry, a wait before the first remote store; arrives and waits pair up."""
+    ptx, _ = _ptx_and_meta(spec, "sm_90")
+    events = re.findall(r"barrier\.cluster\.(arrive|wait)|(st\.shared::cluster)", ptx)
+    kinds = [a or "store" for a, b in events]
+    assert kinds[0] == "arrive" and kinds.index("wait") < kinds.index("store")
+    assert kinds.count("arrive") == kinds.count("wait")
 
 
 def test_without_clusters_the_long_backward_row_is_chunked():

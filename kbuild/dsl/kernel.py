@@ -89,6 +89,12 @@ class Kernel:
             self._entry = self._fn.body.blocks.append()
         self._ip = ir.InsertionPoint(self._entry)
         self._ip.__enter__()
+        self._cluster_started = self.cluster == 1
+        if not self._cluster_started:
+            # Distributed shared memory is only valid once every block of the cluster runs:
+            # each block arrives here, and waits (`ensure_cluster_started`) before its first
+            # store into another block, so the wait overlaps whatever comes between.
+            nvvm.cluster_arrive_relaxed(aligned=True)
 
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is None:
@@ -157,6 +163,14 @@ class Kernel:
 
     def cluster_wait(self) -> None:
         nvvm.cluster_wait(aligned=True)
+
+    def ensure_cluster_started(self) -> None:
+        """Wait until every block of the cluster has started (pairs with the arrive at kernel
+        entry); emitted once, at the first call. Call it outside loops: `remote` stores need
+        it, and a kernel whose first remote store sits in a loop calls it before the loop."""
+        if not self._cluster_started:
+            self._cluster_started = True
+            self.cluster_wait()
 
     @property
     def warp_size(self) -> int:

@@ -146,6 +146,7 @@ def cluster_reduce(
             if isinstance(v, V):
                 store(v, k.remote(get_llvm_ptr(buffer, half + rank * n + j, "f32"), tid))
 
+    k.ensure_cluster_started()
     if_then(tid < cluster, publish)
     k.cluster_arrive()
     if meanwhile is not None:

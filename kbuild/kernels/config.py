@@ -122,6 +122,11 @@ def choose_row_config(
     if N % (cluster * vector_width(N, dtype, vectorize)):
         raise ValueError(f"a cluster of {cluster} cannot split rows of {N} into vectors")
     one = _single_block(N // cluster, dtype, warp_size, vectorize, *shape)
+    if one.threads_per_row < cluster:  # a block's first `cluster` threads share its sums
+        raise ValueError(
+            f"a cluster of {cluster} needs blocks of at least {cluster} threads; rows of {N} "
+            f"split {cluster} ways take {one.threads_per_row}"
+        )
     return RowConfig(N, one.vec, one.threads_per_row, 1, one.iters, one.chunked, cluster)
 
 

@@ -14,7 +14,9 @@ Bytes that must move: read x and dy, write dx (3 * M * N elements; + d_residual_
 Persistent grid: block b walks row groups b, b + grid, ... and keeps its dw/db partials in
 fp32, in registers or in its shared memory (a thread sees the same columns in every row),
 then writes one fp32 row per partial to a [grid * rows_per_block, N] workspace that
-reduce.py sums in a fixed order: dw and db are bitwise reproducible, no atomics. The next
+reduce.py sums in a fixed order: dw and db are bitwise reproducible, no atomics. (With a
+cluster, read "cluster" for "block": clusters walk the row groups and each writes one
+workspace row, its blocks their slices of it.) The next
 row's loads are issued before the current row's sum where registers allow (prefetch).
 
 Rows too long for one block are split over a cluster of blocks where the target has them:
@@ -141,6 +143,7 @@ def build_norm_backward(
             None without a cluster."""
             if C == 1:
                 return loop(first_group, groups, stride, init, lambda g, c: body(g, None, c))
+            k.ensure_cluster_started()  # before the loop: its row sums store into peer blocks
 
             def step(g: V, carried: list[V]) -> list[V]:
                 return [1 - carried[0]] + body(g, carried[0], carried[1:])
@@ -296,7 +299,8 @@ def build_norm_backward(
                     values = acc[j * n : (j + 1) * n]
                 home.store_row(ptr, slot, values, "f32")
         else:
-            chunks, one, zero = const(-(-p.N // cfg.span), "i64"), const(1, "i64"), const(0, "i64")
+            chunks = const(-(-cfg.slice // cfg.span), "i64")  # over this block's slice
+            one, zero = const(1, "i64"), const(0, "i64")
 
             def chunked(fn) -> None:
                 loop(zero, chunks, one, [], lambda c, _: fn(c * cfg.span) or [])

@@ -164,7 +164,8 @@ def build_norm_forward(
             rstd = rsqrt(m2 * inv_n + p.eps)
             normalize(x, mean, rstd)
         else:
-            chunks, step, zero = const(-(-N // cfg.span), "i64"), const(1, "i64"), const(0, "i64")
+            chunks = const(-(-cfg.slice // cfg.span), "i64")  # over this block's slice
+            step, zero = const(1, "i64"), const(0, "i64")
             # The first pass makes residual_out; the second reads it back.
             source, source_dtype = (res_out_ptr, row_dtype) if fused else (x_ptr, p.dtype)
 

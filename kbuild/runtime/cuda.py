@@ -76,8 +76,13 @@ def _max_active_clusters(
     config.sharedMemBytes = shared
     config.numAttrs = 0
     err, count = driver.cuOccupancyMaxActiveClusters(function, config)
-    if err != driver.CUresult.CUDA_SUCCESS or count < 1:
+    if err != driver.CUresult.CUDA_SUCCESS:  # a driver without the query: blocks / cluster
         return max(1, fallback)
+    if count < 1:
+        raise RuntimeError(
+            f"a cluster of {cluster} blocks of {block} threads ({shared} bytes of dynamic "
+            "shared memory each) cannot be resident on this device"
+        )
     return count
 
 
