@@ -150,6 +150,22 @@ def test_without_clusters_the_long_backward_row_is_chunked():
     assert "dynamic_shared_bytes" not in meta  # partials in the global workspace
 
 
+@pytest.mark.parametrize("arch", ["sm_80", "sm_86", "sm_90", "sm_120", "gfx942", "gfx950"])
+@pytest.mark.parametrize("N", [4096, 16384, 65536])
+def test_shared_memory_fits_the_target(arch, N):
+    """Static + dynamic shared memory never exceeds what one block may use on the target
+    (99 KB on sm_86/sm_120, 64 KB of LDS on gfx942): a launch would fail otherwise."""
+    target = target_for_arch(arch)
+    for spec in (
+        layernorm_bwd_spec(N, "bf16", "bf16", True, True),
+        fused_add_rmsnorm_bwd_spec(N, "bf16", "bf16", "bf16", True, True),
+        fused_add_rmsnorm_bwd_spec(N, "f32", "f32", "f32", True, True),
+    ):
+        kernel = compiler.build(spec, target)
+        used = kernel.shared_bytes + kernel.meta.get("dynamic_shared_bytes", 0)
+        assert used <= target.shared_bytes_per_block, (spec.short(), used)
+
+
 def test_shared_partials_past_48_kb_are_dynamic():
     """LayerNorm N = 65536: dw and db partials of an 8192-element slice (64 KB) are declared
     extern and sized by the kernel's meta, which the launcher passes."""

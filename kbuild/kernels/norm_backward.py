@@ -39,7 +39,10 @@ BACKWARD_ELEMS = 64  # fp32 words of row data a thread may hold at <= 512 thread
 # Shared-memory partials up to this size are declared statically (the limit is 48 KB with the
 # row sums' slots); larger ones are dynamic shared memory, reserved at launch.
 _STATIC_PARTIAL_BYTES = 40 * 1024
-SHARED_PARTIALS_MAX = 128 * 1024  # one block still fits a multiprocessor (227 KB on Hopper)
+# Largest shared-memory partials, leaving room for the row sums' slots: 128 KB, or less where
+# the target allows less per block (99 KB on sm_86/89/120, 64 KB of LDS on most AMD GPUs).
+SHARED_PARTIALS_MAX = 128 * 1024
+_SHARED_SLACK = 4 * 1024
 
 
 @dataclass(frozen=True)
@@ -102,7 +105,8 @@ def build_norm_backward(
     if shared_partials and n_partials:  # a shape for the row alone, partials off registers
         alone = config(0.0, cfg.cluster)
         size = n_partials * alone.slice * alone.rows_per_block * 4
-        shared_partials = not alone.chunked and size <= SHARED_PARTIALS_MAX
+        most = min(SHARED_PARTIALS_MAX, target.shared_bytes_per_block - _SHARED_SLACK)
+        shared_partials = not alone.chunked and size <= most
         cfg = alone if shared_partials else cfg
     shared_partials = bool(shared_partials and n_partials)
     # Exact register-resident rows: ask for >= 1024 resident threads per SM (64 registers

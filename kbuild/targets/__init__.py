@@ -23,6 +23,23 @@ _NVIDIA_PTX = {
     "sm_120": "+ptx87",
 }
 _AMD_WAVE = {"gfx90a": 64, "gfx942": 64, "gfx950": 64, "gfx1100": 32, "gfx1201": 32}
+# Shared memory (LDS) one block may use, in KB: the opt-in maximum per block on NVIDIA (CUDA
+# programming guide, compute capabilities table), the LDS per workgroup on AMD.
+_SHARED_KB = {
+    "sm_80": 163,
+    "sm_86": 99,
+    "sm_89": 99,
+    "sm_90": 227,
+    "sm_90a": 227,
+    "sm_100": 227,
+    "sm_100a": 227,
+    "sm_120": 99,
+    "gfx90a": 64,
+    "gfx942": 64,
+    "gfx950": 160,
+    "gfx1100": 64,
+    "gfx1201": 64,
+}
 
 NVIDIA_PIPELINE = (
     "builtin.module(gpu.module(convert-scf-to-cf, convert-gpu-to-nvvm{index-bitwidth=64}, "
@@ -63,6 +80,11 @@ class Target:
         if min_blocks_per_sm is None or self.vendor != "nvidia":
             return None  # AMD: the compiler's own occupancy heuristics
         return "nvvm.minctasm", f"{int(min_blocks_per_sm)} : i32"
+
+    @property
+    def shared_bytes_per_block(self) -> int:
+        """The most shared memory (static + dynamic) one block may use on this target."""
+        return _SHARED_KB[self.arch] * 1024
 
     @property
     def max_cluster(self) -> int:
