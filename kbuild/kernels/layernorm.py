@@ -29,8 +29,7 @@ def build_layernorm_module(
     eps: float,
     target: Target,
     vectorize: bool = True,
-    threads_per_row: int | None = None,
-    cluster: int | None = None,
+    **shape: int | bool | None,
 ) -> Kernel:
     """Launch arguments: x, [weight], [bias], y, [mean, rstd], M."""
     p = NormForward(
@@ -44,7 +43,7 @@ def build_layernorm_module(
         store_stats=store_stats,
         eps=eps,
     )
-    return build_norm_forward(p, target, vectorize, threads_per_row, cluster)
+    return build_norm_forward(p, target, vectorize, **shape)
 
 
 def build_layernorm_bwd_module(
@@ -55,10 +54,7 @@ def build_layernorm_bwd_module(
     compute_db: bool,
     target: Target,
     vectorize: bool = True,
-    threads_per_row: int | None = None,
-    prefetch: bool | None = None,
-    cluster: int | None = None,
-    shared_partials: bool | None = None,
+    **shape: int | bool | None,
 ) -> Kernel:
     """Launch arguments: x, [weight], dy, mean, rstd, dx, [dw_partial], [db_partial], M."""
     p = NormBackward(
@@ -72,6 +68,4 @@ def build_layernorm_bwd_module(
         compute_dw=compute_dw and weight_dtype is not None,
         compute_db=compute_db,
     )
-    return build_norm_backward(
-        p, target, vectorize, threads_per_row, prefetch, cluster, shared_partials
-    )
+    return build_norm_backward(p, target, vectorize, **shape)

@@ -62,7 +62,8 @@ def build_norm_backward(
     p: NormBackward,
     target: Target,
     vectorize: bool,
-    threads_per_row: int | None,
+    *,
+    threads_per_row: int | None = None,
     prefetch: bool | None = None,
     cluster: int | None = None,
     shared_partials: bool | None = None,
@@ -71,10 +72,10 @@ def build_norm_backward(
     [db_partial], M. Grid: persistent (at most the device's resident clusters, times the
     cluster size).
 
-    `prefetch` loads the next row while the current one is reduced (register-resident rows;
-    default: where the registers allow it). `shared_partials` keeps the dw/db partials in
-    shared memory instead of registers. `threads_per_row`, `prefetch`, `cluster` and
-    `shared_partials` override the chooser (tuning).
+    Launch-shape overrides for tuning (the backward builders pass them through; None = the
+    chooser's pick): `threads_per_row`; `prefetch`, loading the next row while the current
+    one is reduced (register-resident rows); `cluster` (blocks per row, 1 = none);
+    `shared_partials`, the dw/db partials in shared memory instead of registers.
     """
     io = wider(p.dtype, p.x_dtype)
     n_partials = int(p.compute_dw) + int(p.compute_db)

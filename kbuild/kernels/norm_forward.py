@@ -47,11 +47,15 @@ def build_norm_forward(
     p: NormForward,
     target: Target,
     vectorize: bool,
-    threads_per_row: int | None,
+    *,
+    threads_per_row: int | None = None,
     cluster: int | None = None,
 ) -> Kernel:
     """Launch arguments: x, [residual], [weight], [bias], y, [residual_out], [mean], [rstd], M.
-    Grid: one block per row group, times the cluster size (`cluster` overrides the choice)."""
+    Grid: one block per row group, times the cluster size.
+
+    Launch-shape overrides for tuning (the forward builders pass them through; None = the
+    config chooser's pick): `threads_per_row`, `cluster` (blocks per row, 1 = none)."""
     N, fused = p.N, p.residual_dtype is not None
     row_dtype = p.residual_dtype if fused else p.dtype  # what the statistics are taken over
     # Register words per row element at the peak: the row (packed when bf16; the fused form

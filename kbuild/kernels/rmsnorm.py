@@ -25,14 +25,13 @@ def build_rmsnorm_module(
     eps: float,
     target: Target,
     vectorize: bool = True,
-    threads_per_row: int | None = None,
-    cluster: int | None = None,
+    **shape: int | bool | None,
 ) -> Kernel:
     """RMSNorm forward over rows of N `dtype` elements; weight of `weight_dtype` or none.
 
     Launch arguments: x, [weight], y, [rstd], M. `vectorize=False` gives the kernel for
-    tensors whose addresses are not 16-byte aligned; `threads_per_row` and `cluster` (blocks
-    per row, 1 = no cluster) override the launch shape the config chooser picks (tuning).
+    tensors whose addresses are not 16-byte aligned; `shape` holds launch-shape overrides for
+    tuning (`threads_per_row`, `cluster`: see norm_forward.build_norm_forward).
     """
     p = NormForward(
         "rmsnorm_fwd",
@@ -45,7 +44,7 @@ def build_rmsnorm_module(
         store_stats=store_rstd,
         eps=eps,
     )
-    return build_norm_forward(p, target, vectorize, threads_per_row, cluster)
+    return build_norm_forward(p, target, vectorize, **shape)
 
 
 def build_fused_add_rmsnorm_module(
@@ -57,8 +56,7 @@ def build_fused_add_rmsnorm_module(
     eps: float,
     target: Target,
     vectorize: bool = True,
-    threads_per_row: int | None = None,
-    cluster: int | None = None,
+    **shape: int | bool | None,
 ) -> Kernel:
     """residual_out = x + residual (stored as `residual_dtype`: x's dtype, or "f32" to keep
     the residual stream in fp32), y = rmsnorm(residual_out).
@@ -76,4 +74,4 @@ def build_fused_add_rmsnorm_module(
         store_stats=store_rstd,
         eps=eps,
     )
-    return build_norm_forward(p, target, vectorize, threads_per_row, cluster)
+    return build_norm_forward(p, target, vectorize, **shape)

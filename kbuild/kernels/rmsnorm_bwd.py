@@ -24,10 +24,7 @@ def build_rmsnorm_bwd_module(
     compute_dw: bool,
     target: Target,
     vectorize: bool = True,
-    threads_per_row: int | None = None,
-    prefetch: bool | None = None,
-    cluster: int | None = None,
-    shared_partials: bool | None = None,
+    **shape: int | bool | None,
 ) -> Kernel:
     """dx (and dw partials) for y = rmsnorm(x) * w with x, dy, dx of `dtype`.
 
@@ -44,9 +41,7 @@ def build_rmsnorm_bwd_module(
         compute_dw=compute_dw and weight_dtype is not None,
         compute_db=False,
     )
-    return build_norm_backward(
-        p, target, vectorize, threads_per_row, prefetch, cluster, shared_partials
-    )
+    return build_norm_backward(p, target, vectorize, **shape)
 
 
 def build_fused_add_rmsnorm_bwd_module(
@@ -58,10 +53,7 @@ def build_fused_add_rmsnorm_bwd_module(
     compute_dw: bool,
     target: Target,
     vectorize: bool = True,
-    threads_per_row: int | None = None,
-    prefetch: bool | None = None,
-    cluster: int | None = None,
-    shared_partials: bool | None = None,
+    **shape: int | bool | None,
 ) -> Kernel:
     """Gradient of (y, residual_out) = fused_add_rmsnorm(x, residual) w.r.t. x + residual.
 
@@ -79,6 +71,4 @@ def build_fused_add_rmsnorm_bwd_module(
         compute_dw=compute_dw and weight_dtype is not None,
         compute_db=False,
     )
-    return build_norm_backward(
-        p, target, vectorize, threads_per_row, prefetch, cluster, shared_partials
-    )
+    return build_norm_backward(p, target, vectorize, **shape)
