@@ -8,7 +8,7 @@ compiler and the kernel builders do.
 from .control import if_else, if_then, loop
 from .kernel import Kernel
 from .memory import atomic_add, get_llvm_ptr, load, store
-from .reduce import add, cluster_reduce, group_reduce, group_sum, row_reduce, row_sum
+from .reduce import add, cluster_reduce, group_reduce, row_reduce
 from .values import (
     V,
     cast,
@@ -38,7 +38,6 @@ __all__ = [
     "element_bytes",
     "get_llvm_ptr",
     "group_reduce",
-    "group_sum",
     "hsum",
     "i32",
     "i64",
@@ -50,7 +49,6 @@ __all__ = [
     "minimum",
     "rewiden",
     "row_reduce",
-    "row_sum",
     "rsqrt",
     "select",
     "split",

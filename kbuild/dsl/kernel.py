@@ -39,7 +39,7 @@ class Kernel:
     ):
         """`min_blocks_per_sm` asks the backend to fit that many blocks on a multiprocessor
         (on NVIDIA, `.minnctapersm`: registers are capped to make room). `cluster` > 1 groups
-        that many consecutive blocks into a cluster (see `remote`, `cluster_barrier`); the
+        that many consecutive blocks into a cluster (see `remote`, `cluster_arrive`); the
         grid must then be a multiple of it."""
         self.name = name
         self.min_blocks_per_sm = min_blocks_per_sm
@@ -150,18 +150,14 @@ class Kernel:
         ptr_t = llvm.PointerType.get(address_space=SHARED_CLUSTER)
         return V(nvvm.mapa(ptr_t, shared_ptr.value, cast(rank, "i32").value))
 
-    def cluster_barrier(self) -> None:
-        """Every thread of every block in the cluster arrives (release) and waits (acquire):
-        shared-memory stores made before it, local or remote, are visible after it."""
-        self.cluster_arrive()
-        self.cluster_wait()
-
     def cluster_arrive(self) -> None:
-        """The first half of `cluster_barrier`; work placed before `cluster_wait` overlaps
-        the wait for the other blocks."""
+        """Cluster barrier, first half: every thread of every block arrives (release)...
+        Work placed before `cluster_wait` overlaps the wait for the other blocks."""
         nvvm.cluster_arrive(aligned=True)
 
     def cluster_wait(self) -> None:
+        """...and waits (acquire): shared-memory stores made before the arrive, local or
+        remote, are visible after it."""
         nvvm.cluster_wait(aligned=True)
 
     def ensure_cluster_started(self) -> None:

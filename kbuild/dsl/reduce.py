@@ -49,11 +49,6 @@ def group_reduce(k: Kernel, state: list[V], group: int, merge: Merge = add) -> l
     return state
 
 
-def group_sum(k: Kernel, value: V, group: int) -> V:
-    """Sum an f32 across aligned groups of `group` lanes (see group_reduce)."""
-    return group_reduce(k, [value], group)[0]
-
-
 def row_reduce(
     k: Kernel,
     state: list[V],
@@ -102,19 +97,6 @@ def row_reduce(
     if reused:
         k.barrier()
     return total
-
-
-def row_sum(
-    k: Kernel,
-    values: list[V],
-    threads_per_row: int,
-    row_in_block: V,
-    rows: int,
-    reused: bool = False,
-) -> list[V]:
-    """Sum each f32 in `values` over the threads of one row (row_reduce with `add`); several
-    values share one barrier."""
-    return row_reduce(k, values, threads_per_row, row_in_block, rows, reused)
 
 
 def cluster_reduce(
