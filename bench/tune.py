@@ -35,8 +35,9 @@ _MOVED = {
 }
 
 
-def _arguments(launcher: Launcher, M: int, N: int) -> tuple[int, list[object]]:
-    """Grid and arguments bound by signature name: inputs random, outputs scratch."""
+def _arguments(launcher: Launcher, M: int, N: int) -> tuple[int, list[int], list[torch.Tensor]]:
+    """Grid, and arguments bound by signature name (inputs random, outputs scratch), with the
+    tensors behind the pointers, which must outlive the launches."""
     if launcher.meta.get("grid") == "persistent":
         grid, partial_rows = persistent_grid(launcher, M)
     else:
@@ -56,7 +57,7 @@ def _arguments(launcher: Launcher, M: int, N: int) -> tuple[int, list[object]]:
         return t
 
     args = [M if name == "M" else tensor(name).data_ptr() for name in launcher.names]
-    return grid, args + [keep]
+    return grid, args, keep
 
 
 def main() -> None:
@@ -66,8 +67,8 @@ def main() -> None:
         launcher = Launcher(artifact_for(spec, device_target(0)), 0)
         N = spec["N"]
         M = BENCH_ELEMENTS // N
-        grid, args = _arguments(launcher, M, N)
-        fn = functools.partial(launcher, grid, stream_of(0), *args[:-1])
+        grid, args, _tensors = _arguments(launcher, M, N)
+        fn = functools.partial(launcher, grid, stream_of(0), *args)
         bw = gbps(_MOVED[spec.kernel] * M * N * 2, median_ms(fn))
         meta = launcher.meta
         row = dict(
