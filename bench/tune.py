@@ -1,5 +1,5 @@
 """Launch-shape sweep: time each kernel variant of the `tune` manifest (threads per row,
-blocks per row in a cluster, prefetch, where the backward's partials live), the kernel alone,
+blocks per row in a cluster, prefetch, a persistent grid, ...), the kernel alone,
 back to back. Shapes as the benchmarks (bf16, M*N = 64 Mi).
 
     kbuild warmup --manifest tune ...   then   python bench/tune.py [out.json]
@@ -35,14 +35,16 @@ _MOVED = {
 }
 
 
-def _arguments(launcher: Launcher, M: int, N: int) -> tuple[int, list[int], list[torch.Tensor]]:
+def _arguments(
+    launcher: Launcher, M: int, N: int
+) -> tuple[int, list[int], dict[str, torch.Tensor]]:
     """Grid, and arguments bound by signature name (inputs random, outputs scratch), with the
-    tensors behind the pointers, which must outlive the launches."""
+    tensors behind the pointers by name, which must outlive the launches."""
     if launcher.meta.get("grid") == "persistent":
         grid, partial_rows = persistent_grid(launcher, M)
     else:
         grid, partial_rows = rows_grid(launcher, M), 0
-    keep = []
+    keep = {}
 
     def tensor(name: str) -> torch.Tensor:
         if name in ("weight", "bias"):
@@ -53,11 +55,38 @@ def _arguments(launcher: Launcher, M: int, N: int) -> tuple[int, list[int], list
             t = torch.empty(partial_rows, N, device="cuda")
         else:
             t = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
-        keep.append(t)
+        keep[name] = t
         return t
 
     args = [M if name == "M" else tensor(name).data_ptr() for name in launcher.names]
     return grid, args, keep
+
+
+def _error(spec, t: dict[str, torch.Tensor]) -> float | None:
+    """Largest error of the variant's output (y, or dx) against an fp32 torch reference of
+    the same inputs, relative to the output's largest magnitude: a variant that is fast but
+    wrong shows here (bf16 rounding alone is about 4e-3)."""
+    f = {name: v.float() for name, v in t.items() if not name.endswith("_partial")}
+    x, w = f["x"], f.get("weight")
+    if spec.kernel.endswith("_fwd"):
+        eps = spec["eps"]
+        if spec.kernel == "layernorm_fwd":
+            ref = torch.nn.functional.layer_norm(x, x.shape[-1:], w, f.get("bias"), eps)
+        else:
+            ref = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)
+            ref = ref if w is None else ref * w
+        out = f["y"]
+    elif spec.kernel in ("rmsnorm_bwd", "layernorm_bwd"):
+        rstd = f["rstd"][:, None]
+        x_hat = (x - f["mean"][:, None]) * rstd if "mean" in f else x * rstd
+        wdy = f["dy"] if w is None else f["dy"] * w
+        g = wdy - x_hat * (wdy * x_hat).mean(-1, keepdim=True)
+        if "mean" in f:
+            g = g - wdy.mean(-1, keepdim=True)
+        ref, out = g * rstd, f["dx"]
+    else:
+        return None
+    return float((out - ref).abs().max() / ref.abs().max())
 
 
 def main() -> None:
@@ -67,7 +96,7 @@ def main() -> None:
         launcher = Launcher(artifact_for(spec, device_target(0)), 0)
         N = spec["N"]
         M = BENCH_ELEMENTS // N
-        grid, args, _tensors = _arguments(launcher, M, N)
+        grid, args, tensors = _arguments(launcher, M, N)
         fn = functools.partial(launcher, grid, stream_of(0), *args)
         bw = gbps(_MOVED[spec.kernel] * M * N * 2, median_ms(fn))
         meta = launcher.meta
@@ -76,6 +105,9 @@ def main() -> None:
             N=N,
             block=meta.get("block"),
             prefetch=spec.kwargs.get("prefetch"),
+            persistent=spec.kwargs.get("persistent"),
+            prefetch_l2=spec.kwargs.get("prefetch_l2"),
+            affine=spec.kwargs.get("weight_dtype") is not None,
             cluster=meta.get("cluster"),
             shared=spec.kwargs.get("shared_partials"),
             smem=meta.get("dynamic_shared_bytes", 0) + meta.get("shared_bytes", 0),
@@ -84,6 +116,7 @@ def main() -> None:
             gbps=round(bw),
             of_copy=round(bw / copy, 3),
             resident_clusters=launcher.resident_clusters,
+            error=_error(spec, tensors),
         )
         print(row, flush=True)
         rows.append(row)

@@ -106,21 +106,39 @@ def _bench() -> Iterator[KernelSpec]:
 
 
 def _tune() -> Iterator[KernelSpec]:
-    """Launch-shape alternatives to the chooser's picks (the bench manifest has those) for
-    bench/tune.py: blocks per row (cluster) and where the backward's partials live."""
+    """Launch-shape alternatives to the chooser's picks for bench/tune.py (the chooser's own
+    picks come first, for comparison): a persistent forward, the next row group asked into
+    L2 a step ahead (`prefetch_l2`), threads per row, and LayerNorm without its parameters
+    (what reading w and b per row costs)."""
     ln_fwd = dict(weight_dtype="bf16", bias_dtype="bf16", store_stats=True, eps=1e-5)
     ln_bwd = dict(weight_dtype="bf16", compute_dw=True, compute_db=True)
+    rms_fwd = dict(weight_dtype="bf16", store_rstd=True, eps=1e-6)
     rms_bwd = dict(weight_dtype="bf16", compute_dw=True)
     bf16 = dict(dtype="bf16", vectorize=True)
-    for cluster in (1, 2, 4, 8):
-        yield KernelSpec.make("layernorm_fwd", N=65536, cluster=cluster, **ln_fwd, **bf16)
-    for cluster in (2, 8):
-        yield KernelSpec.make("layernorm_fwd", N=16384, cluster=cluster, **ln_fwd, **bf16)
-    for cluster in (4, 8):
-        yield KernelSpec.make("layernorm_bwd", N=16384, cluster=cluster, **ln_bwd, **bf16)
-    for shared in (False, True):
-        yield KernelSpec.make("rmsnorm_bwd", N=65536, shared_partials=shared, **rms_bwd, **bf16)
-        yield KernelSpec.make("layernorm_bwd", N=65536, shared_partials=shared, **ln_bwd, **bf16)
+    for N in (8192, 16384, 65536):
+        yield KernelSpec.make("layernorm_fwd", N=N, **ln_fwd, **bf16)
+        yield KernelSpec.make("layernorm_fwd", N=N, persistent=True, **ln_fwd, **bf16)
+        yield KernelSpec.make(
+            "layernorm_fwd", N=N, persistent=True, prefetch_l2=True, **ln_fwd, **bf16
+        )
+        bare = dict(ln_fwd, weight_dtype=None, bias_dtype=None)
+        yield KernelSpec.make("layernorm_fwd", N=N, **bare, **bf16)
+    for tpr in (256, 1024):
+        yield KernelSpec.make("layernorm_fwd", N=16384, threads_per_row=tpr, **ln_fwd, **bf16)
+    yield KernelSpec.make(
+        "layernorm_fwd", N=65536, cluster=4, persistent=True, prefetch_l2=True, **ln_fwd, **bf16
+    )
+    for N in (16384, 65536):
+        yield KernelSpec.make("rmsnorm_fwd", N=N, **rms_fwd, **bf16)
+        yield KernelSpec.make(
+            "rmsnorm_fwd", N=N, persistent=True, prefetch_l2=True, **rms_fwd, **bf16
+        )
+    for N in (4096, 8192, 16384, 65536):
+        yield KernelSpec.make("layernorm_bwd", N=N, **ln_bwd, **bf16)
+        yield KernelSpec.make("layernorm_bwd", N=N, prefetch_l2=True, **ln_bwd, **bf16)
+    for N in (16384, 65536):
+        yield KernelSpec.make("rmsnorm_bwd", N=N, **rms_bwd, **bf16)
+        yield KernelSpec.make("rmsnorm_bwd", N=N, prefetch_l2=True, **rms_bwd, **bf16)
 
 
 def _standard() -> Iterator[KernelSpec]:

@@ -86,13 +86,17 @@ def test_forced_cluster_must_split_rows_into_whole_vectors():
 
 
 def test_grids_count_clusters_and_partial_rows():
-    launcher = SimpleNamespace(rows_per_block=1, cluster=8, resident_clusters=33)
+    launcher = SimpleNamespace(rows_per_block=1, cluster=8, resident_clusters=33, meta={})
     assert rows_grid(launcher, 5) == 40
     assert persistent_grid(launcher, 1024) == (33 * 8, 33)  # one workspace row per cluster
     assert persistent_grid(launcher, 3) == (3 * 8, 3)  # never more clusters than row groups
-    single = SimpleNamespace(rows_per_block=4, cluster=1, resident_clusters=10)
+    single = SimpleNamespace(rows_per_block=4, cluster=1, resident_clusters=10, meta={})
     assert rows_grid(single, 9) == 3
     assert persistent_grid(single, 100) == (10, 40)
+    # A persistent forward kernel gets the persistent grid (and no workspace).
+    single.meta["grid"] = "persistent"
+    assert rows_grid(single, 100) == 10
+    assert rows_grid(single, 9) == 3
 
 
 # --- generated code ------------------------------------------------------------------------

@@ -7,7 +7,16 @@ compiler and the kernel builders do.
 
 from .control import if_else, if_then, loop
 from .kernel import Kernel
-from .memory import atomic_add, get_llvm_ptr, load, store
+from .memory import (
+    atomic_add,
+    commit_async,
+    copy_async,
+    get_llvm_ptr,
+    load,
+    prefetch_l2,
+    store,
+    wait_async,
+)
 from .reduce import add, cluster_reduce, group_reduce, row_reduce
 from .values import (
     V,
@@ -33,6 +42,8 @@ __all__ = [
     "atomic_add",
     "add",
     "cast",
+    "commit_async",
+    "copy_async",
     "cluster_reduce",
     "const",
     "element_bytes",
@@ -47,6 +58,7 @@ __all__ = [
     "load",
     "loop",
     "minimum",
+    "prefetch_l2",
     "rewiden",
     "row_reduce",
     "rsqrt",
@@ -55,4 +67,5 @@ __all__ = [
     "splat",
     "store",
     "to_f32",
+    "wait_async",
 ]

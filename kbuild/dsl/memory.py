@@ -9,7 +9,7 @@ without it the access is split into scalars.
 from __future__ import annotations
 
 from mlir import ir
-from mlir.dialects import llvm
+from mlir.dialects import llvm, nvvm
 
 from .values import V, cast, const, element_bytes, scalar_type, vector_type
 
@@ -59,3 +59,32 @@ def store(value: V, ptr: V, aligned: bool = True) -> None:
 def atomic_add(ptr: V, value: V) -> None:
     """Relaxed fp32 atomic add (never on a default path: it is not deterministic)."""
     llvm.AtomicRMWOp(llvm.AtomicBinOp.fadd, ptr.value, value.value, llvm.AtomicOrdering.monotonic)
+
+
+# ---------------------------------------------------------------------- asynchronous copies
+# NVIDIA only: kernels ask the Target (`l2_prefetch`, `async_copy`) before using these.
+
+
+def prefetch_l2(ptr: V, nbytes: V | int) -> None:
+    """Start bringing `nbytes` (a multiple of 16) of global memory at `ptr` (16-byte aligned)
+    into L2, without waiting and without registers (sm_90 `cp.async.bulk.prefetch.L2`): one
+    thread can ask for a whole row slice ahead of its loads."""
+    size = const(nbytes, "i32") if isinstance(nbytes, int) else cast(nbytes, "i32")
+    nvvm.CpAsyncBulkPrefetchOp(ptr.value, size.value)
+
+
+def copy_async(shared_dst: V, global_src: V) -> None:
+    """Start a 16-byte copy from global to shared memory that bypasses registers (and L1):
+    `cp.async.cg`, sm_80 on. It lands after `wait_async`."""
+    nvvm.CpAsyncOp(shared_dst.value, global_src.value, 16, nvvm.LoadCacheModifierKind.CG)
+
+
+def commit_async() -> None:
+    """Close the group of `copy_async`s this thread issued since the last commit."""
+    nvvm.CpAsyncCommitGroupOp()
+
+
+def wait_async(pending: int = 0) -> None:
+    """Wait until at most `pending` committed groups of this thread are still in flight; the
+    finished copies are then visible to this thread (others need a barrier too)."""
+    nvvm.CpAsyncWaitGroupOp(pending)

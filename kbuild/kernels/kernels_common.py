@@ -14,13 +14,16 @@ from ..dsl import (
     if_else,
     if_then,
     load,
+    loop,
     minimum,
+    prefetch_l2,
     rewiden,
     row_reduce,
     store,
     to_f32,
 )
 from ..dsl.values import scalar_type, vector_type
+from ..dtypes import ELEMENT_BYTES
 from .config import RowConfig
 
 
@@ -168,6 +171,58 @@ class RowTile:
         if meanwhile is not None:
             meanwhile()
         return out
+
+
+class RowGroups:
+    """A persistent grid's walk over the row groups: cluster c (block c, without clusters)
+    takes groups c, c + clusters, ...; its blocks each cover their slice of those rows."""
+
+    def __init__(self, k: Kernel, cfg: RowConfig, rows: V):
+        C = cfg.cluster
+        self.k, self.cfg, self.rows = k, cfg, rows
+        self.first = k.block_id() / C if C > 1 else k.block_id()
+        self.stride = k.grid_size() / C if C > 1 else k.grid_size()
+        self.count = (rows + (cfg.rows_per_block - 1)) / cfg.rows_per_block
+
+    def loop(self, init: list[V], body, ahead: list[tuple[V, str]] = ()) -> list[V]:
+        """body(g, phase, carried) -> carried, for each of this block's row groups g.
+        `phase` (i64) alternates 0, 1, ... for a cluster row sum's double buffer; None
+        without a cluster.
+
+        `ahead`: (array, dtype) pairs whose slice of the next group's rows one thread asks
+        into L2 at the start of each step (`prefetch_l2`), so the step's loads of them meet
+        L2 instead of DRAM; 16-byte vectors only."""
+        k, cfg = self.k, self.cfg
+        C = cfg.cluster
+        if C > 1:
+            k.ensure_cluster_started()  # before the loop: its row sums store into peer blocks
+
+        def step(g: V, carried: list[V]) -> list[V]:
+            if ahead:
+                self._prefetch(g + self.stride, ahead)
+            if C == 1:
+                return body(g, None, carried)
+            return [1 - carried[0]] + body(g, carried[0], carried[1:])
+
+        init = list(init) if C == 1 else [const(0, "i64")] + list(init)
+        out = loop(self.first, self.count, self.stride, init, step)
+        return out if C == 1 else out[1:]
+
+    def _prefetch(self, g: V, arrays: list[tuple[V, str]]) -> None:
+        cfg = self.cfg
+        first_row = g * cfg.rows_per_block
+        # The group's rows are contiguous (a slice is the whole row unless rows_per_block is 1).
+        n_rows = minimum(self.rows - first_row, const(cfg.rows_per_block, "i64"))
+        first = self.k.cluster_rank() * cfg.slice if cfg.cluster > 1 else 0
+
+        def issue() -> None:
+            for base, dtype in arrays:
+                if cfg.vec * ELEMENT_BYTES[dtype] != 16:
+                    raise ValueError("L2 prefetch needs rows of 16-byte vectors")
+                ptr = get_llvm_ptr(base, first_row * cfg.N + first, dtype)
+                prefetch_l2(ptr, n_rows * (cfg.slice * ELEMENT_BYTES[dtype]))
+
+        if_then((g < self.count) & (self.k.thread_id() < 1), issue)
 
 
 def wider(*dtypes: str | None) -> str:

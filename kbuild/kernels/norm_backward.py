@@ -31,9 +31,10 @@ from dataclasses import dataclass
 
 from ..dsl import Kernel, V, const, get_llvm_ptr, hsum, join, load, loop, select, split, store
 from ..dsl.values import vector_type
+from ..dtypes import ELEMENT_BYTES
 from ..targets import Target
 from .config import BACKWARD_SHAPES, RMS_BACKWARD_SHAPES, choose_row_config
-from .kernels_common import RowTile, rewiden_all, widen, wider
+from .kernels_common import RowGroups, RowTile, rewiden_all, widen, wider
 
 BACKWARD_ELEMS = 64  # fp32 words of row data a thread may hold at <= 512 threads
 # Shared-memory partials up to this size are declared statically (the limit is 48 KB with the
@@ -67,6 +68,7 @@ def build_norm_backward(
     prefetch: bool | None = None,
     cluster: int | None = None,
     shared_partials: bool | None = None,
+    prefetch_l2: bool | None = None,
 ) -> Kernel:
     """Launch arguments: x, [weight], dy, [mean], rstd, [dresidual_out], dx, [dw_partial],
     [db_partial], M. Grid: persistent (at most the device's resident clusters, times the
@@ -75,7 +77,9 @@ def build_norm_backward(
     Launch-shape overrides for tuning (the backward builders pass them through; None = the
     chooser's pick): `threads_per_row`; `prefetch`, loading the next row while the current
     one is reduced (register-resident rows); `cluster` (blocks per row, 1 = none);
-    `shared_partials`, the dw/db partials in shared memory instead of registers.
+    `shared_partials`, the dw/db partials in shared memory instead of registers;
+    `prefetch_l2`, one thread per block asking the next row's x and dy into L2 while the
+    current row is worked on (Hopper on; no registers).
     """
     io = wider(p.dtype, p.x_dtype)
     n_partials = int(p.compute_dw) + int(p.compute_db)
@@ -119,6 +123,10 @@ def build_norm_backward(
         # The prefetched row doubles the raw row's registers: under the 64-register cap that
         # spills from two vectors per thread on (measured on an H200: 61-64% against 91-95%).
         prefetch = min_blocks is None or cfg.iters == 1
+    if prefetch_l2 is None:
+        prefetch_l2 = False
+    if prefetch_l2 and not (target.l2_prefetch and cfg.vec * ELEMENT_BYTES[io] == 16):
+        raise ValueError(f"prefetch_l2 needs 16-byte vectors on Hopper or later, not {target}")
     C = cfg.cluster
     with Kernel(p.name, target, cfg.block, min_blocks_per_sm=min_blocks, cluster=C) as k:
         x_ptr = k.ptr("x")
@@ -132,28 +140,17 @@ def build_norm_backward(
         db_ptr = k.ptr("db_partial") if p.compute_db else None
         partials = [ptr for ptr in (dw_ptr, db_ptr) if ptr is not None]
         rows = k.i64("M")
-        # The persistent loop runs over clusters (blocks, without one): cluster c takes row
-        # groups c, c + clusters, ...; its blocks each cover their slice of those rows.
-        first_group = k.block_id() / C if C > 1 else k.block_id()
-        stride = k.grid_size() / C if C > 1 else k.grid_size()
+        walk = RowGroups(k, cfg, rows)
+        first_group, stride = walk.first, walk.stride
         home = RowTile(k, cfg, rows, row_group=first_group)  # this thread's columns
         slot = first_group * cfg.rows_per_block + home.row_in_block  # its workspace row
-        groups = (rows + (cfg.rows_per_block - 1)) / cfg.rows_per_block
         zero_vec = const(0.0, vector_type("f32", cfg.vec) if cfg.vec > 1 else "f32")
         inv_n = 1.0 / p.N
+        # Arrays whose next rows are asked into L2 a step ahead (`prefetch_l2`).
+        ahead = [(x_ptr, p.x_dtype), (dy_ptr, p.dtype)] if prefetch_l2 else []
 
         def row_loop(init: list[V], body) -> list[V]:
-            """This block's loop over its row groups: body(g, phase, carried) -> carried.
-            `phase` (i64) alternates 0, 1, ... for the cluster row sum's double buffer;
-            None without a cluster."""
-            if C == 1:
-                return loop(first_group, groups, stride, init, lambda g, c: body(g, None, c))
-            k.ensure_cluster_started()  # before the loop: its row sums store into peer blocks
-
-            def step(g: V, carried: list[V]) -> list[V]:
-                return [1 - carried[0]] + body(g, carried[0], carried[1:])
-
-            return loop(first_group, groups, stride, [const(0, "i64")] + init, step)[1:]
+            return walk.loop(init, body, ahead)
 
         def loads(t: RowTile, start: V | int = 0):
             """Raw x, dy and w of one (chunk of a) row. w is read again for every row (from

@@ -25,9 +25,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..dsl import Kernel, V, cast, const, get_llvm_ptr, hsum, load, loop, rsqrt, select, to_f32
+from ..dtypes import ELEMENT_BYTES
 from ..targets import Target
 from .config import choose_row_config
-from .kernels_common import RowTile, rewiden_all, widen, wider
+from .kernels_common import RowGroups, RowTile, rewiden_all, widen, wider
 
 
 @dataclass(frozen=True)
@@ -50,12 +51,17 @@ def build_norm_forward(
     *,
     threads_per_row: int | None = None,
     cluster: int | None = None,
+    persistent: bool | None = None,
+    prefetch_l2: bool | None = None,
 ) -> Kernel:
     """Launch arguments: x, [residual], [weight], [bias], y, [residual_out], [mean], [rstd], M.
-    Grid: one block per row group, times the cluster size.
+    Grid: one block per row group, times the cluster size; or, `persistent`, as many blocks
+    (clusters) as the device holds at once, each walking row groups.
 
     Launch-shape overrides for tuning (the forward builders pass them through; None = the
-    config chooser's pick): `threads_per_row`, `cluster` (blocks per row, 1 = none)."""
+    config chooser's pick): `threads_per_row`, `cluster` (blocks per row, 1 = none),
+    `persistent`, `prefetch_l2` (persistent only: one thread per block asks the next row
+    group's input into L2 while the current one is worked on; Hopper on)."""
     N, fused = p.N, p.residual_dtype is not None
     row_dtype = p.residual_dtype if fused else p.dtype  # what the statistics are taken over
     # Register words per row element at the peak: the row (packed when bf16; the fused form
@@ -80,6 +86,13 @@ def build_norm_forward(
     # predicates; the merge of LayerNorm's moments would otherwise take 72-73 registers and
     # halve the resident blocks at N = 8192-16384.
     min_blocks = max(1, 1024 // cfg.block) if cfg.exact else None
+    persistent = bool(persistent)
+    if prefetch_l2 and not (
+        persistent and target.l2_prefetch and cfg.vec * ELEMENT_BYTES[p.dtype] == 16
+    ):
+        raise ValueError(
+            f"prefetch_l2 needs a persistent grid and 16-byte vectors on Hopper or later ({target})"
+        )
     with Kernel(p.name, target, cfg.block, min_blocks, cluster=cfg.cluster) as k:
         x_ptr = k.ptr("x")
         res_ptr = k.ptr("residual") if fused else None
@@ -90,116 +103,135 @@ def build_norm_forward(
         mean_ptr = k.ptr("mean") if p.store_stats and p.center else None
         rstd_ptr = k.ptr("rstd") if p.store_stats else None
         rows = k.i64("M")
-        t = RowTile(k, cfg, rows)
         inv_n = 1.0 / N
 
-        def row_input(start: V | int = 0) -> list[V]:
-            """The row the statistics are taken over, raw in `row_dtype`."""
-            x = t.load(x_ptr, p.dtype, start)
-            if not fused:
-                return x
-            residual = widen(t.load(res_ptr, p.dtype, start))
-            s = [cast(a + b, row_dtype) for a, b in zip(widen(x), residual, strict=True)]
-            t.store(res_out_ptr, s, row_dtype, start)
-            return s
+        def row(t: RowTile, phase: V | None) -> None:
+            """One row group: statistics, normalised output, stats. `phase`: see RowGroups."""
+            reused = phase is not None or persistent  # the row sums' slots are used again
 
-        # fp32 LayerNorm takes its moments of x - shift, shift = the row's first element (one
-        # broadcast load): the merges then round at the row's spread, not at its mean
-        # (x = 1000 + randn: 2^-24 * 1000 per merge level, which add up to 7x torch's fp32
-        # error). 16-bit inputs carry 2^-8 or 2^-11 of their own, far above any merge
-        # rounding, and skip it (it costs 3-5% of bandwidth at N = 8192-16384).
-        shifted_moments = p.center and p.dtype == "f32"
-        shift = None
-        if shifted_moments:
-            shift = to_f32(load(get_llvm_ptr(x_ptr, t.row * N, p.dtype), p.dtype))
+            def row_input(start: V | int = 0) -> list[V]:
+                """The row the statistics are taken over, raw in `row_dtype`."""
+                x = t.load(x_ptr, p.dtype, start)
+                if not fused:
+                    return x
+                residual = widen(t.load(res_ptr, p.dtype, start))
+                s = [cast(a + b, row_dtype) for a, b in zip(widen(x), residual, strict=True)]
+                t.store(res_out_ptr, s, row_dtype, start)
+                return s
 
-        def moments(x: list[V], start: V | int = 0) -> list[V]:
-            """(count, mean, M2) of this thread's elements of one (chunk of a) row, shifted:
-            the mean of its own x - shift, then squares centred on it."""
-            inside = t.inside(start)
+            # fp32 LayerNorm takes its moments of x - shift, shift = the row's first element
+            # (one broadcast load): the merges then round at the row's spread, not at its mean
+            # (x = 1000 + randn: 2^-24 * 1000 per merge level, which add up to 7x torch's
+            # fp32 error). 16-bit inputs carry 2^-8 or 2^-11 of their own, far above any
+            # merge rounding, and skip it (it costs 3-5% of bandwidth at N = 8192-16384).
+            shifted_moments = p.center and p.dtype == "f32"
+            shift = None
+            if shifted_moments:
+                shift = to_f32(load(get_llvm_ptr(x_ptr, t.row * N, p.dtype), p.dtype))
 
-            def shifted(values: list[V]) -> list[V]:  # x - shift; 0 past the row's end
-                if not shifted_moments:
-                    return values  # padding loads as 0
-                out = [v - shift for v in values]
-                return [
-                    d if g is None else select(g, d, 0.0) for d, g in zip(out, inside, strict=True)
-                ]
+            def moments(x: list[V], start: V | int = 0) -> list[V]:
+                """(count, mean, M2) of this thread's elements of one (chunk of a) row,
+                shifted: the mean of its own x - shift, then squares centred on it."""
+                inside = t.inside(start)
 
-            if all(g is None for g in inside):
-                count = float(len(x) * cfg.vec)  # the same in every thread (dsl.reduce)
-            else:
-                count = const(0.0)
-                for g in inside:
-                    count = count + (
-                        float(cfg.vec) if g is None else select(g, const(float(cfg.vec)), 0.0)
-                    )
-            local_mean = _sum(shifted(widen(x))) * _reciprocal(count)
-            # M2 is insensitive to where exactly it is centred (second order): one rounded
-            # centre, one subtraction per element.
-            centre = shift + local_mean if shifted_moments else local_mean
-            m2 = const(0.0)
-            for d, g in zip(rewiden_all(x), inside, strict=True):
-                d = d - centre
-                d = d if g is None else select(g, d, 0.0)
-                m2 = m2 + hsum(d * d)
-            return [count, local_mean, m2]
+                def shifted(values: list[V]) -> list[V]:  # x - shift; 0 past the row's end
+                    if not shifted_moments:
+                        return values  # padding loads as 0
+                    out = [v - shift for v in values]
+                    return [
+                        d if g is None else select(g, d, 0.0)
+                        for d, g in zip(out, inside, strict=True)
+                    ]
 
-        def normalize(x: list[V], mean: V | None, rstd: V, start: V | int = 0) -> None:
-            xs = rewiden_all(x)
-            y = [(v - mean) * rstd for v in xs] if mean is not None else [v * rstd for v in xs]
-            if w_ptr is not None:
-                w = widen(t.load_param(w_ptr, p.weight_dtype, start))
-                y = [yi * wi for yi, wi in zip(y, w, strict=True)]
-            if b_ptr is not None:
-                b = widen(t.load_param(b_ptr, p.bias_dtype, start))
-                y = [yi + bi for yi, bi in zip(y, b, strict=True)]
-            t.store(y_ptr, y, p.dtype, start)
+                if all(g is None for g in inside):
+                    count = float(len(x) * cfg.vec)  # the same in every thread (dsl.reduce)
+                else:
+                    count = const(0.0)
+                    for g in inside:
+                        count = count + (
+                            float(cfg.vec) if g is None else select(g, const(float(cfg.vec)), 0.0)
+                        )
+                local_mean = _sum(shifted(widen(x))) * _reciprocal(count)
+                # M2 is insensitive to where exactly it is centred (second order): one
+                # rounded centre, one subtraction per element.
+                centre = shift + local_mean if shifted_moments else local_mean
+                m2 = const(0.0)
+                for d, g in zip(rewiden_all(x), inside, strict=True):
+                    d = d - centre
+                    d = d if g is None else select(g, d, 0.0)
+                    m2 = m2 + hsum(d * d)
+                return [count, local_mean, m2]
 
-        mean = None
-        if not cfg.chunked:
-            x = row_input()  # held raw, widened at each use (see dsl.rewiden)
-            if p.center:
-                _, mean, m2 = t.reduce(moments(x), merge_moments)
-                if shifted_moments:
-                    mean = shift + mean  # one rounding at the mean's size, as fp32 x carries
-            else:
-                (m2,) = t.sum(_sum_squares(widen(x)))
-            rstd = rsqrt(m2 * inv_n + p.eps)
-            normalize(x, mean, rstd)
-        else:
-            chunks = const(-(-cfg.slice // cfg.span), "i64")  # over this block's slice
-            step, zero = const(1, "i64"), const(0, "i64")
-            # The first pass makes residual_out; the second reads it back.
-            source, source_dtype = (res_out_ptr, row_dtype) if fused else (x_ptr, p.dtype)
+            def normalize(x: list[V], mean: V | None, rstd: V, start: V | int = 0) -> None:
+                xs = rewiden_all(x)
+                y = [(v - mean) * rstd for v in xs] if mean is not None else [v * rstd for v in xs]
+                if w_ptr is not None:
+                    w = widen(t.load_param(w_ptr, p.weight_dtype, start))
+                    y = [yi * wi for yi, wi in zip(y, w, strict=True)]
+                if b_ptr is not None:
+                    b = widen(t.load_param(b_ptr, p.bias_dtype, start))
+                    y = [yi + bi for yi, bi in zip(y, b, strict=True)]
+                t.store(y_ptr, y, p.dtype, start)
 
-            def first(c: V, acc: list[V]) -> list[V]:
-                x = row_input(c * cfg.span)
+            mean = None
+            if not cfg.chunked:
+                x = row_input()  # held raw, widened at each use (see dsl.rewiden)
                 if p.center:
-                    return merge_moments(acc, moments(x, c * cfg.span))
-                return [acc[0] + _sum_squares(widen(x))]
-
-            if p.center:
-                # Chunk counts differ when the last chunk is partial: counts are carried as values.
-                zeros = [const(0.0)] * 3
-                _, mean, m2 = t.reduce(loop(zero, chunks, step, zeros, first), merge_moments)
-                if shifted_moments:
-                    mean = shift + mean
+                    _, mean, m2 = t.reduce(moments(x), merge_moments, reused, phase)
+                    if shifted_moments:
+                        mean = shift + mean  # rounded once, at the mean's size, as x is
+                else:
+                    (m2,) = t.sum(_sum_squares(widen(x)), reused=reused, phase=phase)
+                rstd = rsqrt(m2 * inv_n + p.eps)
+                normalize(x, mean, rstd)
             else:
-                (m2,) = t.sum(*loop(zero, chunks, step, [const(0.0)], first))
-            rstd = rsqrt(m2 * inv_n + p.eps)
+                chunks = const(-(-cfg.slice // cfg.span), "i64")  # over this block's slice
+                step, zero = const(1, "i64"), const(0, "i64")
+                # The first pass makes residual_out; the second reads it back.
+                source, source_dtype = (res_out_ptr, row_dtype) if fused else (x_ptr, p.dtype)
 
-            def write(c: V, _: list[V]) -> list[V]:
-                normalize(t.load(source, source_dtype, c * cfg.span), mean, rstd, c * cfg.span)
-                return []
+                def first(c: V, acc: list[V]) -> list[V]:
+                    x = row_input(c * cfg.span)
+                    if p.center:
+                        return merge_moments(acc, moments(x, c * cfg.span))
+                    return [acc[0] + _sum_squares(widen(x))]
 
-            loop(zero, chunks, step, [], write)
+                if p.center:
+                    # Chunk counts differ when the last chunk is partial: carried as values.
+                    zeros = [const(0.0)] * 3
+                    state = loop(zero, chunks, step, zeros, first)
+                    _, mean, m2 = t.reduce(state, merge_moments, reused, phase)
+                    if shifted_moments:
+                        mean = shift + mean
+                else:
+                    (m2,) = t.sum(
+                        *loop(zero, chunks, step, [const(0.0)], first), reused=reused, phase=phase
+                    )
+                rstd = rsqrt(m2 * inv_n + p.eps)
 
-        if mean_ptr is not None:
-            t.store_row_scalar(mean_ptr, mean)
-        if rstd_ptr is not None:
-            t.store_row_scalar(rstd_ptr, rstd)
-        k.meta.update(rows_per_block=cfg.rows_per_block, grid="rows", cluster=cfg.cluster)
+                def write(c: V, _: list[V]) -> list[V]:
+                    normalize(t.load(source, source_dtype, c * cfg.span), mean, rstd, c * cfg.span)
+                    return []
+
+                loop(zero, chunks, step, [], write)
+
+            if mean_ptr is not None:
+                t.store_row_scalar(mean_ptr, mean)
+            if rstd_ptr is not None:
+                t.store_row_scalar(rstd_ptr, rstd)
+
+        if persistent:
+            walk = RowGroups(k, cfg, rows)
+            ahead = [(x_ptr, p.dtype)] + ([(res_ptr, p.dtype)] if fused else [])
+            walk.loop(
+                [],
+                lambda g, phase, _: row(RowTile(k, cfg, rows, row_group=g), phase) or [],
+                ahead if prefetch_l2 else [],
+            )
+        else:
+            row(RowTile(k, cfg, rows), None)
+        grid = "persistent" if persistent else "rows"
+        k.meta.update(rows_per_block=cfg.rows_per_block, grid=grid, cluster=cfg.cluster)
     return k
 
 

@@ -22,7 +22,10 @@ def vectorizable(N: int, dtypes: Sequence[str], is_aligned: bool) -> bool:
 
 
 def rows_grid(launcher, M: int) -> int:
-    """Blocks for a kernel that gives each row group its own block (or cluster of blocks)."""
+    """Blocks for a forward kernel: one per row group (times the cluster size), or for a
+    persistent one, as many as the device holds at once (see `persistent_grid`)."""
+    if launcher.meta.get("grid") == "persistent":
+        return persistent_grid(launcher, M)[0]
     return -(-M // launcher.rows_per_block) * launcher.cluster
 
 

@@ -87,10 +87,20 @@ class Target:
         return _SHARED_KB[self.arch] * 1024
 
     @property
+    def _sm(self) -> int:
+        return int(self.arch[3:].rstrip("a")) if self.vendor == "nvidia" else 0
+
+    @property
+    def l2_prefetch(self) -> bool:
+        """Whether one thread can ask for a whole span of global memory to be brought into L2
+        ahead of its loads (`cp.async.bulk.prefetch.L2`, Hopper and later)."""
+        return self._sm >= 90
+
+    @property
     def max_cluster(self) -> int:
         """Most blocks a kernel may group into one cluster sharing shared memory (thread
         block clusters, Hopper and later); 1 where there are none."""
-        if self.vendor == "nvidia" and int(self.arch[3:].rstrip("a")) >= 90:
+        if self._sm >= 90:
             return 8  # the portable cluster size limit
         return 1
 
