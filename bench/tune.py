@@ -35,6 +35,21 @@ _MOVED = {
 }
 
 
+ROUNDS = 5
+# Build options a variant may set (see the norm_forward and norm_backward builders).
+_OPTIONS = (
+    "threads_per_row",
+    "cluster",
+    "prefetch",
+    "shared_partials",
+    "persistent",
+    "prefetch_l2",
+    "resident_params",
+    "stream_x",
+    "stage",
+)
+
+
 def _arguments(
     launcher: Launcher, M: int, N: int
 ) -> tuple[int, list[int], dict[str, torch.Tensor]]:
@@ -92,29 +107,37 @@ def _error(spec, t: dict[str, torch.Tensor]) -> float | None:
 def main() -> None:
     copy = measure_copy()
     rows = []
+    variants = []
     for spec in manifest("tune"):
         launcher = Launcher(artifact_for(spec, device_target(0)), 0)
         N = spec["N"]
         M = BENCH_ELEMENTS // N
         grid, args, tensors = _arguments(launcher, M, N)
         fn = functools.partial(launcher, grid, stream_of(0), *args)
-        bw = gbps(_MOVED[spec.kernel] * M * N * 2, median_ms(fn))
+        variants.append((spec, launcher, fn, _MOVED[spec.kernel] * M * N * 2, tensors))
+    # Rounds over all variants, so a drift in the GPU's state hits each variant alike; the
+    # median over rounds is reported, with the spread.
+    times = [[] for _ in variants]
+    for _ in range(ROUNDS):
+        for (_, _, fn, _, _), ts in zip(variants, times, strict=True):
+            ts.append(median_ms(fn, reps=20, warmup_ms=30.0))
+    for (spec, launcher, _, moved, tensors), ts in zip(variants, times, strict=True):
+        ts = sorted(ts)
+        bw = gbps(moved, ts[len(ts) // 2])
         meta = launcher.meta
         row = dict(
             kernel=spec.kernel,
-            N=N,
+            N=spec["N"],
             block=meta.get("block"),
-            prefetch=spec.kwargs.get("prefetch"),
-            persistent=spec.kwargs.get("persistent"),
-            prefetch_l2=spec.kwargs.get("prefetch_l2"),
-            affine=spec.kwargs.get("weight_dtype") is not None,
             cluster=meta.get("cluster"),
-            shared=spec.kwargs.get("shared_partials"),
+            options={k: v for k, v in spec.kwargs.items() if k in _OPTIONS},
+            affine=spec.kwargs.get("weight_dtype") is not None,
             smem=meta.get("dynamic_shared_bytes", 0) + meta.get("shared_bytes", 0),
             regs=meta.get("registers"),
             spills=meta.get("spill_stores"),
             gbps=round(bw),
             of_copy=round(bw / copy, 3),
+            spread=[round(gbps(moved, t) / copy, 3) for t in (ts[-1], ts[0])],
             resident_clusters=launcher.resident_clusters,
             error=_error(spec, tensors),
         )

@@ -107,38 +107,25 @@ def _bench() -> Iterator[KernelSpec]:
 
 def _tune() -> Iterator[KernelSpec]:
     """Launch-shape alternatives to the chooser's picks for bench/tune.py (the chooser's own
-    picks come first, for comparison): a persistent forward, the next row group asked into
-    L2 a step ahead (`prefetch_l2`), threads per row, and LayerNorm without its parameters
-    (what reading w and b per row costs)."""
+    picks come first, for comparison): a persistent forward holding w and b in shared memory
+    (`resident_params`), the next row group copied into shared memory ahead (`stage`) or
+    asked into L2 (`prefetch_l2`), x read past L1 (`stream_x`), and blocks per row."""
     ln_fwd = dict(weight_dtype="bf16", bias_dtype="bf16", store_stats=True, eps=1e-5)
-    ln_bwd = dict(weight_dtype="bf16", compute_dw=True, compute_db=True)
     rms_fwd = dict(weight_dtype="bf16", store_rstd=True, eps=1e-6)
-    rms_bwd = dict(weight_dtype="bf16", compute_dw=True)
     bf16 = dict(dtype="bf16", vectorize=True)
-    for N in (8192, 16384, 65536):
-        yield KernelSpec.make("layernorm_fwd", N=N, **ln_fwd, **bf16)
-        yield KernelSpec.make("layernorm_fwd", N=N, persistent=True, **ln_fwd, **bf16)
-        yield KernelSpec.make(
-            "layernorm_fwd", N=N, persistent=True, prefetch_l2=True, **ln_fwd, **bf16
-        )
-        bare = dict(ln_fwd, weight_dtype=None, bias_dtype=None)
-        yield KernelSpec.make("layernorm_fwd", N=N, **bare, **bf16)
-    for tpr in (256, 1024):
-        yield KernelSpec.make("layernorm_fwd", N=16384, threads_per_row=tpr, **ln_fwd, **bf16)
-    yield KernelSpec.make(
-        "layernorm_fwd", N=65536, cluster=4, persistent=True, prefetch_l2=True, **ln_fwd, **bf16
-    )
-    for N in (16384, 65536):
-        yield KernelSpec.make("rmsnorm_fwd", N=N, **rms_fwd, **bf16)
-        yield KernelSpec.make(
-            "rmsnorm_fwd", N=N, persistent=True, prefetch_l2=True, **rms_fwd, **bf16
-        )
+    resident = dict(persistent=True, resident_params=True)
     for N in (4096, 8192, 16384, 65536):
-        yield KernelSpec.make("layernorm_bwd", N=N, **ln_bwd, **bf16)
-        yield KernelSpec.make("layernorm_bwd", N=N, prefetch_l2=True, **ln_bwd, **bf16)
-    for N in (16384, 65536):
-        yield KernelSpec.make("rmsnorm_bwd", N=N, **rms_bwd, **bf16)
-        yield KernelSpec.make("rmsnorm_bwd", N=N, prefetch_l2=True, **rms_bwd, **bf16)
+        yield KernelSpec.make("layernorm_fwd", N=N, **ln_fwd, **bf16)
+        yield KernelSpec.make("layernorm_fwd", N=N, stream_x=True, **ln_fwd, **bf16)
+        yield KernelSpec.make("layernorm_fwd", N=N, **resident, prefetch_l2=True, **ln_fwd, **bf16)
+        yield KernelSpec.make("layernorm_fwd", N=N, **resident, stage=True, **ln_fwd, **bf16)
+        yield KernelSpec.make("layernorm_fwd", N=N, persistent=True, stage=True, **ln_fwd, **bf16)
+    for cluster in (2, 4):
+        for extra in (dict(prefetch_l2=True), dict(stage=True)):
+            shape = dict(cluster=cluster, **extra, **resident)
+            yield KernelSpec.make("layernorm_fwd", N=65536, **shape, **ln_fwd, **bf16)
+    yield KernelSpec.make("rmsnorm_fwd", N=16384, **rms_fwd, **bf16)
+    yield KernelSpec.make("rmsnorm_fwd", N=16384, **resident, stage=True, **rms_fwd, **bf16)
 
 
 def _standard() -> Iterator[KernelSpec]:

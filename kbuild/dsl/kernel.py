@@ -17,7 +17,8 @@ from mlir import ir
 from mlir.dialects import gpu, llvm, nvvm
 
 from ..targets import Target
-from .values import V, cast, const, scalar_type
+from .memory import get_llvm_ptr
+from .values import V, cast, const, element_bytes, scalar_type
 
 GLOBAL = 1
 SHARED = 3
@@ -186,23 +187,35 @@ class Kernel:
         op = ir.Operation.parse(text)
         self._module_ip.insert(op)
         self._shared_bytes += count * (elem.width // 8)
+        self._check_shared()
         ptr_t = llvm.PointerType.get(address_space=SHARED)
         return V(llvm.AddressOfOp(ptr_t, name).result)
 
     def dynamic_shared(self, count: int, dtype: str = "f32") -> V:
         """A shared array sized at launch (`meta["dynamic_shared_bytes"]`, which the launcher
-        passes): unlike `shared`, it may exceed the 48 KB a kernel can declare statically.
-        One per kernel."""
-        if "dynamic_shared_bytes" in self.meta:
-            raise ValueError("a kernel has one dynamic shared array")
-        text = (
-            "llvm.mlir.global external @__dynamic_smem() {addr_space = 3 : i32, "
-            "alignment = 16 : i64} : !llvm.array<0 x i8>"
-        )
-        self._module_ip.insert(ir.Operation.parse(text))
-        self.meta["dynamic_shared_bytes"] = count * (scalar_type(dtype).width // 8)
+        passes): unlike `shared`, together they may exceed the 48 KB a kernel can declare
+        statically. Each call takes the next 16-byte aligned span of one extern array."""
         ptr_t = llvm.PointerType.get(address_space=SHARED)
-        return V(llvm.AddressOfOp(ptr_t, "__dynamic_smem").result)
+        if "dynamic_shared_bytes" not in self.meta:
+            text = (
+                "llvm.mlir.global external @__dynamic_smem() {addr_space = 3 : i32, "
+                "alignment = 16 : i64} : !llvm.array<0 x i8>"
+            )
+            self._module_ip.insert(ir.Operation.parse(text))
+            self.meta["dynamic_shared_bytes"] = 0
+        offset = self.meta["dynamic_shared_bytes"]
+        self.meta["dynamic_shared_bytes"] = offset + -(-count * element_bytes(dtype) // 16) * 16
+        self._check_shared()
+        base = V(llvm.AddressOfOp(ptr_t, "__dynamic_smem").result)
+        return base if offset == 0 else get_llvm_ptr(base, offset, "i8")
+
+    def _check_shared(self) -> None:
+        total = self._shared_bytes + self.meta.get("dynamic_shared_bytes", 0)
+        if total > self.target.shared_bytes_per_block:
+            raise ValueError(
+                f"{self.name} needs {total} bytes of shared memory per block; "
+                f"{self.target.arch} allows {self.target.shared_bytes_per_block}"
+            )
 
     @property
     def shared_bytes(self) -> int:

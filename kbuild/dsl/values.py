@@ -23,6 +23,7 @@ def scalar_type(dtype: str) -> ir.Type:
         "f32": ir.F32Type.get,
         "f16": ir.F16Type.get,
         "bf16": ir.BF16Type.get,
+        "i8": lambda: ir.IntegerType.get_signless(8),
         "i32": lambda: ir.IntegerType.get_signless(32),
         "i64": lambda: ir.IntegerType.get_signless(64),
         "i1": lambda: ir.IntegerType.get_signless(1),

@@ -9,18 +9,24 @@ from ..dsl import (
     add,
     cast,
     cluster_reduce,
+    commit_async,
     const,
+    copy_async,
     get_llvm_ptr,
     if_else,
     if_then,
+    join,
     load,
+    load_streaming,
     loop,
     minimum,
     prefetch_l2,
     rewiden,
     row_reduce,
+    split,
     store,
     to_f32,
+    wait_async,
 )
 from ..dsl.values import scalar_type, vector_type
 from ..dtypes import ELEMENT_BYTES
@@ -69,9 +75,10 @@ class RowTile:
 
     # ------------------------------------------------------------------ loads and stores
 
-    def load(self, base: V, dtype: str, start: V | int = 0) -> list[V]:
-        """This thread's vectors of its row of `base`, raw (in `dtype`); zeros past N."""
-        return self._load(base, self.offset, dtype, start)
+    def load(self, base: V, dtype: str, start: V | int = 0, streaming: bool = False) -> list[V]:
+        """This thread's vectors of its row of `base`, raw (in `dtype`); zeros past N.
+        `streaming`: data read once, kept out of L1 where the target can (`load_streaming`)."""
+        return self._load(base, self.offset, dtype, start, streaming)
 
     def load_row(self, base: V, row: V, dtype: str, start: V | int = 0) -> list[V]:
         """Like `load`, from row `row` of an (R, N) array (a workspace) instead of this row."""
@@ -81,12 +88,21 @@ class RowTile:
         """This thread's vectors of a length-N parameter (weight, bias), raw."""
         return self._load(base, const(0, "i64") + self.first, dtype, start)
 
-    def _load(self, base: V, offset: V, dtype: str, start: V | int) -> list[V]:
+    def _load(
+        self, base: V, offset: V, dtype: str, start: V | int, streaming: bool = False
+    ) -> list[V]:
         out = []
+        streaming = (
+            streaming
+            and self.k.target.streaming_loads
+            and ELEMENT_BYTES[dtype] * self.cfg.vec == 16
+        )
         for col in self.columns(start):
             ptr = get_llvm_ptr(base, offset + col, dtype)
             guard = self._guarded(col)
-            if guard is None:
+            if guard is None and streaming:
+                out.append(load_streaming(ptr, dtype, self.cfg.vec))
+            elif guard is None:
                 out.append(load(ptr, dtype, self.cfg.vec))
             else:
                 zero = vector_type(dtype, self.cfg.vec) if self.cfg.vec > 1 else scalar_type(dtype)
@@ -171,6 +187,79 @@ class RowTile:
         if meanwhile is not None:
             meanwhile()
         return out
+
+
+class ThreadShared:
+    """Shared memory that each thread uses alone: `n` values per thread, each `width`
+    elements of `dtype`, kept off the register file (dw/db partials; parameters a persistent
+    block reads for every row). A value is stored as 16-byte pieces, each piece contiguous
+    over the block's threads, so a warp's accesses fall on distinct banks. A thread reads
+    back only what it wrote: no barriers.
+
+    Declared statically while the kernel's static shared memory stays within `static_bytes`,
+    past that as dynamic shared memory (reserved at launch; see Kernel.dynamic_shared)."""
+
+    STATIC_BYTES = 40 * 1024  # with the row sums' slots, under the 48 KB static limit
+
+    def __init__(self, k: Kernel, n: int, dtype: str, width: int, static_bytes=STATIC_BYTES):
+        self.k, self.n, self.dtype, self.width = k, n, dtype, width
+        self.sub = min(width, 16 // ELEMENT_BYTES[dtype])  # elements per piece
+        self.pieces = width // self.sub
+        count = n * width * k.block
+        self.bytes = count * ELEMENT_BYTES[dtype]
+        if k.shared_bytes + self.bytes <= static_bytes:
+            self.base = k.shared(count, dtype)
+        else:
+            self.base = k.dynamic_shared(count, dtype)
+        self.tid = k.thread_id()
+
+    def _slots(self, i: int) -> list[V]:
+        block, sub = self.k.block, self.sub
+        first = i * self.pieces * block
+        return [
+            get_llvm_ptr(self.base, (self.tid + (first + q * block)) * sub, self.dtype)
+            for q in range(self.pieces)
+        ]
+
+    def get(self, i: int) -> V:
+        return join([load(ptr, self.dtype, self.sub) for ptr in self._slots(i)])
+
+    def slot(self, i: int) -> V:
+        """The address of value i, when it is one 16-byte piece (an async copy's target)."""
+        if self.pieces != 1 or self.sub * ELEMENT_BYTES[self.dtype] != 16:
+            raise ValueError("a single-slot value must be 16 bytes")
+        return self._slots(i)[0]
+
+    def put(self, i: int, value: V) -> None:
+        for ptr, piece in zip(self._slots(i), split(value, self.sub), strict=True):
+            store(piece, ptr)
+
+
+class RowStage:
+    """Rows copied into shared memory ahead of their use (`copy_async`, bypassing registers
+    and L1): a persistent kernel starts the next row group's copies while it works on the
+    current one, so its loads are always in flight. Each thread copies, and later reads,
+    only its own 16-byte vectors (ThreadShared): no barriers. Exact rows of 16-byte vectors.
+    """
+
+    def __init__(self, k: Kernel, cfg: RowConfig, arrays: list[tuple[V, str]]):
+        if not (cfg.exact and all(cfg.vec * ELEMENT_BYTES[d] == 16 for _, d in arrays)):
+            raise ValueError("staged rows must be exact rows of 16-byte vectors")
+        self.cfg, self.arrays = cfg, arrays
+        self.slots = [ThreadShared(k, cfg.iters, dtype, cfg.vec) for _, dtype in arrays]
+
+    def issue(self, t: RowTile) -> None:
+        """Start copying this thread's vectors of t's row of each array."""
+        for (base, dtype), slots in zip(self.arrays, self.slots, strict=True):
+            for i, col in enumerate(t.columns()):
+                copy_async(slots.slot(i), get_llvm_ptr(base, t.offset + col, dtype))
+        commit_async()
+
+    def take(self) -> list[list[V]]:
+        """Wait for the copies issued last and read them: per array, this thread's raw
+        vectors. Issue the next copies only after these values are used (the same slots)."""
+        wait_async(0)
+        return [[s.get(i) for i in range(self.cfg.iters)] for s in self.slots]
 
 
 class RowGroups:

@@ -29,17 +29,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..dsl import Kernel, V, const, get_llvm_ptr, hsum, join, load, loop, select, split, store
+from ..dsl import Kernel, V, const, hsum, loop, select
 from ..dsl.values import vector_type
 from ..dtypes import ELEMENT_BYTES
 from ..targets import Target
 from .config import BACKWARD_SHAPES, RMS_BACKWARD_SHAPES, choose_row_config
-from .kernels_common import RowGroups, RowTile, rewiden_all, widen, wider
+from .kernels_common import RowGroups, RowTile, ThreadShared, rewiden_all, widen, wider
 
 BACKWARD_ELEMS = 64  # fp32 words of row data a thread may hold at <= 512 threads
-# Shared-memory partials up to this size are declared statically (the limit is 48 KB with the
-# row sums' slots); larger ones are dynamic shared memory, reserved at launch.
-_STATIC_PARTIAL_BYTES = 40 * 1024
 # Largest shared-memory partials, leaving room for the row sums' slots: 128 KB, or less where
 # the target allows less per block (99 KB on sm_86/89/120, 64 KB of LDS on most AMD GPUs).
 SHARED_PARTIALS_MAX = 128 * 1024
@@ -219,28 +216,14 @@ def build_norm_backward(
                 return t.load(x_ptr, p.x_dtype) + t.load(dy_ptr, p.dtype) + stats
 
             if shared_partials:
-                # Partial (j) of vector i of this thread: vec fp32 in pieces of 4 (16 bytes),
-                # each piece's slots contiguous over the block's threads (no bank conflicts).
-                sub = min(cfg.vec, 4)
-                pieces = cfg.vec // sub
-                count = n_partials * n * cfg.vec * cfg.block
-                static = count * 4 <= _STATIC_PARTIAL_BYTES
-                base = k.shared(count) if static else k.dynamic_shared(count)
-                tid = k.thread_id()
-
-                def slots(j: int, i: int) -> list[V]:
-                    first = ((j * n + i) * pieces) * cfg.block
-                    return [
-                        get_llvm_ptr(base, (tid + (first + q * cfg.block)) * sub, "f32")
-                        for q in range(pieces)
-                    ]
+                # Partial j of vector i of this thread is value j * n + i.
+                stash = ThreadShared(k, n_partials * n, "f32", cfg.vec)
 
                 def get(j: int, i: int) -> V:
-                    return join([load(ptr, "f32", sub) for ptr in slots(j, i)])
+                    return stash.get(j * n + i)
 
                 def put(j: int, i: int, value: V) -> None:
-                    for ptr, piece in zip(slots(j, i), split(value, sub), strict=True):
-                        store(piece, ptr)
+                    stash.put(j * n + i, value)
 
                 for j in range(n_partials):
                     for i in range(n):

@@ -28,7 +28,15 @@ from ..dsl import Kernel, V, cast, const, get_llvm_ptr, hsum, load, loop, rsqrt,
 from ..dtypes import ELEMENT_BYTES
 from ..targets import Target
 from .config import choose_row_config
-from .kernels_common import RowGroups, RowTile, rewiden_all, widen, wider
+from .kernels_common import (
+    RowGroups,
+    RowStage,
+    RowTile,
+    ThreadShared,
+    rewiden_all,
+    widen,
+    wider,
+)
 
 
 @dataclass(frozen=True)
@@ -53,6 +61,9 @@ def build_norm_forward(
     cluster: int | None = None,
     persistent: bool | None = None,
     prefetch_l2: bool | None = None,
+    resident_params: bool | None = None,
+    stream_x: bool | None = None,
+    stage: bool | None = None,
 ) -> Kernel:
     """Launch arguments: x, [residual], [weight], [bias], y, [residual_out], [mean], [rstd], M.
     Grid: one block per row group, times the cluster size; or, `persistent`, as many blocks
@@ -61,7 +72,12 @@ def build_norm_forward(
     Launch-shape overrides for tuning (the forward builders pass them through; None = the
     config chooser's pick): `threads_per_row`, `cluster` (blocks per row, 1 = none),
     `persistent`, `prefetch_l2` (persistent only: one thread per block asks the next row
-    group's input into L2 while the current one is worked on; Hopper on)."""
+    group's input into L2 while the current one is worked on; Hopper on),
+    `resident_params` (persistent only: each thread keeps its columns of w and b in shared
+    memory for the whole kernel instead of reading them for every row), `stream_x` (x read
+    without allocating in L1, which then keeps w and b; NVIDIA), `stage` (persistent only:
+    the next row group's input is copied into shared memory while the current one is worked
+    on, `RowStage`; Ampere on)."""
     N, fused = p.N, p.residual_dtype is not None
     row_dtype = p.residual_dtype if fused else p.dtype  # what the statistics are taken over
     # Register words per row element at the peak: the row (packed when bf16; the fused form
@@ -87,6 +103,10 @@ def build_norm_forward(
     # halve the resident blocks at N = 8192-16384.
     min_blocks = max(1, 1024 // cfg.block) if cfg.exact else None
     persistent = bool(persistent)
+    if resident_params and not (persistent and not cfg.chunked):
+        raise ValueError("resident_params needs a persistent grid and rows held in registers")
+    if stage and not (persistent and target.async_copy):
+        raise ValueError(f"stage needs a persistent grid and asynchronous copies ({target})")
     if prefetch_l2 and not (
         persistent and target.l2_prefetch and cfg.vec * ELEMENT_BYTES[p.dtype] == 16
     ):
@@ -104,17 +124,45 @@ def build_norm_forward(
         rstd_ptr = k.ptr("rstd") if p.store_stats else None
         rows = k.i64("M")
         inv_n = 1.0 / N
+        walk = RowGroups(k, cfg, rows) if persistent else None
+        params = {"weight": (w_ptr, p.weight_dtype), "bias": (b_ptr, p.bias_dtype)}
+        resident = {}  # parameter name -> this thread's columns of it, in shared memory
+        if resident_params:
+            home = RowTile(k, cfg, rows, row_group=walk.first)
+            for name, (ptr, dtype) in params.items():
+                if ptr is not None:
+                    resident[name] = ThreadShared(k, cfg.iters, dtype, cfg.vec)
+                    for i, v in enumerate(home.load_param(ptr, dtype)):
+                        resident[name].put(i, v)
 
-        def row(t: RowTile, phase: V | None) -> None:
-            """One row group: statistics, normalised output, stats. `phase`: see RowGroups."""
+        def param(t: RowTile, name: str, start: V | int) -> list[V]:
+            """This thread's vectors of w or b, raw."""
+            if name in resident:
+                return [resident[name].get(i) for i in range(cfg.iters)]
+            ptr, dtype = params[name]
+            return t.load_param(ptr, dtype, start)
+
+        inputs = [(x_ptr, p.dtype)] + ([(res_ptr, p.dtype)] if fused else [])
+        staging = RowStage(k, cfg, inputs) if stage else None
+
+        def row(t: RowTile, phase: V | None, staged=None, used=None) -> None:
+            """One row group: statistics, normalised output, stats. `phase`: see RowGroups.
+            `staged`: the row's inputs, already read from a RowStage; `used()` runs once
+            they have been consumed (the stage's slots are free again)."""
             reused = phase is not None or persistent  # the row sums' slots are used again
 
             def row_input(start: V | int = 0) -> list[V]:
                 """The row the statistics are taken over, raw in `row_dtype`."""
-                x = t.load(x_ptr, p.dtype, start)
+                if staged is not None:
+                    x = staged[0]
+                else:
+                    x = t.load(x_ptr, p.dtype, start, streaming=bool(stream_x))
                 if not fused:
                     return x
-                residual = widen(t.load(res_ptr, p.dtype, start))
+                if staged is not None:
+                    residual = widen(staged[1])
+                else:
+                    residual = widen(t.load(res_ptr, p.dtype, start))
                 s = [cast(a + b, row_dtype) for a, b in zip(widen(x), residual, strict=True)]
                 t.store(res_out_ptr, s, row_dtype, start)
                 return s
@@ -166,10 +214,10 @@ def build_norm_forward(
                 xs = rewiden_all(x)
                 y = [(v - mean) * rstd for v in xs] if mean is not None else [v * rstd for v in xs]
                 if w_ptr is not None:
-                    w = widen(t.load_param(w_ptr, p.weight_dtype, start))
+                    w = widen(param(t, "weight", start))
                     y = [yi * wi for yi, wi in zip(y, w, strict=True)]
                 if b_ptr is not None:
-                    b = widen(t.load_param(b_ptr, p.bias_dtype, start))
+                    b = widen(param(t, "bias", start))
                     y = [yi + bi for yi, bi in zip(y, b, strict=True)]
                 t.store(y_ptr, y, p.dtype, start)
 
@@ -177,11 +225,17 @@ def build_norm_forward(
             if not cfg.chunked:
                 x = row_input()  # held raw, widened at each use (see dsl.rewiden)
                 if p.center:
-                    _, mean, m2 = t.reduce(moments(x), merge_moments, reused, phase)
+                    state = moments(x)
+                    if used is not None:
+                        used()
+                    _, mean, m2 = t.reduce(state, merge_moments, reused, phase)
                     if shifted_moments:
                         mean = shift + mean  # rounded once, at the mean's size, as x is
                 else:
-                    (m2,) = t.sum(_sum_squares(widen(x)), reused=reused, phase=phase)
+                    squares = _sum_squares(widen(x))
+                    if used is not None:
+                        used()
+                    (m2,) = t.sum(squares, reused=reused, phase=phase)
                 rstd = rsqrt(m2 * inv_n + p.eps)
                 normalize(x, mean, rstd)
             else:
@@ -221,13 +275,21 @@ def build_norm_forward(
                 t.store_row_scalar(rstd_ptr, rstd)
 
         if persistent:
-            walk = RowGroups(k, cfg, rows)
-            ahead = [(x_ptr, p.dtype)] + ([(res_ptr, p.dtype)] if fused else [])
-            walk.loop(
-                [],
-                lambda g, phase, _: row(RowTile(k, cfg, rows, row_group=g), phase) or [],
-                ahead if prefetch_l2 else [],
-            )
+            if staging is not None:
+                staging.issue(RowTile(k, cfg, rows, row_group=walk.first))
+
+            def step(g: V, phase: V | None, _: list[V]) -> list[V]:
+                t = RowTile(k, cfg, rows, row_group=g)
+                if staging is None:
+                    row(t, phase)
+                    return []
+                upcoming = RowTile(k, cfg, rows, row_group=g + walk.stride)
+                row(t, phase, staging.take(), lambda: staging.issue(upcoming))
+                return []
+
+            walk.loop([], step, inputs if prefetch_l2 else [])
+            if staging is not None:
+                staging.take()  # the copies started for a group past the end: let them land
         else:
             row(RowTile(k, cfg, rows), None)
         grid = "persistent" if persistent else "rows"
