@@ -107,25 +107,28 @@ def _bench() -> Iterator[KernelSpec]:
 
 def _tune() -> Iterator[KernelSpec]:
     """Launch-shape alternatives to the chooser's picks for bench/tune.py (the chooser's own
-    picks come first, for comparison): a persistent forward holding w and b in shared memory
-    (`resident_params`), the next row group copied into shared memory ahead (`stage`) or
-    asked into L2 (`prefetch_l2`), x read past L1 (`stream_x`), and blocks per row."""
+    picks come first, for comparison): blocks per row (`cluster`) and threads per row for
+    the longest rows, with and without the next row group staged in shared memory."""
     ln_fwd = dict(weight_dtype="bf16", bias_dtype="bf16", store_stats=True, eps=1e-5)
-    rms_fwd = dict(weight_dtype="bf16", store_rstd=True, eps=1e-6)
+    ln_bwd = dict(weight_dtype="bf16", compute_dw=True, compute_db=True)
+    rms_bwd = dict(weight_dtype="bf16", compute_dw=True)
+    fused_bwd = dict(
+        weight_dtype="bf16", residual_dtype="bf16", compute_dw=True, has_dresidual_out=True
+    )
     bf16 = dict(dtype="bf16", vectorize=True)
-    resident = dict(persistent=True, resident_params=True)
-    for N in (4096, 8192, 16384, 65536):
-        yield KernelSpec.make("layernorm_fwd", N=N, **ln_fwd, **bf16)
-        yield KernelSpec.make("layernorm_fwd", N=N, stream_x=True, **ln_fwd, **bf16)
-        yield KernelSpec.make("layernorm_fwd", N=N, **resident, prefetch_l2=True, **ln_fwd, **bf16)
-        yield KernelSpec.make("layernorm_fwd", N=N, **resident, stage=True, **ln_fwd, **bf16)
-        yield KernelSpec.make("layernorm_fwd", N=N, persistent=True, stage=True, **ln_fwd, **bf16)
-    for cluster in (2, 4):
-        for extra in (dict(prefetch_l2=True), dict(stage=True)):
-            shape = dict(cluster=cluster, **extra, **resident)
-            yield KernelSpec.make("layernorm_fwd", N=65536, **shape, **ln_fwd, **bf16)
-    yield KernelSpec.make("rmsnorm_fwd", N=16384, **rms_fwd, **bf16)
-    yield KernelSpec.make("rmsnorm_fwd", N=16384, **resident, stage=True, **rms_fwd, **bf16)
+    staged = dict(persistent=True, stage=1)
+    yield KernelSpec.make("layernorm_fwd", N=65536, **staged, **ln_fwd, **bf16)
+    for tpr in (512,):
+        shape = dict(cluster=8, threads_per_row=tpr, **staged)
+        yield KernelSpec.make("layernorm_fwd", N=65536, **shape, **ln_fwd, **bf16)
+    for kernel, options in (("layernorm_bwd", ln_bwd), ("rmsnorm_bwd", rms_bwd)):
+        for cluster in (8, 4, 2):
+            yield KernelSpec.make(kernel, N=65536, cluster=cluster, **options, **bf16)
+        yield KernelSpec.make(kernel, N=65536, cluster=4, stage=1, **options, **bf16)
+    yield KernelSpec.make("fused_add_rmsnorm_bwd", N=65536, **fused_bwd, **bf16)
+    yield KernelSpec.make("fused_add_rmsnorm_bwd", N=65536, stage=1, **fused_bwd, **bf16)
+    yield KernelSpec.make("fused_add_rmsnorm_bwd", N=16384, **fused_bwd, **bf16)
+    yield KernelSpec.make("fused_add_rmsnorm_bwd", N=16384, stage=1, **fused_bwd, **bf16)
 
 
 def _standard() -> Iterator[KernelSpec]:

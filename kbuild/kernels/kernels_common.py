@@ -189,6 +189,9 @@ class RowTile:
         return out
 
 
+SHARED_SLACK = 4 * 1024  # room kept for the row sums' slots and the like
+
+
 class ThreadShared:
     """Shared memory that each thread uses alone: `n` values per thread, each `width`
     elements of `dtype`, kept off the register file (dw/db partials; parameters a persistent
@@ -237,29 +240,67 @@ class ThreadShared:
 
 class RowStage:
     """Rows copied into shared memory ahead of their use (`copy_async`, bypassing registers
-    and L1): a persistent kernel starts the next row group's copies while it works on the
-    current one, so its loads are always in flight. Each thread copies, and later reads,
-    only its own 16-byte vectors (ThreadShared): no barriers. Exact rows of 16-byte vectors.
-    """
+    and L1): a persistent kernel keeps the copies of its next `depth` row groups in flight
+    while it works on the current one. Each thread copies, and later reads, only its own
+    16-byte vectors (ThreadShared): no barriers. Exact rows of 16-byte vectors.
 
-    def __init__(self, k: Kernel, cfg: RowConfig, arrays: list[tuple[V, str]]):
+    Buffer b (0 .. depth - 1, an i64 value) holds one row group; the walk over the groups
+    cycles through them: `start` fills all, then each step `take`s the current buffer and,
+    once the values are used, `issue`s the group `depth` steps ahead into it."""
+
+    def __init__(self, k: Kernel, cfg: RowConfig, arrays: list[tuple[V, str]], depth: int = 1):
         if not (cfg.exact and all(cfg.vec * ELEMENT_BYTES[d] == 16 for _, d in arrays)):
             raise ValueError("staged rows must be exact rows of 16-byte vectors")
-        self.cfg, self.arrays = cfg, arrays
-        self.slots = [ThreadShared(k, cfg.iters, dtype, cfg.vec) for _, dtype in arrays]
+        if depth < 1:
+            raise ValueError(f"stage depth must be at least 1, not {depth}")
+        self.k, self.cfg, self.arrays, self.depth = k, cfg, arrays, depth
+        self.slots = [ThreadShared(k, cfg.iters * depth, d, cfg.vec) for _, d in arrays]
 
-    def issue(self, t: RowTile) -> None:
-        """Start copying this thread's vectors of t's row of each array."""
+    def _slot(self, slots: ThreadShared, i: int, buffer: V | int) -> V:
+        ptr = slots.slot(i)
+        if isinstance(buffer, int) and buffer == 0:
+            return ptr
+        return get_llvm_ptr(ptr, buffer * (self.cfg.iters * self.k.block * slots.sub), slots.dtype)
+
+    def start(self, walk: RowGroups, rows: V) -> None:
+        """Fill every buffer: buffer j with this block's j-th row group."""
+        for j in range(self.depth):
+            self.issue(RowTile(self.k, self.cfg, rows, row_group=walk.first + j * walk.stride), j)
+
+    def issue(self, t: RowTile, buffer: V | int) -> None:
+        """Start copying this thread's vectors of t's row of each array into `buffer`."""
         for (base, dtype), slots in zip(self.arrays, self.slots, strict=True):
             for i, col in enumerate(t.columns()):
-                copy_async(slots.slot(i), get_llvm_ptr(base, t.offset + col, dtype))
+                src = get_llvm_ptr(base, t.offset + col, dtype)
+                copy_async(self._slot(slots, i, buffer), src)
         commit_async()
 
-    def take(self) -> list[list[V]]:
-        """Wait for the copies issued last and read them: per array, this thread's raw
-        vectors. Issue the next copies only after these values are used (the same slots)."""
+    def take(self, buffer: V | int) -> list[list[V]]:
+        """Wait for the oldest copies in flight (those of `buffer`) and read them: per array,
+        this thread's raw vectors. Refill the buffer only after the values are used."""
+        wait_async(self.depth - 1)
+        return [
+            [load(self._slot(s, i, buffer), s.dtype, s.sub) for i in range(self.cfg.iters)]
+            for s in self.slots
+        ]
+
+    def drain(self) -> None:
+        """Let the copies still in flight (groups past the end) land before the kernel ends."""
         wait_async(0)
-        return [[s.get(i) for i in range(self.cfg.iters)] for s in self.slots]
+
+    def next_buffer(self, buffer: V) -> V:
+        return (buffer + 1) % self.depth
+
+
+def can_stage(target, cfg: RowConfig, dtypes: list[str], other_shared: int = 0) -> bool:
+    """Whether rows of these arrays can be staged one group ahead (RowStage, depth 1) on
+    `target`, next to `other_shared` bytes of shared memory the kernel already uses."""
+    if not (target.async_copy and cfg.exact):
+        return False
+    if any(cfg.vec * ELEMENT_BYTES[d] != 16 for d in dtypes):
+        return False
+    staged = len(dtypes) * cfg.iters * 16 * cfg.block
+    return staged + other_shared + SHARED_SLACK <= target.shared_bytes_per_block
 
 
 class RowGroups:

@@ -34,13 +34,22 @@ from ..dsl.values import vector_type
 from ..dtypes import ELEMENT_BYTES
 from ..targets import Target
 from .config import BACKWARD_SHAPES, RMS_BACKWARD_SHAPES, choose_row_config
-from .kernels_common import RowGroups, RowTile, ThreadShared, rewiden_all, widen, wider
+from .kernels_common import (
+    SHARED_SLACK,
+    RowGroups,
+    RowStage,
+    RowTile,
+    ThreadShared,
+    can_stage,
+    rewiden_all,
+    widen,
+    wider,
+)
 
 BACKWARD_ELEMS = 64  # fp32 words of row data a thread may hold at <= 512 threads
 # Largest shared-memory partials, leaving room for the row sums' slots: 128 KB, or less where
 # the target allows less per block (99 KB on sm_86/89/120, 64 KB of LDS on most AMD GPUs).
 SHARED_PARTIALS_MAX = 128 * 1024
-_SHARED_SLACK = 4 * 1024
 
 
 @dataclass(frozen=True)
@@ -66,6 +75,7 @@ def build_norm_backward(
     cluster: int | None = None,
     shared_partials: bool | None = None,
     prefetch_l2: bool | None = None,
+    stage: bool | None = None,
 ) -> Kernel:
     """Launch arguments: x, [weight], dy, [mean], rstd, [dresidual_out], dx, [dw_partial],
     [db_partial], M. Grid: persistent (at most the device's resident clusters, times the
@@ -76,7 +86,9 @@ def build_norm_backward(
     one is reduced (register-resident rows); `cluster` (blocks per row, 1 = none);
     `shared_partials`, the dw/db partials in shared memory instead of registers;
     `prefetch_l2`, one thread per block asking the next row's x and dy into L2 while the
-    current row is worked on (Hopper on; no registers).
+    current row is worked on (Hopper on; no registers); `stage`, x and dy of the next
+    `stage` rows copied into shared memory while the current row is worked on (`RowStage`;
+    True = 1; Ampere on).
     """
     io = wider(p.dtype, p.x_dtype)
     n_partials = int(p.compute_dw) + int(p.compute_db)
@@ -107,7 +119,7 @@ def build_norm_backward(
     if shared_partials and n_partials:  # a shape for the row alone, partials off registers
         alone = config(0.0, cfg.cluster)
         size = n_partials * alone.slice * alone.rows_per_block * 4
-        most = min(SHARED_PARTIALS_MAX, target.shared_bytes_per_block - _SHARED_SLACK)
+        most = min(SHARED_PARTIALS_MAX, target.shared_bytes_per_block - SHARED_SLACK)
         shared_partials = not alone.chunked and size <= most
         cfg = alone if shared_partials else cfg
     shared_partials = bool(shared_partials and n_partials)
@@ -122,6 +134,20 @@ def build_norm_backward(
         prefetch = min_blocks is None or cfg.iters == 1
     if prefetch_l2 is None:
         prefetch_l2 = False
+    if stage is None:
+        # Measured on an H200 (bench/results/h200_tune_stage_backward.json, ..._clusters.json):
+        # staging lifts the fused backward's longest rows (N = 16384: 97% -> 99% of copy;
+        # 65536: 90% -> 95%) and costs the plain and LayerNorm backward 0-2%.
+        partial_bytes = n_partials * cfg.slice * cfg.rows_per_block * 4 if shared_partials else 0
+        stage = (
+            p.has_dres
+            and (cfg.cluster > 1 or cfg.block >= 1024)
+            and can_stage(target, cfg, [p.x_dtype, p.dtype], partial_bytes)
+        )
+    stage = int(stage)
+    if stage and not (target.async_copy and cfg.exact):
+        raise ValueError(f"stage needs rows held in registers and asynchronous copies ({target})")
+    prefetch = prefetch and not stage
     if prefetch_l2 and not (target.l2_prefetch and cfg.vec * ELEMENT_BYTES[io] == 16):
         raise ValueError(f"prefetch_l2 needs 16-byte vectors on Hopper or later, not {target}")
     C = cfg.cluster
@@ -229,7 +255,8 @@ def build_norm_backward(
                     for i in range(n):
                         put(j, i, zero_vec)
 
-            def process(g: V, phase: V | None, acc: list[V], fetched: list[V]) -> list[V]:
+            def process(g: V, phase: V | None, acc: list[V], fetched: list[V], used=None):
+                """One row group; `used()` runs once the fetched raw rows have been read."""
                 acc = list(acc)
                 t = RowTile(k, cfg, rows, row_group=g)
                 x, dy, rstd = fetched[:n], fetched[n : 2 * n], fetched[2 * n]
@@ -237,6 +264,8 @@ def build_norm_backward(
                 stats = (fetched[2 * n + 1] if p.center else None, select(t.valid, rstd, 0.0))
                 w = None if w_ptr is None else t.load_param(w_ptr, p.weight_dtype)
                 row_state = sums(*terms(x, dy, w, stats, widen))
+                if used is not None:
+                    used()
 
                 def accumulate(x_hat: list[V]) -> None:
                     """This row's dw/db terms: they do not need the row sums."""
@@ -266,7 +295,36 @@ def build_norm_backward(
                 return acc
 
             init = [] if shared_partials else [zero_vec] * (n * n_partials)
-            if prefetch:
+            if stage:
+                # The next row group's x and dy are copied into shared memory while this one
+                # is worked on (no registers held for them).
+                arrays = [(x_ptr, p.x_dtype), (dy_ptr, p.dtype)]
+                staging = RowStage(k, cfg, arrays, int(stage))
+                staging.start(walk, rows)
+                depth = staging.depth
+                extra = 1 if depth > 1 else 0  # the buffer index, carried first
+
+                def row_stats_of(t: RowTile) -> list[V]:
+                    mean = [t.load_row_scalar(mean_ptr)] if p.center else []
+                    return [t.load_row_scalar(rstd_ptr)] + mean
+
+                def body(g: V, phase: V | None, carried: list[V]) -> list[V]:
+                    buffer = carried[0] if extra else 0
+                    acc = carried[extra : extra + len(init)]
+                    stats = carried[extra + len(init) :]
+                    x, dy = staging.take(buffer)
+                    ahead = RowTile(k, cfg, rows, row_group=g + depth * stride)
+                    following = row_stats_of(RowTile(k, cfg, rows, row_group=g + stride))
+                    acc = process(
+                        g, phase, acc, x + dy + stats, lambda: staging.issue(ahead, buffer)
+                    )
+                    return ([staging.next_buffer(buffer)] if extra else []) + acc + following
+
+                first = [const(0, "i64")] if extra else []
+                carried = row_loop(first + init + row_stats_of(home), body)
+                acc = carried[extra : extra + len(init)]
+                staging.drain()
+            elif prefetch:
                 # Software pipelining: the next row's loads are issued before this row's sum
                 # and barrier, so they are in flight while the block reduces and stores.
                 def body(g: V, phase: V | None, carried: list[V]) -> list[V]:

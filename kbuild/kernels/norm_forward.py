@@ -33,6 +33,7 @@ from .kernels_common import (
     RowStage,
     RowTile,
     ThreadShared,
+    can_stage,
     rewiden_all,
     widen,
     wider,
@@ -76,8 +77,8 @@ def build_norm_forward(
     `resident_params` (persistent only: each thread keeps its columns of w and b in shared
     memory for the whole kernel instead of reading them for every row), `stream_x` (x read
     without allocating in L1, which then keeps w and b; NVIDIA), `stage` (persistent only:
-    the next row group's input is copied into shared memory while the current one is worked
-    on, `RowStage`; Ampere on)."""
+    the input of the next `stage` row groups is copied into shared memory while the current
+    one is worked on, `RowStage`; True = 1; Ampere on)."""
     N, fused = p.N, p.residual_dtype is not None
     row_dtype = p.residual_dtype if fused else p.dtype  # what the statistics are taken over
     # Register words per row element at the peak: the row (packed when bf16; the fused form
@@ -102,6 +103,15 @@ def build_norm_forward(
     # predicates; the merge of LayerNorm's moments would otherwise take 72-73 registers and
     # halve the resident blocks at N = 8192-16384.
     min_blocks = max(1, 1024 // cfg.block) if cfg.exact else None
+    if stage is None and persistent is None:
+        # LayerNorm rows of a whole 512-thread block or split over a cluster: a persistent
+        # grid that copies the next row group into shared memory while the current one is
+        # reduced and written (H200, bf16: N = 16384 86% -> 90% of copy, 65536 66% -> 82%;
+        # bench/results/h200_tune_stage_depth.json). More groups ahead, or the forward of
+        # shorter rows (the block finishes its row soon enough), lose 3-11%.
+        long_row = cfg.cluster > 1 or cfg.block >= 512
+        stage = p.center and not fused and long_row and can_stage(target, cfg, [p.dtype])
+        persistent = stage
     persistent = bool(persistent)
     if resident_params and not (persistent and not cfg.chunked):
         raise ValueError("resident_params needs a persistent grid and rows held in registers")
@@ -143,7 +153,7 @@ def build_norm_forward(
             return t.load_param(ptr, dtype, start)
 
         inputs = [(x_ptr, p.dtype)] + ([(res_ptr, p.dtype)] if fused else [])
-        staging = RowStage(k, cfg, inputs) if stage else None
+        staging = RowStage(k, cfg, inputs, int(stage)) if stage else None
 
         def row(t: RowTile, phase: V | None, staged=None, used=None) -> None:
             """One row group: statistics, normalised output, stats. `phase`: see RowGroups.
@@ -275,21 +285,23 @@ def build_norm_forward(
                 t.store_row_scalar(rstd_ptr, rstd)
 
         if persistent:
+            depth = staging.depth if staging is not None else 0
             if staging is not None:
-                staging.issue(RowTile(k, cfg, rows, row_group=walk.first))
+                staging.start(walk, rows)
 
-            def step(g: V, phase: V | None, _: list[V]) -> list[V]:
+            def step(g: V, phase: V | None, carried: list[V]) -> list[V]:
                 t = RowTile(k, cfg, rows, row_group=g)
                 if staging is None:
                     row(t, phase)
                     return []
-                upcoming = RowTile(k, cfg, rows, row_group=g + walk.stride)
-                row(t, phase, staging.take(), lambda: staging.issue(upcoming))
-                return []
+                buffer = carried[0] if depth > 1 else 0
+                ahead = RowTile(k, cfg, rows, row_group=g + depth * walk.stride)
+                row(t, phase, staging.take(buffer), lambda: staging.issue(ahead, buffer))
+                return [staging.next_buffer(buffer)] if depth > 1 else []
 
-            walk.loop([], step, inputs if prefetch_l2 else [])
+            walk.loop([const(0, "i64")] if depth > 1 else [], step, inputs if prefetch_l2 else [])
             if staging is not None:
-                staging.take()  # the copies started for a group past the end: let them land
+                staging.drain()
         else:
             row(RowTile(k, cfg, rows), None)
         grid = "persistent" if persistent else "rows"

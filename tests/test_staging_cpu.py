@@ -1,0 +1,195 @@
+"""CPU tests of the row pipelining options: a persistent forward grid, rows staged in shared
+memory by asynchronous copies (`stage`), the next rows asked into L2 (`prefetch_l2`), w and b
+kept in shared memory (`resident_params`) and x read past L1 (`stream_x`).
+
+What they compute is checked on the GPU (tests/test_layernorm_gpu.py and the RMSNorm GPU
+tests run the staged kernels the chooser picks); here the PTX they generate, the launch
+facts the runtime reads, and the errors for options a target cannot honour.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+
+import pytest
+
+pytest.importorskip("mlir")  # the kernel modules import MLIR
+
+from kbuild import compiler  # noqa: E402
+from kbuild.compiler import CompileError  # noqa: E402
+from kbuild.ops.launch import rows_grid  # noqa: E402
+from kbuild.spec import KernelSpec  # noqa: E402
+from kbuild.targets import target_for_arch  # noqa: E402
+from kbuild.targets.nvidia import module_to_ptx  # noqa: E402
+
+LN_FWD = dict(dtype="bf16", weight_dtype="bf16", bias_dtype="bf16", store_stats=True, eps=1e-5)
+LN_BWD = dict(dtype="bf16", weight_dtype="bf16", compute_dw=True, compute_db=True)
+
+
+def _spec(kernel: str, N: int, **kwargs) -> KernelSpec:
+    base = LN_FWD if kernel == "layernorm_fwd" else LN_BWD
+    return KernelSpec.make(kernel, N=N, vectorize=True, **base, **kwargs)
+
+
+@functools.cache
+def _ptx_and_meta(spec: KernelSpec, arch: str = "sm_90") -> tuple[str, dict]:
+    target = target_for_arch(arch)
+    kernel = compiler.build(spec, target)
+    meta = dict(kernel.meta, static_shared_bytes=kernel.shared_bytes)
+    return module_to_ptx(kernel.module, target).decode(), meta
+
+
+def _shared_bytes(meta: dict) -> int:
+    return meta["static_shared_bytes"] + meta.get("dynamic_shared_bytes", 0)
+
+
+def _build_error(spec: KernelSpec, arch: str) -> str:
+    with pytest.raises((ValueError, CompileError)) as info:
+        compiler.build(spec, target_for_arch(arch))
+    return str(info.value)
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+@pytest.mark.parametrize("N", [16384, 65536])
+def test_staged_forward_copies_the_rows_ahead_and_waits_for_the_oldest(N, depth):
+    ptx, meta = _ptx_and_meta(_spec("layernorm_fwd", N, persistent=True, stage=depth))
+    assert meta["grid"] == "persistent"
+    copies = re.findall(r"cp\.async\.cg\.shared\.global \[[^]]+\], \[[^]]+\], 16;", ptx)
+    # Each thread copies its vectors of the first `depth` groups, then one group per step.
+    assert len(copies) == 4 * (depth + 1)
+    # A step waits for its own group only: the `depth - 1` younger ones stay in flight.
+    waits = re.findall(r"cp\.async\.wait_group\s+(\d+)", ptx)
+    assert str(depth - 1) in waits and waits[-1] == "0"  # the last drains before exit
+
+
+def test_staged_backward_stages_x_and_dy():
+    ptx, meta = _ptx_and_meta(_spec("layernorm_bwd", 65536, stage=2))
+    assert meta["grid"] == "persistent" and meta["cluster"] == 8
+    # x and dy: 2 vectors each per thread, for 2 groups ahead and once per step.
+    assert len(re.findall(r"cp\.async\.cg\.shared\.global", ptx)) == 2 * 2 * 3
+    assert re.search(r"cp\.async\.wait_group\s+1;", ptx)
+
+
+def test_l2_prefetch_is_one_bulk_request_per_array():
+    ptx, _ = _ptx_and_meta(_spec("layernorm_fwd", 16384, persistent=True, prefetch_l2=True))
+    assert len(re.findall(r"cp\.async\.bulk\.prefetch\.L2\.global", ptx)) == 1  # x only
+
+
+def test_streaming_x_skips_l1_and_parameters_do_not():
+    ptx, _ = _ptx_and_meta(_spec("layernorm_fwd", 8192, stream_x=True))
+    assert len(re.findall(r"ld\.global\.L1::no_allocate\.v4\.b32", ptx)) == 4  # x: 4 vectors
+    assert len(re.findall(r"ld\.global\.(?:nc\.)?v4\.b32", ptx)) == 8  # w and b, cached
+
+
+def test_resident_parameters_are_read_once_then_from_shared_memory():
+    ptx, meta = _ptx_and_meta(_spec("layernorm_fwd", 16384, persistent=True, resident_params=True))
+    loop = ptx.split("$L__BB0_")[1:]  # after the first label: the row loop and its tail
+    body = "".join(loop)
+    assert "ld.global.v4.b32" in ptx.split("$L__BB0_")[0]  # w and b, before the loop
+    assert len(re.findall(r"ld\.shared\.v4\.b32", body)) >= 8  # w and b, each row
+    # One bf16 copy of each (the first fits the static 48 KB, the second is dynamic), plus
+    # the row sums' slots.
+    assert 2 * 16384 * 2 <= _shared_bytes(meta) <= 2 * 16384 * 2 + 1024
+    assert meta["dynamic_shared_bytes"] == 16384 * 2
+
+
+def test_dynamic_shared_arrays_are_laid_out_one_after_another():
+    # w (32 KB, static), then b and the staged row (32 KB each) in the dynamic array: the
+    # second starts where the first ends.
+    spec = _spec("layernorm_fwd", 16384, persistent=True, resident_params=True, stage=1)
+    ptx, meta = _ptx_and_meta(spec)
+    assert meta["dynamic_shared_bytes"] == 2 * 16384 * 2
+    assert "__dynamic_smem" in ptx
+
+
+def test_each_dynamic_shared_array_starts_16_byte_aligned_after_the_last():
+    from kbuild.dsl import Kernel
+
+    with Kernel("probe", target_for_arch("sm_90"), block=32) as k:
+        first = k.dynamic_shared(5)  # 20 bytes, rounded up to 32
+        second = k.dynamic_shared(8, "bf16")
+        third = k.dynamic_shared(1, "i8")
+        assert k.meta["dynamic_shared_bytes"] == 32 + 16 + 16
+        offsets = [str(v.value.owner) for v in (second, third)]
+    assert "llvm.mlir.addressof @__dynamic_smem" in str(first.value.owner)
+    text = str(k.module)
+    assert "arith.constant 32 : i64" in text and "arith.constant 48 : i64" in text
+    for offset in (32, 48):
+        assert re.search(rf"llvm\.getelementptr %\d+\[%c{offset}_i64\] .*, i8\n", text)
+    assert len(offsets) == 2
+
+
+def test_persistent_forward_launches_the_resident_grid():
+    _, meta = _ptx_and_meta(_spec("layernorm_fwd", 65536, persistent=True, stage=1))
+
+    class Launcher:
+        rows_per_block, cluster, resident_clusters = 1, meta["cluster"], 62
+
+    Launcher.meta = meta
+    assert rows_grid(Launcher, 1024) == 62 * 8
+    assert rows_grid(Launcher, 5) == 5 * 8  # never more clusters than rows
+
+
+@pytest.mark.parametrize(
+    "kernel, options, arch, message",
+    [
+        ("layernorm_fwd", dict(stage=1), "sm_90", "stage needs a persistent grid"),
+        ("layernorm_fwd", dict(persistent=True, stage=1), "gfx942", "asynchronous copies"),
+        ("layernorm_bwd", dict(stage=1), "gfx942", "asynchronous copies"),
+        ("layernorm_fwd", dict(persistent=True, prefetch_l2=True), "sm_80", "Hopper or later"),
+        ("layernorm_bwd", dict(prefetch_l2=True), "sm_80", "Hopper or later"),
+        ("layernorm_fwd", dict(persistent=False, resident_params=True), "sm_90", "resident_"),
+    ],
+)
+def test_options_a_target_or_grid_cannot_honour_raise(kernel, options, arch, message):
+    assert message in _build_error(_spec(kernel, 16384, **options), arch)
+
+
+def test_shared_memory_past_the_targets_limit_is_a_build_error():
+    # w, b and three staged rows of 64 KB each: past the 227 KB an sm_90 block may have.
+    spec = _spec("layernorm_fwd", 32768, persistent=True, resident_params=True, stage=3)
+    message = _build_error(spec, "sm_90")
+    assert "bytes of shared memory per block; sm_90 allows 232448" in message
+
+
+def test_staged_kernels_assemble_without_spills():
+    from kbuild.targets.nvidia import ptxas_path
+
+    if ptxas_path() is None:
+        pytest.skip("ptxas not found")
+    for spec in (
+        _spec("layernorm_fwd", 16384, persistent=True, stage=1),
+        _spec("layernorm_fwd", 65536, persistent=True, stage=2),
+        _spec("layernorm_bwd", 65536, stage=2),
+    ):
+        artifact = compiler.compile_kernel(spec, target_for_arch("sm_90"))
+        assert artifact.meta["spill_stores"] == 0, spec.short()
+
+
+@pytest.mark.parametrize(
+    "spec, arch, staged",
+    [
+        (_spec("layernorm_fwd", 16384), "sm_90", True),  # a whole 512-thread block per row
+        (_spec("layernorm_fwd", 65536), "sm_90", True),  # split over a cluster
+        (_spec("layernorm_fwd", 8192), "sm_90", False),  # short rows: one block per row
+        (_spec("layernorm_fwd", 16384), "gfx942", False),  # no asynchronous copies
+        (_spec("layernorm_bwd", 65536), "sm_90", False),  # measured: no gain
+    ],
+)
+def test_the_chooser_stages_where_it_was_measured_to_win(spec, arch, staged):
+    target = target_for_arch(arch)
+    kernel = compiler.build(spec, target)
+    text = str(kernel.module)
+    assert ("nvvm.cp.async.shared.global" in text) == staged
+    if spec.kernel == "layernorm_fwd":
+        assert kernel.meta["grid"] == ("persistent" if staged else "rows")
+
+
+def test_the_fused_backward_stages_its_longest_rows():
+    from kbuild.ops.rmsnorm import fused_add_rmsnorm_bwd_spec
+
+    for N, staged in ((65536, True), (16384, True), (4096, False)):
+        spec = fused_add_rmsnorm_bwd_spec(N, "bf16", "bf16", "bf16", True, True)
+        text = str(compiler.build(spec, target_for_arch("sm_90")).module)
+        assert ("nvvm.cp.async.shared.global" in text) == staged, N
