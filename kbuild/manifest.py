@@ -106,9 +106,11 @@ def _bench() -> Iterator[KernelSpec]:
 
 
 def _tune() -> Iterator[KernelSpec]:
-    """Launch-shape alternatives to the chooser's picks for bench/tune.py (the chooser's own
-    picks come first, for comparison): blocks per row (`cluster`) and threads per row for
-    the longest rows, with and without the next row group staged in shared memory."""
+    """Launch-shape alternatives to the chooser's picks for bench/tune.py, for the longest
+    rows (the chooser's own picks come first, for comparison): how many row groups are
+    staged ahead in shared memory (`stage`), w and b kept in shared memory
+    (`resident_params`), blocks per row (`cluster`). Earlier sweeps and what they showed:
+    bench/results/README.md."""
     ln_fwd = dict(weight_dtype="bf16", bias_dtype="bf16", store_stats=True, eps=1e-5)
     ln_bwd = dict(weight_dtype="bf16", compute_dw=True, compute_db=True)
     rms_bwd = dict(weight_dtype="bf16", compute_dw=True)
@@ -116,19 +118,19 @@ def _tune() -> Iterator[KernelSpec]:
         weight_dtype="bf16", residual_dtype="bf16", compute_dw=True, has_dresidual_out=True
     )
     bf16 = dict(dtype="bf16", vectorize=True)
-    staged = dict(persistent=True, stage=1)
-    yield KernelSpec.make("layernorm_fwd", N=65536, **staged, **ln_fwd, **bf16)
-    for tpr in (512,):
-        shape = dict(cluster=8, threads_per_row=tpr, **staged)
-        yield KernelSpec.make("layernorm_fwd", N=65536, **shape, **ln_fwd, **bf16)
+    for N in (16384, 65536):
+        yield KernelSpec.make("layernorm_fwd", N=N, **ln_fwd, **bf16)
+        yield KernelSpec.make("layernorm_fwd", N=N, persistent=False, **ln_fwd, **bf16)
+        for extra in (dict(stage=2), dict(stage=1, resident_params=True)):
+            yield KernelSpec.make("layernorm_fwd", N=N, persistent=True, **extra, **ln_fwd, **bf16)
     for kernel, options in (("layernorm_bwd", ln_bwd), ("rmsnorm_bwd", rms_bwd)):
-        for cluster in (8, 4, 2):
-            yield KernelSpec.make(kernel, N=65536, cluster=cluster, **options, **bf16)
-        yield KernelSpec.make(kernel, N=65536, cluster=4, stage=1, **options, **bf16)
-    yield KernelSpec.make("fused_add_rmsnorm_bwd", N=65536, **fused_bwd, **bf16)
-    yield KernelSpec.make("fused_add_rmsnorm_bwd", N=65536, stage=1, **fused_bwd, **bf16)
-    yield KernelSpec.make("fused_add_rmsnorm_bwd", N=16384, **fused_bwd, **bf16)
-    yield KernelSpec.make("fused_add_rmsnorm_bwd", N=16384, stage=1, **fused_bwd, **bf16)
+        for N in (16384, 65536):
+            yield KernelSpec.make(kernel, N=N, **options, **bf16)
+            yield KernelSpec.make(kernel, N=N, stage=1, **options, **bf16)
+        yield KernelSpec.make(kernel, N=65536, cluster=4, **options, **bf16)
+    for N in (16384, 65536):
+        yield KernelSpec.make("fused_add_rmsnorm_bwd", N=N, **fused_bwd, **bf16)
+        yield KernelSpec.make("fused_add_rmsnorm_bwd", N=N, stage=0, **fused_bwd, **bf16)
 
 
 def _standard() -> Iterator[KernelSpec]:
