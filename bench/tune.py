@@ -144,7 +144,8 @@ def main() -> None:
         print(row, flush=True)
         rows.append(row)
     with open(sys.argv[1] if len(sys.argv) > 1 else "bench/results/tune.json", "w") as f:
-        json.dump({"copy_gbps": copy, "rows": rows}, f, indent=1)
+        commit = os.environ.get("KBUILD_COMMIT")
+        json.dump({"commit": commit, "copy_gbps": copy, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

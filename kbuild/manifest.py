@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 from .spec import KernelSpec
 
 DTYPES = ("f32", "f16", "bf16")
-TEST_N = (1, 7, 127, 768, 1000, 4096, 5120, 8192, 12288, 65536)
+TEST_N = (1, 7, 127, 768, 1000, 4096, 5120, 8192, 12288, 16384, 65536)
 TEST_M = (0, 1, 3, 4096)
 TEST_EPS = (1e-6, 1e-2)
 BENCH_N = (1024, 2048, 4096, 8192, 16384, 65536)

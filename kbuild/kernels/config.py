@@ -15,7 +15,8 @@ each block holds a contiguous slice, the row sums are merged through distributed
 memory, and the row is read once. Measured on an H200 at N = 65536 against the chunked
 form (bench/results/h200_tune_clusters.json, h200_tune_long_rows.json): backward RMSNorm
 31% -> 75% of copy, fused 39% -> 89%, LayerNorm 20% -> 68%; fused forward 82% -> 94%,
-LayerNorm forward 66% -> 68%. Rows that fit one block stay in one: splitting them costs a
+LayerNorm forward 66% -> 68% (82% once the next row is staged in shared memory, see
+norm_forward.py). Rows that fit one block stay in one: splitting them costs a
 cluster barrier per row (RMSNorm forward N = 65536: 89% in one 1024-thread block, 79-84%
 split). Without clusters (sm_80, AMD) long rows are walked in chunks, two passes, the
 second mostly served from L2.

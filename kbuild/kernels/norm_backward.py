@@ -23,6 +23,8 @@ Rows too long for one block are split over a cluster of blocks where the target 
 the persistent loop runs over clusters, each block holds its slice of the row, and the row
 sums are merged through distributed shared memory. Elsewhere such rows are walked in chunks,
 twice, with the partial rows read and written in the workspace instead (it stays in L2).
+The fused backward's longest rows copy the next row's x and dy into shared memory ahead
+(`RowStage`) instead of prefetching into registers.
 """
 
 from __future__ import annotations
