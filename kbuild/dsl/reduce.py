@@ -145,3 +145,66 @@ def cluster_reduce(
     for r in range(1, cluster):
         total = merge(total, block_state(r))
     return total
+
+
+def cluster_row_reduce(
+    k: Kernel,
+    state: list[V],
+    threads_per_row: int,
+    phase: V | None = None,
+    merge: Merge = add,
+    meanwhile: Callable[[], None] | None = None,
+) -> list[V] | None:
+    """Merge a per-thread state over a row split across a cluster (one row per block, the
+    block's `threads_per_row` threads hold its slice), with one barrier in all: the cluster's.
+
+    Each warp merges its lanes by shuffles, and lanes 0 .. cluster - 1 store the warp's state
+    into slot (rank, warp) of every block's shared buffer (distributed shared memory). After
+    the cluster barrier each warp merges all `cluster * warps` slots itself: lane l takes
+    slots l, l + 32, ... in order, then the warp's shuffles finish. Every warp of every block
+    runs the same merges on the same slots, so all get the same bits, on every run. Against
+    `row_reduce` + `cluster_reduce` this drops the block barrier, which each row otherwise
+    waits on for the block's slowest warp (H200, LayerNorm backward at N = 65536: about 16
+    points of copy bandwidth). `phase` and `meanwhile` are as in `cluster_reduce`.
+
+    Returns None where the slots cannot be spread evenly over a warp's lanes (the caller
+    then takes the two-level path).
+    """
+    cluster, warp = k.cluster, k.warp_size
+    if threads_per_row % warp or cluster > warp:
+        return None
+    warps = threads_per_row // warp
+    slots = cluster * warps
+    if slots % warp:
+        return None
+    n = len(state)
+    partial = group_reduce(k, state, warp, merge)
+    buffer = k.shared(2 * slots * n)
+    half = const(0, "i64") if phase is None else phase * (slots * n)
+    tid = k.thread_id()
+    lane = tid % warp
+    mine = half + (k.cluster_rank() * warps + tid / warp) * n  # this warp's slot
+
+    def publish() -> None:  # lane r writes into block r
+        for j, v in enumerate(partial):
+            if isinstance(v, V):
+                store(v, k.remote(get_llvm_ptr(buffer, mine + j, "f32"), lane))
+
+    k.ensure_cluster_started()
+    if_then(lane < cluster, publish)
+    k.cluster_arrive()
+    if meanwhile is not None:
+        meanwhile()
+    k.cluster_wait()
+
+    def slot_state(i: int) -> list[V]:
+        first = half + (lane + i * warp) * n
+        return [
+            load(get_llvm_ptr(buffer, first + j, "f32"), "f32") if isinstance(v, V) else v
+            for j, v in enumerate(partial)
+        ]
+
+    total = slot_state(0)
+    for i in range(1, slots // warp):
+        total = merge(total, slot_state(i))
+    return group_reduce(k, total, warp, merge)
