@@ -18,7 +18,7 @@ from .memory import (
     store,
     wait_async,
 )
-from .reduce import add, cluster_reduce, cluster_row_reduce, group_reduce, row_reduce
+from .reduce import add, cluster_reduce, group_reduce, row_reduce
 from .values import (
     V,
     cast,
@@ -46,7 +46,6 @@ __all__ = [
     "commit_async",
     "copy_async",
     "cluster_reduce",
-    "cluster_row_reduce",
     "const",
     "element_bytes",
     "get_llvm_ptr",

@@ -9,7 +9,6 @@ from ..dsl import (
     add,
     cast,
     cluster_reduce,
-    cluster_row_reduce,
     commit_async,
     const,
     copy_async,
@@ -174,10 +173,6 @@ class RowTile:
         clustered = c.cluster > 1
         if clustered and reused and phase is None:
             raise ValueError("a cluster row reduction inside a loop needs its phase")
-        if clustered and c.rows_per_block == 1:
-            out = cluster_row_reduce(self.k, state, c.threads_per_row, phase, merge, meanwhile)
-            if out is not None:
-                return out
         out = row_reduce(
             self.k,
             state,
