@@ -244,9 +244,9 @@ class RowStage:
     while it works on the current one. Each thread copies, and later reads, only its own
     16-byte vectors (ThreadShared): no barriers. Exact rows of 16-byte vectors.
 
-    Buffer b (0 .. depth - 1, an i64 value) holds one row group; the walk over the groups
-    cycles through them: `start` fills all, then each step `take`s the current buffer and,
-    once the values are used, `issue`s the group `depth` steps ahead into it."""
+    Buffer b (0 .. depth - 1, an i64 value) holds one row group; `loop` cycles through them:
+    it fills all, then each step `take`s the current buffer and, once the values are used,
+    `issue`s the group `depth` steps ahead into it."""
 
     def __init__(self, k: Kernel, cfg: RowConfig, arrays: list[tuple[V, str]], depth: int = 1):
         if not (cfg.exact and all(cfg.vec * ELEMENT_BYTES[d] == 16 for _, d in arrays)):
@@ -262,10 +262,27 @@ class RowStage:
             return ptr
         return get_llvm_ptr(ptr, buffer * (self.cfg.iters * self.k.block * slots.sub), slots.dtype)
 
-    def start(self, walk: RowGroups, rows: V) -> None:
-        """Fill every buffer: buffer j with this block's j-th row group."""
-        for j in range(self.depth):
-            self.issue(RowTile(self.k, self.cfg, rows, row_group=walk.first + j * walk.stride), j)
+    def loop(self, walk: RowGroups, init: list[V], body, ahead=()) -> list[V]:
+        """walk.loop with staged rows: body(g, phase, carried, staged, used) -> carried,
+        where `staged` is, per array, this thread's raw vectors of group g, and `used()`
+        (call it once they have been read) starts the copy of the group `depth` steps ahead
+        into their buffer. `ahead` is passed on to walk.loop (L2 prefetch)."""
+        k, cfg, depth = self.k, self.cfg, self.depth
+        for j in range(depth):  # fill every buffer: buffer j with the block's j-th group
+            self.issue(RowTile(k, cfg, walk.rows, row_group=walk.first + j * walk.stride), j)
+        extra = 1 if depth > 1 else 0  # the buffer index, carried first
+
+        def step(g: V, phase: V | None, carried: list[V]) -> list[V]:
+            buffer = carried[0] if extra else 0
+            staged = self.take(buffer)
+            upcoming = RowTile(k, cfg, walk.rows, row_group=g + depth * walk.stride)
+            out = body(g, phase, carried[extra:], staged, lambda: self.issue(upcoming, buffer))
+            return ([(buffer + 1) % depth] if extra else []) + out
+
+        first = [const(0, "i64")] if extra else []
+        out = walk.loop(first + list(init), step, ahead)[extra:]
+        wait_async(0)  # the copies started for groups past the end land before the kernel ends
+        return out
 
     def issue(self, t: RowTile, buffer: V | int) -> None:
         """Start copying this thread's vectors of t's row of each array into `buffer`."""
@@ -283,13 +300,6 @@ class RowStage:
             [load(self._slot(s, i, buffer), s.dtype, s.sub) for i in range(self.cfg.iters)]
             for s in self.slots
         ]
-
-    def drain(self) -> None:
-        """Let the copies still in flight (groups past the end) land before the kernel ends."""
-        wait_async(0)
-
-    def next_buffer(self, buffer: V) -> V:
-        return (buffer + 1) % self.depth
 
 
 def can_stage(target, cfg: RowConfig, dtypes: list[str], other_shared: int = 0) -> bool:

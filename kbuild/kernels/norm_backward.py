@@ -235,12 +235,15 @@ def build_norm_backward(
         if not cfg.chunked:
             n = cfg.iters
 
+            def saved_stats(t: RowTile) -> list[V]:
+                """rstd (and mean) of t's row, as saved by the forward."""
+                stats = [t.load_row_scalar(rstd_ptr)]
+                return stats + [t.load_row_scalar(mean_ptr)] if p.center else stats
+
             def fetch(g: V) -> list[V]:
                 """Raw x, dy and saved stats of row group g (a row past M reads row M - 1)."""
                 t = RowTile(k, cfg, rows, row_group=g)
-                stats = [t.load_row_scalar(rstd_ptr)]
-                if p.center:
-                    stats.append(t.load_row_scalar(mean_ptr))
+                stats = saved_stats(t)
                 return t.load(x_ptr, p.x_dtype) + t.load(dy_ptr, p.dtype) + stats
 
             if shared_partials:
@@ -300,32 +303,17 @@ def build_norm_backward(
             if stage:
                 # The next row group's x and dy are copied into shared memory while this one
                 # is worked on (no registers held for them).
+                # The stats of the next group are carried in registers, like the staged rows.
                 arrays = [(x_ptr, p.x_dtype), (dy_ptr, p.dtype)]
                 staging = RowStage(k, cfg, arrays, int(stage))
-                staging.start(walk, rows)
-                depth = staging.depth
-                extra = 1 if depth > 1 else 0  # the buffer index, carried first
 
-                def row_stats_of(t: RowTile) -> list[V]:
-                    mean = [t.load_row_scalar(mean_ptr)] if p.center else []
-                    return [t.load_row_scalar(rstd_ptr)] + mean
+                def body(g: V, phase: V | None, carried: list[V], staged, used) -> list[V]:
+                    acc, stats = carried[: len(init)], carried[len(init) :]
+                    x, dy = staged
+                    following = saved_stats(RowTile(k, cfg, rows, row_group=g + stride))
+                    return process(g, phase, acc, x + dy + stats, used) + following
 
-                def body(g: V, phase: V | None, carried: list[V]) -> list[V]:
-                    buffer = carried[0] if extra else 0
-                    acc = carried[extra : extra + len(init)]
-                    stats = carried[extra + len(init) :]
-                    x, dy = staging.take(buffer)
-                    ahead = RowTile(k, cfg, rows, row_group=g + depth * stride)
-                    following = row_stats_of(RowTile(k, cfg, rows, row_group=g + stride))
-                    acc = process(
-                        g, phase, acc, x + dy + stats, lambda: staging.issue(ahead, buffer)
-                    )
-                    return ([staging.next_buffer(buffer)] if extra else []) + acc + following
-
-                first = [const(0, "i64")] if extra else []
-                carried = row_loop(first + init + row_stats_of(home), body)
-                acc = carried[extra : extra + len(init)]
-                staging.drain()
+                acc = staging.loop(walk, init + saved_stats(home), body, ahead)[: len(init)]
             elif prefetch:
                 # Software pipelining: the next row's loads are issued before this row's sum
                 # and barrier, so they are in flight while the block reduces and stores.

@@ -289,24 +289,16 @@ def build_norm_forward(
             if rstd_ptr is not None:
                 t.store_row_scalar(rstd_ptr, rstd)
 
-        if persistent:
-            depth = staging.depth if staging is not None else 0
-            if staging is not None:
-                staging.start(walk, rows)
+        l2_ahead = inputs if prefetch_l2 else []
 
-            def step(g: V, phase: V | None, carried: list[V]) -> list[V]:
-                t = RowTile(k, cfg, rows, row_group=g)
-                if staging is None:
-                    row(t, phase)
-                    return []
-                buffer = carried[0] if depth > 1 else 0
-                ahead = RowTile(k, cfg, rows, row_group=g + depth * walk.stride)
-                row(t, phase, staging.take(buffer), lambda: staging.issue(ahead, buffer))
-                return [staging.next_buffer(buffer)] if depth > 1 else []
+        def step(g: V, phase: V | None, _: list[V], staged=None, used=None) -> list[V]:
+            row(RowTile(k, cfg, rows, row_group=g), phase, staged, used)
+            return []
 
-            walk.loop([const(0, "i64")] if depth > 1 else [], step, inputs if prefetch_l2 else [])
-            if staging is not None:
-                staging.drain()
+        if staging is not None:
+            staging.loop(walk, [], step, l2_ahead)
+        elif persistent:
+            walk.loop([], step, l2_ahead)
         else:
             row(RowTile(k, cfg, rows), None)
         grid = "persistent" if persistent else "rows"
