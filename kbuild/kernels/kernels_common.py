@@ -238,15 +238,42 @@ class ThreadShared:
             store(piece, ptr)
 
 
+class Staged:
+    """One step's staged row group, as RowStage.loop hands it to the body: `values` (per
+    array, this thread's raw vectors, read when the step began), `reload()` (read them again
+    from shared memory: the body need not hold them in registers across its reductions) and
+    `release()` (the buffer is free: start copying the group `depth` steps ahead into it;
+    call it once, after the last read)."""
+
+    def __init__(self, stage: RowStage, buffer: V | int, upcoming: RowTile):
+        self._stage, self._buffer, self._upcoming = stage, buffer, upcoming
+        self.values = stage.take(buffer)
+        self.released = False
+
+    def reload(self) -> list[list[V]]:
+        if self.released:
+            raise ValueError("a staged row group was read after its buffer was released")
+        return self._stage.read(self._buffer)
+
+    def release(self) -> None:
+        if self.released:
+            raise ValueError("a staged row group was released twice")
+        self.released = True
+        self._stage.issue(self._upcoming, self._buffer)
+
+
 class RowStage:
     """Rows copied into shared memory ahead of their use (`copy_async`, bypassing registers
-    and L1): a persistent kernel keeps the copies of its next `depth` row groups in flight
-    while it works on the current one. Each thread copies, and later reads, only its own
-    16-byte vectors (ThreadShared): no barriers. Exact rows of 16-byte vectors.
+    and L1): a persistent kernel keeps the copies of its next row groups in flight while it
+    works on the current one. Each thread copies, and later reads, only its own 16-byte
+    vectors (ThreadShared): no barriers. Exact rows of 16-byte vectors.
 
-    Buffer b (0 .. depth - 1, an i64 value) holds one row group; `loop` cycles through them:
-    it fills all, then each step `take`s the current buffer and, once the values are used,
-    `issue`s the group `depth` steps ahead into it."""
+    `depth` buffers (b = 0 .. depth - 1, an i64 value), each holding one row group; `loop`
+    cycles through them: it fills all, then each step takes the current buffer and, once the
+    body releases it, copies the group `depth` steps ahead into it. A body that releases
+    right after its first read has `depth` groups in flight while it works; one that reloads
+    the rows after its reductions and releases at its end has `depth - 1` (and holds fewer
+    registers)."""
 
     def __init__(self, k: Kernel, cfg: RowConfig, arrays: list[tuple[V, str]], depth: int = 1):
         if not (cfg.exact and all(cfg.vec * ELEMENT_BYTES[d] == 16 for _, d in arrays)):
@@ -263,10 +290,8 @@ class RowStage:
         return get_llvm_ptr(ptr, buffer * (self.cfg.iters * self.k.block * slots.sub), slots.dtype)
 
     def loop(self, walk: RowGroups, init: list[V], body, ahead=()) -> list[V]:
-        """walk.loop with staged rows: body(g, phase, carried, staged, used) -> carried,
-        where `staged` is, per array, this thread's raw vectors of group g, and `used()`
-        (call it once they have been read) starts the copy of the group `depth` steps ahead
-        into their buffer. `ahead` is passed on to walk.loop (L2 prefetch)."""
+        """walk.loop with staged rows: body(g, phase, carried, staged: Staged) -> carried.
+        `ahead` is passed on to walk.loop (L2 prefetch), for the first group not yet staged."""
         k, cfg, depth = self.k, self.cfg, self.depth
         for j in range(depth):  # fill every buffer: buffer j with the block's j-th group
             self.issue(RowTile(k, cfg, walk.rows, row_group=walk.first + j * walk.stride), j)
@@ -274,13 +299,15 @@ class RowStage:
 
         def step(g: V, phase: V | None, carried: list[V]) -> list[V]:
             buffer = carried[0] if extra else 0
-            staged = self.take(buffer)
             upcoming = RowTile(k, cfg, walk.rows, row_group=g + depth * walk.stride)
-            out = body(g, phase, carried[extra:], staged, lambda: self.issue(upcoming, buffer))
+            staged = Staged(self, buffer, upcoming)
+            out = body(g, phase, carried[extra:], staged)
+            if not staged.released:
+                raise ValueError("the body of a staged loop must release its row group")
             return ([(buffer + 1) % depth] if extra else []) + out
 
         first = [const(0, "i64")] if extra else []
-        out = walk.loop(first + list(init), step, ahead)[extra:]
+        out = walk.loop(first + list(init), step, ahead, distance=depth + 1)[extra:]
         wait_async(0)  # the copies started for groups past the end land before the kernel ends
         return out
 
@@ -293,9 +320,12 @@ class RowStage:
         commit_async()
 
     def take(self, buffer: V | int) -> list[list[V]]:
-        """Wait for the oldest copies in flight (those of `buffer`) and read them: per array,
-        this thread's raw vectors. Refill the buffer only after the values are used."""
+        """Wait for the oldest copies in flight (those of `buffer`) and read them."""
         wait_async(self.depth - 1)
+        return self.read(buffer)
+
+    def read(self, buffer: V | int) -> list[list[V]]:
+        """Per array, this thread's raw vectors in `buffer` (landed: see `take`)."""
         return [
             [load(self._slot(s, i, buffer), s.dtype, s.sub) for i in range(self.cfg.iters)]
             for s in self.slots
@@ -324,14 +354,16 @@ class RowGroups:
         self.stride = k.grid_size() / C if C > 1 else k.grid_size()
         self.count = (rows + (cfg.rows_per_block - 1)) / cfg.rows_per_block
 
-    def loop(self, init: list[V], body, ahead: list[tuple[V, str]] = ()) -> list[V]:
+    def loop(
+        self, init: list[V], body, ahead: list[tuple[V, str]] = (), distance: int = 1
+    ) -> list[V]:
         """body(g, phase, carried) -> carried, for each of this block's row groups g.
         `phase` (i64) alternates 0, 1, ... for a cluster row sum's double buffer; None
         without a cluster.
 
-        `ahead`: (array, dtype) pairs whose slice of the next group's rows one thread asks
-        into L2 at the start of each step (`prefetch_l2`), so the step's loads of them meet
-        L2 instead of DRAM; 16-byte vectors only."""
+        `ahead`: (array, dtype) pairs whose slice of the rows `distance` groups ahead one
+        thread asks into L2 at the start of each step (`prefetch_l2`), so the loads of them
+        meet L2 instead of DRAM; 16-byte vectors only."""
         k, cfg = self.k, self.cfg
         C = cfg.cluster
         if C > 1:
@@ -339,7 +371,7 @@ class RowGroups:
 
         def step(g: V, carried: list[V]) -> list[V]:
             if ahead:
-                self._prefetch(g + self.stride, ahead)
+                self._prefetch(g + distance * self.stride, ahead)
             if C == 1:
                 return body(g, None, carried)
             return [1 - carried[0]] + body(g, carried[0], carried[1:])

@@ -78,6 +78,8 @@ def build_norm_backward(
     shared_partials: bool | None = None,
     prefetch_l2: bool | None = None,
     stage: bool | None = None,
+    reload: bool | None = None,
+    blocks_per_sm: int | None = None,
 ) -> Kernel:
     """Launch arguments: x, [weight], dy, [mean], rstd, [dresidual_out], dx, [dw_partial],
     [db_partial], M. Grid: persistent (at most the device's resident clusters, times the
@@ -90,7 +92,10 @@ def build_norm_backward(
     `prefetch_l2`, one thread per block asking the next row's x and dy into L2 while the
     current row is worked on (Hopper on; no registers); `stage`, x and dy of the next
     `stage` rows copied into shared memory while the current row is worked on (`RowStage`;
-    True = 1; Ampere on).
+    True = 1; Ampere on); `reload` (staged only: x and dy are read again from shared memory
+    after the row sums instead of being held in registers across them, and their buffer is
+    refilled only at the end of the row); `blocks_per_sm`, the resident blocks per
+    multiprocessor the register allocation must allow.
     """
     io = wider(p.dtype, p.x_dtype)
     n_partials = int(p.compute_dw) + int(p.compute_db)
@@ -130,6 +135,8 @@ def build_norm_backward(
     # (LayerNorm with both partials in registers spills 144 bytes capped: it runs uncapped.)
     capped = cfg.exact and (not p.center or shared_partials or not n_partials)
     min_blocks = max(1, 1024 // cfg.block) if capped else None
+    if blocks_per_sm is not None:
+        min_blocks = blocks_per_sm
     if prefetch is None:
         # The prefetched row doubles the raw row's registers: under the 64-register cap that
         # spills from two vectors per thread on (measured on an H200: 61-64% against 91-95%).
@@ -150,6 +157,8 @@ def build_norm_backward(
     if stage and not (target.async_copy and cfg.exact):
         raise ValueError(f"stage needs rows held in registers and asynchronous copies ({target})")
     prefetch = prefetch and not stage
+    if reload and not stage:
+        raise ValueError("reload needs staged rows (stage)")
     if prefetch_l2 and not (target.l2_prefetch and cfg.vec * ELEMENT_BYTES[io] == 16):
         raise ValueError(f"prefetch_l2 needs 16-byte vectors on Hopper or later, not {target}")
     C = cfg.cluster
@@ -260,8 +269,9 @@ def build_norm_backward(
                     for i in range(n):
                         put(j, i, zero_vec)
 
-            def process(g: V, phase: V | None, acc: list[V], fetched: list[V], used=None):
-                """One row group; `used()` runs once the fetched raw rows have been read."""
+            def process(g: V, phase: V | None, acc: list[V], fetched: list[V], staged=None):
+                """One row group. `staged` (a Staged): x and dy came from a RowStage, which is
+                released once they are read (with `reload`, once the row is done)."""
                 acc = list(acc)
                 t = RowTile(k, cfg, rows, row_group=g)
                 x, dy, rstd = fetched[:n], fetched[n : 2 * n], fetched[2 * n]
@@ -269,8 +279,14 @@ def build_norm_backward(
                 stats = (fetched[2 * n + 1] if p.center else None, select(t.valid, rstd, 0.0))
                 w = None if w_ptr is None else t.load_param(w_ptr, p.weight_dtype)
                 row_state = sums(*terms(x, dy, w, stats, widen))
-                if used is not None:
-                    used()
+                if staged is not None and not reload:
+                    staged.release()
+
+                def again() -> None:
+                    """With `reload`, x and dy for the second half of the row, read anew."""
+                    nonlocal x, dy
+                    if reload:
+                        x, dy = staged.reload()
 
                 def accumulate(x_hat: list[V]) -> None:
                     """This row's dw/db terms: they do not need the row sums."""
@@ -287,6 +303,7 @@ def build_norm_backward(
                     done = []
 
                     def meanwhile() -> None:
+                        again()
                         done.extend(terms(x, dy, w, stats, rewiden_all))
                         accumulate(done[0])
 
@@ -294,9 +311,12 @@ def build_norm_backward(
                     write_dx(t, *done, row_sums, stats[1])
                 else:  # one block: dx first, so fewer values stay live across the barrier
                     row_sums = t.sum(*row_state, reused=True)
+                    again()
                     x_hat, wdy = terms(x, dy, w, stats, rewiden_all)
                     write_dx(t, x_hat, wdy, row_sums, stats[1])
                     accumulate(x_hat)
+                if reload:
+                    staged.release()
                 return acc
 
             init = [] if shared_partials else [zero_vec] * (n * n_partials)
@@ -307,11 +327,11 @@ def build_norm_backward(
                 arrays = [(x_ptr, p.x_dtype), (dy_ptr, p.dtype)]
                 staging = RowStage(k, cfg, arrays, int(stage))
 
-                def body(g: V, phase: V | None, carried: list[V], staged, used) -> list[V]:
+                def body(g: V, phase: V | None, carried: list[V], staged) -> list[V]:
                     acc, stats = carried[: len(init)], carried[len(init) :]
-                    x, dy = staged
+                    x, dy = staged.values
                     following = saved_stats(RowTile(k, cfg, rows, row_group=g + stride))
-                    return process(g, phase, acc, x + dy + stats, used) + following
+                    return process(g, phase, acc, x + dy + stats, staged) + following
 
                 acc = staging.loop(walk, init + saved_stats(home), body, ahead)[: len(init)]
             elif prefetch:

@@ -37,6 +37,7 @@ from .kernels_common import (
     RowGroups,
     RowStage,
     RowTile,
+    Staged,
     ThreadShared,
     can_stage,
     rewiden_all,
@@ -70,6 +71,8 @@ def build_norm_forward(
     resident_params: bool | None = None,
     stream_x: bool | None = None,
     stage: bool | None = None,
+    reload: bool | None = None,
+    blocks_per_sm: int | None = None,
 ) -> Kernel:
     """Launch arguments: x, [residual], [weight], [bias], y, [residual_out], [mean], [rstd], M.
     Grid: one block per row group, times the cluster size; or, `persistent`, as many blocks
@@ -83,7 +86,10 @@ def build_norm_forward(
     memory for the whole kernel instead of reading them for every row), `stream_x` (x read
     without allocating in L1, which then keeps w and b; NVIDIA), `stage` (persistent only:
     the input of the next `stage` row groups is copied into shared memory while the current
-    one is worked on, `RowStage`; True = 1; Ampere on)."""
+    one is worked on, `RowStage`; True = 1; Ampere on), `reload` (staged only: the row is
+    read again from shared memory to normalise it instead of being held in registers across
+    the reduction, and its buffer is refilled only after that), `blocks_per_sm` (the
+    resident blocks per multiprocessor the register allocation must allow)."""
     N, fused = p.N, p.residual_dtype is not None
     row_dtype = p.residual_dtype if fused else p.dtype  # what the statistics are taken over
     # Register words per row element at the peak: the row (packed when bf16; the fused form
@@ -108,6 +114,8 @@ def build_norm_forward(
     # predicates; the merge of LayerNorm's moments would otherwise take 72-73 registers and
     # halve the resident blocks at N = 8192-16384.
     min_blocks = max(1, 1024 // cfg.block) if cfg.exact else None
+    if blocks_per_sm is not None:
+        min_blocks = blocks_per_sm
     if stage is None and persistent is None:
         # LayerNorm rows of a whole 512-thread block or split over a cluster: a persistent
         # grid that copies the next row group into shared memory while the current one is
@@ -122,6 +130,8 @@ def build_norm_forward(
         raise ValueError("resident_params needs a persistent grid and rows held in registers")
     if stage and not (persistent and target.async_copy):
         raise ValueError(f"stage needs a persistent grid and asynchronous copies ({target})")
+    if reload and not (stage and not fused):
+        raise ValueError("reload needs staged rows (stage) and an unfused forward")
     if prefetch_l2 and not (
         persistent and target.l2_prefetch and cfg.vec * ELEMENT_BYTES[p.dtype] == 16
     ):
@@ -160,22 +170,22 @@ def build_norm_forward(
         inputs = [(x_ptr, p.dtype)] + ([(res_ptr, p.dtype)] if fused else [])
         staging = RowStage(k, cfg, inputs, int(stage)) if stage else None
 
-        def row(t: RowTile, phase: V | None, staged=None, used=None) -> None:
+        def row(t: RowTile, phase: V | None, staged: Staged | None = None) -> None:
             """One row group: statistics, normalised output, stats. `phase`: see RowGroups.
-            `staged`: the row's inputs, already read from a RowStage; `used()` runs once
-            they have been consumed (the stage's slots are free again)."""
+            `staged`: the row's inputs, from a RowStage (released once read, or with
+            `reload` once normalised)."""
             reused = phase is not None or persistent  # the row sums' slots are used again
 
             def row_input(start: V | int = 0) -> list[V]:
                 """The row the statistics are taken over, raw in `row_dtype`."""
                 if staged is not None:
-                    x = staged[0]
+                    x = staged.values[0]
                 else:
                     x = t.load(x_ptr, p.dtype, start, streaming=bool(stream_x))
                 if not fused:
                     return x
                 if staged is not None:
-                    residual = widen(staged[1])
+                    residual = widen(staged.values[1])
                 else:
                     residual = widen(t.load(res_ptr, p.dtype, start))
                 s = [cast(a + b, row_dtype) for a, b in zip(widen(x), residual, strict=True)]
@@ -241,18 +251,22 @@ def build_norm_forward(
                 x = row_input()  # held raw, widened at each use (see dsl.rewiden)
                 if p.center:
                     state = moments(x)
-                    if used is not None:
-                        used()
+                    if staged is not None and not reload:
+                        staged.release()
                     _, mean, m2 = t.reduce(state, merge_moments, reused, phase)
                     if shifted_moments:
                         mean = shift + mean  # rounded once, at the mean's size, as x is
                 else:
                     squares = _sum_squares(widen(x))
-                    if used is not None:
-                        used()
+                    if staged is not None and not reload:
+                        staged.release()
                     (m2,) = t.sum(squares, reused=reused, phase=phase)
                 rstd = rsqrt(m2 * inv_n + p.eps)
+                if reload:
+                    x = staged.reload()[0]
                 normalize(x, mean, rstd)
+                if reload:
+                    staged.release()
             else:
                 chunks = const(-(-cfg.slice // cfg.span), "i64")  # over this block's slice
                 step, zero = const(1, "i64"), const(0, "i64")
@@ -291,8 +305,8 @@ def build_norm_forward(
 
         l2_ahead = inputs if prefetch_l2 else []
 
-        def step(g: V, phase: V | None, _: list[V], staged=None, used=None) -> list[V]:
-            row(RowTile(k, cfg, rows, row_group=g), phase, staged, used)
+        def step(g: V, phase: V | None, _: list[V], staged: Staged | None = None) -> list[V]:
+            row(RowTile(k, cfg, rows, row_group=g), phase, staged)
             return []
 
         if staging is not None:
