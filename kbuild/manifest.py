@@ -107,51 +107,35 @@ def _bench() -> Iterator[KernelSpec]:
 
 def _tune() -> Iterator[KernelSpec]:
     """Launch-shape alternatives to the chooser's picks for bench/tune.py, for the longest
-    rows (the chooser's own picks come first, for comparison): staged rows read again from
-    shared memory after the reductions (`reload`) so fewer registers and more blocks per
-    multiprocessor (`blocks_per_sm`) are needed, the backward's dw/db partials back in
-    registers (`shared_partials=False`), L2 prefetch past the staged groups (`prefetch_l2`),
-    smaller forward blocks (`threads_per_row`). Earlier sweeps and what they showed:
-    bench/results/README.md."""
+    rows (the chooser's own picks come first, for comparison): row sums crossing the cluster
+    through mbarriers instead of a cluster barrier (`cluster_sync`), with rows staged in
+    shared memory (`stage`) or smaller forward blocks (`threads_per_row`, `blocks_per_sm`).
+    Earlier sweeps and what they showed: bench/results/README.md."""
     ln_fwd = dict(weight_dtype="bf16", bias_dtype="bf16", store_stats=True, eps=1e-5)
     ln_bwd = dict(weight_dtype="bf16", compute_dw=True, compute_db=True)
     rms_bwd = dict(weight_dtype="bf16", compute_dw=True)
+    fused_fwd = dict(weight_dtype="bf16", residual_dtype="bf16", store_rstd=True, eps=1e-6)
     fused_bwd = dict(
         weight_dtype="bf16", residual_dtype="bf16", compute_dw=True, has_dresidual_out=True
     )
     bf16 = dict(dtype="bf16", vectorize=True)
-    staged = dict(persistent=True, **ln_fwd, **bf16)
-    # (N, the chooser's blocks per SM there, the backward's blocks of LayerNorm and RMSNorm)
-    for N, blocks, bwd_blocks in ((16384, 2, (128, 1024)), (65536, 4, (512, 512))):
-        yield KernelSpec.make("layernorm_fwd", N=N, **ln_fwd, **bf16)
-        yield KernelSpec.make("layernorm_fwd", N=N, stage=1, prefetch_l2=True, **staged)
-        for depth, more in ((1, 1.5), (2, 1.25)):
-            extra = dict(stage=depth, reload=True, blocks_per_sm=int(blocks * more))
-            yield KernelSpec.make("layernorm_fwd", N=N, **extra, **staged)
-        for (kernel, options), block in zip(
-            (("layernorm_bwd", ln_bwd), ("rmsnorm_bwd", rms_bwd)), bwd_blocks, strict=True
-        ):
-            yield KernelSpec.make(kernel, N=N, **options, **bf16)
-            registers = dict(
-                shared_partials=False, stage=2, reload=True, blocks_per_sm=1024 // block
-            )
-            yield KernelSpec.make(kernel, N=N, **registers, **options, **bf16)
-            yield KernelSpec.make(kernel, N=N, prefetch_l2=True, **registers, **options, **bf16)
-            yield KernelSpec.make(kernel, N=N, stage=2, reload=True, **options, **bf16)
-    yield KernelSpec.make(
-        "layernorm_fwd", N=65536, stage=2, reload=True, threads_per_row=128, **staged
-    )
+    mbarrier = dict(cluster_sync="mbarrier")
+    small = dict(persistent=True, stage=1, threads_per_row=128, blocks_per_sm=5)
+    yield KernelSpec.make("layernorm_fwd", N=65536, **ln_fwd, **bf16)
+    yield KernelSpec.make("layernorm_fwd", N=65536, **mbarrier, **ln_fwd, **bf16)
+    yield KernelSpec.make("layernorm_fwd", N=65536, **small, **ln_fwd, **bf16)
+    yield KernelSpec.make("layernorm_fwd", N=65536, **small, **mbarrier, **ln_fwd, **bf16)
+    for N in (16384, 65536):
+        yield KernelSpec.make("layernorm_bwd", N=N, **ln_bwd, **bf16)
+        yield KernelSpec.make("layernorm_bwd", N=N, **mbarrier, **ln_bwd, **bf16)
+        yield KernelSpec.make("layernorm_bwd", N=N, stage=1, **mbarrier, **ln_bwd, **bf16)
+    yield KernelSpec.make("rmsnorm_bwd", N=65536, **rms_bwd, **bf16)
+    yield KernelSpec.make("rmsnorm_bwd", N=65536, **mbarrier, **rms_bwd, **bf16)
+    yield KernelSpec.make("rmsnorm_bwd", N=65536, stage=1, **mbarrier, **rms_bwd, **bf16)
+    yield KernelSpec.make("fused_add_rmsnorm_fwd", N=65536, **fused_fwd, **bf16)
+    yield KernelSpec.make("fused_add_rmsnorm_fwd", N=65536, **mbarrier, **fused_fwd, **bf16)
     yield KernelSpec.make("fused_add_rmsnorm_bwd", N=65536, **fused_bwd, **bf16)
-    yield KernelSpec.make(
-        "fused_add_rmsnorm_bwd",
-        N=65536,
-        shared_partials=False,
-        stage=2,
-        reload=True,
-        blocks_per_sm=2,
-        **fused_bwd,
-        **bf16,
-    )
+    yield KernelSpec.make("fused_add_rmsnorm_bwd", N=65536, **mbarrier, **fused_bwd, **bf16)
 
 
 def _standard() -> Iterator[KernelSpec]:

@@ -45,6 +45,8 @@ class Kernel:
         self.name = name
         self.min_blocks_per_sm = min_blocks_per_sm
         self.cluster = cluster
+        # How row sums cross a cluster (reduce.cluster_reduce): "barrier" or "mbarrier".
+        self.cluster_exchange = "barrier"
         self.target = target
         self.block = block
         self.args: list[tuple[str, str]] = []  # (name, "ptr" | "i64" | "f32")
@@ -95,7 +97,7 @@ class Kernel:
             # Distributed shared memory is only valid once every block of the cluster runs:
             # each block arrives here, and waits (`ensure_cluster_started`) before its first
             # store into another block, so the wait overlaps whatever comes between.
-            nvvm.cluster_arrive_relaxed(aligned=True)
+            self._entry_arrive = nvvm.cluster_arrive_relaxed(aligned=True)
 
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is None:
@@ -161,6 +163,14 @@ class Kernel:
         remote, are visible after it."""
         nvvm.cluster_wait(aligned=True)
 
+    def at_cluster_start(self) -> ir.InsertionPoint:
+        """Where code runs once per block before it announces it has started (with clusters):
+        set-up that other blocks of the cluster rely on, such as mbarrier initialisation.
+        Use as `with k.at_cluster_start(): ...`; values made inside stay inside."""
+        if self.cluster == 1:
+            raise ValueError("at_cluster_start needs a kernel with clusters")
+        return ir.InsertionPoint(self._entry_arrive)
+
     def ensure_cluster_started(self) -> None:
         """Wait until every block of the cluster has started (pairs with the arrive at kernel
         entry); emitted once, at the first call. Call it outside loops: `remote` stores need
@@ -177,6 +187,10 @@ class Kernel:
 
     def shared(self, count: int, dtype: str = "f32") -> V:
         """A fresh shared-memory array of `count` elements; returns its `!llvm.ptr<3>` base."""
+        return self.shared_address(self.shared_array(count, dtype))
+
+    def shared_array(self, count: int, dtype: str = "f32") -> str:
+        """Declare a fresh shared-memory array; returns its name (see `shared_address`)."""
         name = f"__smem{self._n_shared}"
         self._n_shared += 1
         elem = scalar_type(dtype)
@@ -188,6 +202,10 @@ class Kernel:
         self._module_ip.insert(op)
         self._shared_bytes += count * (elem.width // 8)
         self._check_shared()
+        return name
+
+    def shared_address(self, name: str) -> V:
+        """The base of the shared array `name`, taken at the current insertion point."""
         ptr_t = llvm.PointerType.get(address_space=SHARED)
         return V(llvm.AddressOfOp(ptr_t, name).result)
 

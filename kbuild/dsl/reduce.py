@@ -21,6 +21,14 @@ from mlir.dialects import gpu
 
 from .control import if_then
 from .kernel import Kernel
+from .mbarrier import (
+    arrive_expect_tx,
+    fence_async_shared,
+    fence_mbarrier_init,
+    mbarrier_init,
+    store_async,
+    wait_parity,
+)
 from .memory import get_llvm_ptr, load, store
 from .values import V, const, i32
 
@@ -57,6 +65,7 @@ def row_reduce(
     rows: int,
     reused: bool = False,
     merge: Merge = add,
+    phase: V | None = None,
 ) -> list[V]:
     """Merge a per-thread state over the `threads_per_row` threads of one row.
 
@@ -64,7 +73,9 @@ def row_reduce(
     shuffles; beyond, each warp's result goes to shared memory, one barrier, and every thread
     merges the row's warp results in warp order. `reused` (a call inside a loop) adds a
     trailing barrier so the next iteration cannot overwrite the slots while a slow warp still
-    reads them.
+    reads them. A call in a loop may pass `phase` (an iteration count, i64) instead: the slots
+    alternate between two halves, so the next write to a half comes a barrier later, after
+    every warp's reads of it.
     """
     group = min(threads_per_row, k.warp_size)
     partial = group_reduce(k, state, group, merge)
@@ -74,16 +85,20 @@ def row_reduce(
     tid = k.thread_id()
     warp = tid / k.warp_size  # warp index within the block
     lane = tid % k.warp_size
-    slots = [k.shared(rows * warps) if isinstance(v, V) else v for v in partial]
+    halves = 1 if phase is None else 2
+    slots = [k.shared(halves * rows * warps) if isinstance(v, V) else v for v in partial]
+    first, mine = row_in_block * warps, warp  # the row's first slot; this warp's
+    if phase is not None:
+        half = (phase % 2) * (rows * warps)
+        first, mine = first + half, mine + half
 
     def write() -> None:
         for slot, p in zip(slots, partial, strict=True):
             if isinstance(p, V):
-                store(p, get_llvm_ptr(slot, warp, "f32"))
+                store(p, get_llvm_ptr(slot, mine, "f32"))
 
     if_then(lane < 1, write)
     k.barrier()
-    first = row_in_block * warps
 
     def warp_state(w: int) -> list[V]:
         return [
@@ -109,17 +124,27 @@ def cluster_reduce(
     """Merge block results (the same in every thread of a block) over a cluster's blocks.
 
     Block r's first `cluster` threads store its state into slot r of every block's shared
-    buffer (distributed shared memory), one cluster barrier, then each thread merges the
-    slots in rank order: every block gets the same bits. A call inside a loop passes `phase`
-    (iteration % 2, i64): slots alternate between two halves, so a fast block writing the next
-    iteration's state never lands on a half a slow block still reads (it would first have to
-    pass the barrier of the iteration between, which the slow block reaches only after
-    reading). `meanwhile()` runs between arriving at the barrier and waiting on it: work that
-    does not need the result hides the wait for the other blocks.
+    buffer (distributed shared memory), then each thread merges the slots in rank order:
+    every block gets the same bits. A call inside a loop passes `phase`, the iteration count
+    modulo 4 (i64): slots alternate between two halves, so a fast block writing the next
+    iteration's state never lands on a half a slow block still reads (it would first need
+    that block's state of the iteration between, which the slow block sends only after
+    reading). `meanwhile()` runs while the other blocks' states are awaited: work that does
+    not need the result.
+
+    How a block learns that the states have arrived is `k.cluster_exchange`:
+    - "barrier": plain remote stores and a cluster barrier (arrive, `meanwhile`, wait). The
+      arrive releases every earlier store of the thread, global ones included, at cluster
+      scope, and the whole cluster steps together.
+    - "mbarrier": the states are sent with `st.async`, which counts their bytes against an
+      mbarrier in the receiving block (one per half); a block waits only for its own
+      mbarrier, with no cluster barrier and no release of its other stores.
     """
+    if k.cluster_exchange == "mbarrier":
+        return _cluster_reduce_mbarrier(k, state, phase, merge, meanwhile)
     cluster, n = k.cluster, len(state)
     buffer = k.shared(2 * cluster * n)
-    half = const(0, "i64") if phase is None else phase * (cluster * n)
+    half = const(0, "i64") if phase is None else (phase % 2) * (cluster * n)
     rank = k.cluster_rank()
     tid = k.thread_id()
 
@@ -134,6 +159,12 @@ def cluster_reduce(
     if meanwhile is not None:
         meanwhile()
     k.cluster_wait()
+    return _merge_slots(buffer, half, state, cluster, merge)
+
+
+def _merge_slots(buffer: V, half: V, state: list[V], cluster: int, merge: Merge) -> list[V]:
+    """Merge the cluster's states from `buffer` in rank order."""
+    n = len(state)
 
     def block_state(r: int) -> list[V]:
         return [
@@ -144,4 +175,57 @@ def cluster_reduce(
     total = block_state(0)
     for r in range(1, cluster):
         total = merge(total, block_state(r))
+    return total
+
+
+def _cluster_reduce_mbarrier(
+    k: Kernel,
+    state: list[V],
+    phase: V | None,
+    merge: Merge,
+    meanwhile: Callable[[], None] | None,
+) -> list[V]:
+    """cluster_reduce through `st.async` and one mbarrier per half of the buffer.
+
+    Each row, the block's thread 0 arrives on the half's local mbarrier expecting the bytes of
+    every block's state; block r's thread t sends its state into block t with `st.async`.
+    Bytes that land before the arrival count too, so no ordering between blocks is needed
+    beyond the causality the halves already rely on. The i-th use of a half waits for the
+    mbarrier phase of parity i % 2, which is `phase // 2` for the iteration count modulo 4.
+    """
+    cluster, n = k.cluster, len(state)
+    live = [j for j, v in enumerate(state) if isinstance(v, V)]
+    buffer = k.shared(2 * cluster * n)
+    bars_name = k.shared_array(2, "i64")
+    with k.at_cluster_start():  # initialised before the block announces it has started
+
+        def init() -> None:
+            bars = k.shared_address(bars_name)
+            for h in range(2):
+                mbarrier_init(get_llvm_ptr(bars, h, "i64"), 1)
+            fence_mbarrier_init()
+
+        if_then(k.thread_id() < 1, init)
+    which = const(0, "i64") if phase is None else phase % 2
+    parity = const(0, "i64") if phase is None else phase / 2
+    bar = get_llvm_ptr(k.shared_address(bars_name), which, "i64")
+    half = which * (cluster * n)
+    rank = k.cluster_rank()
+    tid = k.thread_id()
+    k.ensure_cluster_started()
+    if_then(tid < 1, lambda: arrive_expect_tx(bar, cluster * len(live) * 4))
+
+    def publish() -> None:  # thread t sends into block t
+        peer_bar = k.remote(bar, tid)
+        for j in live:
+            slot = get_llvm_ptr(buffer, half + rank * n + j, "f32")
+            store_async(k.remote(slot, tid), state[j], peer_bar)
+
+    if_then(tid < cluster, publish)
+    if meanwhile is not None:
+        meanwhile()
+    wait_parity(bar, parity)
+    total = _merge_slots(buffer, half, state, cluster, merge)
+    # The slots just read are written again (asynchronously, by peers) two rows on.
+    fence_async_shared()
     return total

@@ -165,7 +165,7 @@ class RowTile:
 
         `reused`: the call sits in a loop (its shared slots are reused). With a cluster the
         block results are then merged across the cluster (dsl.cluster_reduce), whose barrier
-        also orders the slot reuse; a call in a loop passes `phase` (iteration % 2) for it.
+        also orders the slot reuse; a call in a loop passes `phase` (RowGroups) for it.
         `meanwhile()`, work that does not need the result, runs while the cluster barrier
         waits for the other blocks (without a cluster: after the row's reduction).
         """
@@ -173,6 +173,9 @@ class RowTile:
         clustered = c.cluster > 1
         if clustered and reused and phase is None:
             raise ValueError("a cluster row reduction inside a loop needs its phase")
+        # A cluster barrier orders the reuse of the block's slots too; mbarriers do not (a
+        # block waits only for the data it needs), so those rows alternate slot halves.
+        halves = clustered and reused and self.k.cluster_exchange == "mbarrier"
         out = row_reduce(
             self.k,
             state,
@@ -181,6 +184,7 @@ class RowTile:
             c.rows_per_block,
             reused and not clustered,
             merge,
+            phase if halves else None,
         )
         if clustered:
             return cluster_reduce(self.k, out, phase, merge, meanwhile)
@@ -358,8 +362,8 @@ class RowGroups:
         self, init: list[V], body, ahead: list[tuple[V, str]] = (), distance: int = 1
     ) -> list[V]:
         """body(g, phase, carried) -> carried, for each of this block's row groups g.
-        `phase` (i64) alternates 0, 1, ... for a cluster row sum's double buffer; None
-        without a cluster.
+        `phase` (i64) counts the iterations modulo 4 for a cluster row sum's double buffer
+        and its mbarrier parity (dsl.cluster_reduce); None without a cluster.
 
         `ahead`: (array, dtype) pairs whose slice of the rows `distance` groups ahead one
         thread asks into L2 at the start of each step (`prefetch_l2`), so the loads of them
@@ -374,7 +378,7 @@ class RowGroups:
                 self._prefetch(g + distance * self.stride, ahead)
             if C == 1:
                 return body(g, None, carried)
-            return [1 - carried[0]] + body(g, carried[0], carried[1:])
+            return [(carried[0] + 1) % 4] + body(g, carried[0], carried[1:])
 
         init = list(init) if C == 1 else [const(0, "i64")] + list(init)
         out = loop(self.first, self.count, self.stride, init, step)

@@ -80,6 +80,7 @@ def build_norm_backward(
     stage: bool | None = None,
     reload: bool | None = None,
     blocks_per_sm: int | None = None,
+    cluster_sync: str | None = None,
 ) -> Kernel:
     """Launch arguments: x, [weight], dy, [mean], rstd, [dresidual_out], dx, [dw_partial],
     [db_partial], M. Grid: persistent (at most the device's resident clusters, times the
@@ -95,7 +96,8 @@ def build_norm_backward(
     True = 1; Ampere on); `reload` (staged only: x and dy are read again from shared memory
     after the row sums instead of being held in registers across them, and their buffer is
     refilled only at the end of the row); `blocks_per_sm`, the resident blocks per
-    multiprocessor the register allocation must allow.
+    multiprocessor the register allocation must allow; `cluster_sync`, how a cluster's blocks
+    exchange row sums ("barrier" or "mbarrier", see dsl.cluster_reduce).
     """
     io = wider(p.dtype, p.x_dtype)
     n_partials = int(p.compute_dw) + int(p.compute_db)
@@ -162,7 +164,13 @@ def build_norm_backward(
     if prefetch_l2 and not (target.l2_prefetch and cfg.vec * ELEMENT_BYTES[io] == 16):
         raise ValueError(f"prefetch_l2 needs 16-byte vectors on Hopper or later, not {target}")
     C = cfg.cluster
+    cluster_sync = cluster_sync or "barrier"
+    if cluster_sync not in ("barrier", "mbarrier"):
+        raise ValueError(f"cluster_sync must be 'barrier' or 'mbarrier', not {cluster_sync!r}")
+    if cluster_sync == "mbarrier" and cfg.cluster == 1:
+        raise ValueError("cluster_sync='mbarrier' needs rows split over a cluster")
     with Kernel(p.name, target, cfg.block, min_blocks_per_sm=min_blocks, cluster=C) as k:
+        k.cluster_exchange = cluster_sync
         x_ptr = k.ptr("x")
         w_ptr = k.ptr("weight") if p.weight_dtype else None
         dy_ptr = k.ptr("dy")

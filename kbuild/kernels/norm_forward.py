@@ -73,6 +73,7 @@ def build_norm_forward(
     stage: bool | None = None,
     reload: bool | None = None,
     blocks_per_sm: int | None = None,
+    cluster_sync: str | None = None,
 ) -> Kernel:
     """Launch arguments: x, [residual], [weight], [bias], y, [residual_out], [mean], [rstd], M.
     Grid: one block per row group, times the cluster size; or, `persistent`, as many blocks
@@ -89,7 +90,9 @@ def build_norm_forward(
     one is worked on, `RowStage`; True = 1; Ampere on), `reload` (staged only: the row is
     read again from shared memory to normalise it instead of being held in registers across
     the reduction, and its buffer is refilled only after that), `blocks_per_sm` (the
-    resident blocks per multiprocessor the register allocation must allow)."""
+    resident blocks per multiprocessor the register allocation must allow), `cluster_sync`
+    (how a cluster's blocks exchange row sums: "barrier" or "mbarrier", see
+    dsl.cluster_reduce)."""
     N, fused = p.N, p.residual_dtype is not None
     row_dtype = p.residual_dtype if fused else p.dtype  # what the statistics are taken over
     # Register words per row element at the peak: the row (packed when bf16; the fused form
@@ -138,7 +141,13 @@ def build_norm_forward(
         raise ValueError(
             f"prefetch_l2 needs a persistent grid and 16-byte vectors on Hopper or later ({target})"
         )
+    cluster_sync = cluster_sync or "barrier"
+    if cluster_sync not in ("barrier", "mbarrier"):
+        raise ValueError(f"cluster_sync must be 'barrier' or 'mbarrier', not {cluster_sync!r}")
+    if cluster_sync == "mbarrier" and cfg.cluster == 1:
+        raise ValueError("cluster_sync='mbarrier' needs rows split over a cluster")
     with Kernel(p.name, target, cfg.block, min_blocks, cluster=cfg.cluster) as k:
+        k.cluster_exchange = cluster_sync
         x_ptr = k.ptr("x")
         res_ptr = k.ptr("residual") if fused else None
         w_ptr = k.ptr("weight") if p.weight_dtype else None

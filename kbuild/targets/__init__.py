@@ -16,8 +16,8 @@ _NVIDIA_PTX = {
     "sm_80": "+ptx70",
     "sm_86": "+ptx71",
     "sm_89": "+ptx78",
-    "sm_90": "+ptx80",
-    "sm_90a": "+ptx80",
+    "sm_90": "+ptx81",  # 8.1: st.async (dsl/mbarrier.py)
+    "sm_90a": "+ptx81",
     "sm_100": "+ptx86",
     "sm_100a": "+ptx86",
     "sm_120": "+ptx87",

@@ -1,0 +1,81 @@
+"""Transaction barriers (`mbarrier`) and asynchronous stores into a cluster peer's shared
+memory (`st.async`), sm_90 on: a block can wait for data that other blocks send it without a
+cluster-wide barrier (see reduce.cluster_reduce).
+
+An mbarrier is a 64-bit object in shared memory. A phase completes when its expected arrivals
+have arrived and the bytes it was told to expect (`arrive_expect_tx`) have landed; a store
+sent with `store_async` counts its bytes against the barrier in the receiving block. Waiters
+name the phase by its parity. Written as inline PTX: the instruction forms and their memory
+semantics are then exactly those of the PTX ISA, whatever the MLIR version.
+"""
+
+from __future__ import annotations
+
+from mlir import ir
+from mlir.dialects import llvm
+
+from .values import V, cast, const, scalar_type
+
+
+def _asm(text: str, constraints: str, operands: list[V], result: ir.Type | None = None):
+    out = llvm.InlineAsmOp(
+        result,
+        [v.value for v in operands],
+        text,
+        constraints,
+        has_side_effects=True,
+    )
+    return out.result if result is not None else None
+
+
+def _i32(v: V | int) -> V:
+    return const(v, "i32") if isinstance(v, int) else cast(v, "i32")
+
+
+def mbarrier_init(bar: V, arrivals: int) -> None:
+    """Initialise the mbarrier at `bar` (shared) for `arrivals` arrivals per phase."""
+    _asm("mbarrier.init.shared::cta.b64 [$0], $1;", "l,r", [bar, _i32(arrivals)])
+
+
+def fence_mbarrier_init() -> None:
+    """Make this thread's mbarrier initialisations visible to the cluster (pairs with the
+    cluster barrier that follows)."""
+    _asm("fence.mbarrier_init.release.cluster;", "", [])
+
+
+def arrive_expect_tx(bar: V, nbytes: V | int) -> None:
+    """Arrive at the local mbarrier `bar` and add `nbytes` to the bytes its current phase
+    waits for. Bytes that landed before this call already count."""
+    _asm("mbarrier.arrive.expect_tx.shared::cta.b64 _, [$0], $1;", "l,r", [bar, _i32(nbytes)])
+
+
+def wait_parity(bar: V, parity: V | int) -> None:
+    """Spin until the phase of `bar` with this parity (0 for its first phase) has completed;
+    stores that completed it, from any block of the cluster, are then visible."""
+    _asm(
+        "{\n"
+        ".reg .pred done;\n"
+        "WAIT_${:uid}:\n"
+        "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 done, [$0], $1;\n"
+        "@!done bra WAIT_${:uid};\n"
+        "}",
+        "l,r",
+        [bar, _i32(parity)],
+    )
+
+
+def store_async(remote: V, value: V, remote_bar: V) -> None:
+    """Store an f32 into a peer block's shared memory (`remote`, from Kernel.remote) and count
+    its 4 bytes against that block's mbarrier `remote_bar` (also from Kernel.remote)."""
+    word = V(llvm.BitcastOp(scalar_type("i32"), value.value).result)
+    _asm(
+        "st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [$0], $1, [$2];",
+        "l,r,l",
+        [remote, word, remote_bar],
+    )
+
+
+def fence_async_shared() -> None:
+    """Order this thread's earlier shared-memory accesses before later asynchronous-proxy
+    writes to them (a peer's `store_async` into a slot this thread has read)."""
+    _asm("fence.proxy.async.shared::cta;", "", [])
