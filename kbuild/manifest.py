@@ -107,10 +107,10 @@ def _bench() -> Iterator[KernelSpec]:
 
 def _tune() -> Iterator[KernelSpec]:
     """Launch-shape alternatives to the chooser's picks for bench/tune.py, for the longest
-    rows (the chooser's own picks come first, for comparison): row sums crossing the cluster
-    through mbarriers instead of a cluster barrier (`cluster_sync`), with rows staged in
-    shared memory (`stage`) or smaller forward blocks (`threads_per_row`, `blocks_per_sm`).
-    Earlier sweeps and what they showed: bench/results/README.md."""
+    rows (the chooser's own picks come first, for comparison): how row sums cross a cluster
+    (`cluster_sync`), row groups staged ahead (`stage`), w and b kept in shared memory
+    (`resident_params`), blocks per row (`cluster`), a persistent grid or not. Earlier
+    sweeps and what they showed: bench/results/README.md."""
     ln_fwd = dict(weight_dtype="bf16", bias_dtype="bf16", store_stats=True, eps=1e-5)
     ln_bwd = dict(weight_dtype="bf16", compute_dw=True, compute_db=True)
     rms_bwd = dict(weight_dtype="bf16", compute_dw=True)
@@ -119,23 +119,25 @@ def _tune() -> Iterator[KernelSpec]:
         weight_dtype="bf16", residual_dtype="bf16", compute_dw=True, has_dresidual_out=True
     )
     bf16 = dict(dtype="bf16", vectorize=True)
-    mbarrier = dict(cluster_sync="mbarrier")
-    small = dict(persistent=True, stage=1, threads_per_row=128, blocks_per_sm=5)
-    yield KernelSpec.make("layernorm_fwd", N=65536, **ln_fwd, **bf16)
-    yield KernelSpec.make("layernorm_fwd", N=65536, **mbarrier, **ln_fwd, **bf16)
-    yield KernelSpec.make("layernorm_fwd", N=65536, **small, **ln_fwd, **bf16)
-    yield KernelSpec.make("layernorm_fwd", N=65536, **small, **mbarrier, **ln_fwd, **bf16)
-    for N in (16384, 65536):
-        yield KernelSpec.make("layernorm_bwd", N=N, **ln_bwd, **bf16)
-        yield KernelSpec.make("layernorm_bwd", N=N, **mbarrier, **ln_bwd, **bf16)
-        yield KernelSpec.make("layernorm_bwd", N=N, stage=1, **mbarrier, **ln_bwd, **bf16)
-    yield KernelSpec.make("rmsnorm_bwd", N=65536, **rms_bwd, **bf16)
-    yield KernelSpec.make("rmsnorm_bwd", N=65536, **mbarrier, **rms_bwd, **bf16)
-    yield KernelSpec.make("rmsnorm_bwd", N=65536, stage=1, **mbarrier, **rms_bwd, **bf16)
-    yield KernelSpec.make("fused_add_rmsnorm_fwd", N=65536, **fused_fwd, **bf16)
-    yield KernelSpec.make("fused_add_rmsnorm_fwd", N=65536, **mbarrier, **fused_fwd, **bf16)
-    yield KernelSpec.make("fused_add_rmsnorm_bwd", N=65536, **fused_bwd, **bf16)
-    yield KernelSpec.make("fused_add_rmsnorm_bwd", N=65536, **mbarrier, **fused_bwd, **bf16)
+    for options in (
+        {},
+        dict(cluster_sync="barrier"),
+        dict(persistent=True, stage=2),
+        dict(persistent=True, stage=1, resident_params=True),
+        dict(persistent=True, stage=1, cluster=4),
+        dict(persistent=False),
+    ):
+        yield KernelSpec.make("layernorm_fwd", N=65536, **options, **ln_fwd, **bf16)
+    for kernel, N, options in (
+        ("layernorm_bwd", 16384, ln_bwd),
+        ("layernorm_bwd", 65536, ln_bwd),
+        ("rmsnorm_bwd", 65536, rms_bwd),
+        ("fused_add_rmsnorm_fwd", 65536, fused_fwd),
+        ("fused_add_rmsnorm_bwd", 65536, fused_bwd),
+    ):
+        yield KernelSpec.make(kernel, N=N, **options, **bf16)
+        for sync in ("barrier", "mbarrier"):
+            yield KernelSpec.make(kernel, N=N, cluster_sync=sync, **options, **bf16)
 
 
 def _standard() -> Iterator[KernelSpec]:

@@ -32,9 +32,15 @@ def _i32(v: V | int) -> V:
     return const(v, "i32") if isinstance(v, int) else cast(v, "i32")
 
 
+def _shared32(ptr: V) -> V:
+    """A shared-memory pointer as the 32-bit address PTX's shared state space takes (one
+    register instead of two)."""
+    return V(llvm.PtrToIntOp(scalar_type("i32"), ptr.value).result)
+
+
 def mbarrier_init(bar: V, arrivals: int) -> None:
     """Initialise the mbarrier at `bar` (shared) for `arrivals` arrivals per phase."""
-    _asm("mbarrier.init.shared::cta.b64 [$0], $1;", "l,r", [bar, _i32(arrivals)])
+    _asm("mbarrier.init.shared::cta.b64 [$0], $1;", "r,r", [_shared32(bar), _i32(arrivals)])
 
 
 def fence_mbarrier_init() -> None:
@@ -46,7 +52,11 @@ def fence_mbarrier_init() -> None:
 def arrive_expect_tx(bar: V, nbytes: V | int) -> None:
     """Arrive at the local mbarrier `bar` and add `nbytes` to the bytes its current phase
     waits for. Bytes that landed before this call already count."""
-    _asm("mbarrier.arrive.expect_tx.shared::cta.b64 _, [$0], $1;", "l,r", [bar, _i32(nbytes)])
+    _asm(
+        "mbarrier.arrive.expect_tx.shared::cta.b64 _, [$0], $1;",
+        "r,r",
+        [_shared32(bar), _i32(nbytes)],
+    )
 
 
 def wait_parity(bar: V, parity: V | int) -> None:
@@ -59,8 +69,29 @@ def wait_parity(bar: V, parity: V | int) -> None:
         "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 done, [$0], $1;\n"
         "@!done bra WAIT_${:uid};\n"
         "}",
-        "l,r",
-        [bar, _i32(parity)],
+        "r,r",
+        [_shared32(bar), _i32(parity)],
+    )
+
+
+def wait_phase(bars: V, phase: V) -> None:
+    """`wait_parity` on a pair of mbarriers used in turn: for use count `phase` (i32, modulo
+    4), mbarrier phase % 2 of the pair at `bars` and parity phase // 2. Derived inside the
+    instruction sequence, so nothing but `phase` stays live while the wait is pending."""
+    _asm(
+        "{\n"
+        ".reg .b32 bar, parity, offset;\n"
+        ".reg .pred done;\n"
+        "and.b32 offset, $1, 1;\n"
+        "shl.b32 offset, offset, 3;\n"
+        "add.u32 bar, $0, offset;\n"
+        "shr.u32 parity, $1, 1;\n"
+        "WAIT_${:uid}:\n"
+        "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 done, [bar], parity;\n"
+        "@!done bra WAIT_${:uid};\n"
+        "}",
+        "r,r",
+        [_shared32(bars), _i32(phase)],
     )
 
 

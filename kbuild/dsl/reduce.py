@@ -23,14 +23,14 @@ from .control import if_then
 from .kernel import Kernel
 from .mbarrier import (
     arrive_expect_tx,
-    fence_async_shared,
     fence_mbarrier_init,
     mbarrier_init,
     store_async,
     wait_parity,
+    wait_phase,
 )
 from .memory import get_llvm_ptr, load, store
-from .values import V, const, i32
+from .values import V, cast, const, i32
 
 Merge = Callable[[list[V], list[V]], list[V]]
 
@@ -89,7 +89,7 @@ def row_reduce(
     slots = [k.shared(halves * rows * warps) if isinstance(v, V) else v for v in partial]
     first, mine = row_in_block * warps, warp  # the row's first slot; this warp's
     if phase is not None:
-        half = (phase % 2) * (rows * warps)
+        half = cast(phase % 2, "i64") * (rows * warps)
         first, mine = first + half, mine + half
 
     def write() -> None:
@@ -144,7 +144,7 @@ def cluster_reduce(
         return _cluster_reduce_mbarrier(k, state, phase, merge, meanwhile)
     cluster, n = k.cluster, len(state)
     buffer = k.shared(2 * cluster * n)
-    half = const(0, "i64") if phase is None else (phase % 2) * (cluster * n)
+    half = const(0, "i64") if phase is None else cast(phase % 2, "i64") * (cluster * n)
     rank = k.cluster_rank()
     tid = k.thread_id()
 
@@ -206,8 +206,7 @@ def _cluster_reduce_mbarrier(
             fence_mbarrier_init()
 
         if_then(k.thread_id() < 1, init)
-    which = const(0, "i64") if phase is None else phase % 2
-    parity = const(0, "i64") if phase is None else phase / 2
+    which = const(0, "i64") if phase is None else cast(phase % 2, "i64")
     bar = get_llvm_ptr(k.shared_address(bars_name), which, "i64")
     half = which * (cluster * n)
     rank = k.cluster_rank()
@@ -224,8 +223,13 @@ def _cluster_reduce_mbarrier(
     if_then(tid < cluster, publish)
     if meanwhile is not None:
         meanwhile()
-    wait_parity(bar, parity)
-    total = _merge_slots(buffer, half, state, cluster, merge)
-    # The slots just read are written again (asynchronously, by peers) two rows on.
-    fence_async_shared()
-    return total
+    if phase is None:
+        wait_parity(bar, 0)
+    else:  # bar and parity rederived from phase: nothing extra held across `meanwhile`
+        wait_phase(k.shared_address(bars_name), phase)
+    # The slots just read are written again by peers' st.async two rows on. No proxy fence
+    # orders the two: every thread has consumed its reads before its block's barrier of the
+    # next row, and a peer can only send that later row after this block's state of the next
+    # row, sent after that barrier. (Measured with and without fence.proxy.async here: no
+    # difference.)
+    return _merge_slots(buffer, half, state, cluster, merge)

@@ -336,6 +336,18 @@ class RowStage:
         ]
 
 
+def cluster_exchange(cluster_sync: str | None, cfg: RowConfig, preferred: str) -> str:
+    """How the row sums of a row split over a cluster cross it (dsl.cluster_reduce):
+    `cluster_sync` if given (checked), else `preferred`; "barrier" without a cluster."""
+    if cluster_sync not in (None, "barrier", "mbarrier"):
+        raise ValueError(f"cluster_sync must be 'barrier' or 'mbarrier', not {cluster_sync!r}")
+    if cluster_sync == "mbarrier" and cfg.cluster == 1:
+        raise ValueError("cluster_sync='mbarrier' needs rows split over a cluster")
+    if cfg.cluster == 1:
+        return "barrier"
+    return cluster_sync or preferred
+
+
 def can_stage(target, cfg: RowConfig, dtypes: list[str], other_shared: int = 0) -> bool:
     """Whether rows of these arrays can be staged one group ahead (RowStage, depth 1) on
     `target`, next to `other_shared` bytes of shared memory the kernel already uses."""
@@ -380,7 +392,7 @@ class RowGroups:
                 return body(g, None, carried)
             return [(carried[0] + 1) % 4] + body(g, carried[0], carried[1:])
 
-        init = list(init) if C == 1 else [const(0, "i64")] + list(init)
+        init = list(init) if C == 1 else [const(0, "i32")] + list(init)
         out = loop(self.first, self.count, self.stride, init, step)
         return out if C == 1 else out[1:]
 

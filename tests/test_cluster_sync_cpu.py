@@ -1,0 +1,123 @@
+"""CPU tests of the two ways a cluster's blocks exchange row sums (dsl.cluster_reduce):
+a cluster barrier per row, or `st.async` stores counted against an mbarrier in each block.
+
+Whether the mbarrier exchange computes the same rows is checked on the GPU (the tune sweep's
+error column and bench/repeat_check.py while it is an option); here the PTX protocol each
+form emits and the errors for options that cannot apply.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+
+import pytest
+
+pytest.importorskip("mlir")  # the kernel modules import MLIR
+
+from kbuild import compiler  # noqa: E402
+from kbuild.compiler import CompileError  # noqa: E402
+from kbuild.spec import KernelSpec  # noqa: E402
+from kbuild.targets import target_for_arch  # noqa: E402
+from kbuild.targets.nvidia import module_to_ptx, ptxas_path  # noqa: E402
+
+LN_BWD = dict(dtype="bf16", weight_dtype="bf16", compute_dw=True, compute_db=True)
+LN_FWD = dict(dtype="bf16", weight_dtype="bf16", bias_dtype="bf16", store_stats=True, eps=1e-5)
+
+
+def _spec(kernel: str, N: int, **kwargs) -> KernelSpec:
+    base = LN_FWD if kernel == "layernorm_fwd" else LN_BWD
+    return KernelSpec.make(kernel, N=N, vectorize=True, **base, **kwargs)
+
+
+@functools.cache
+def _ptx(spec: KernelSpec) -> str:
+    target = target_for_arch("sm_90")
+    return module_to_ptx(compiler.build(spec, target).module, target).decode()
+
+
+def _count(ptx: str, pattern: str) -> int:
+    return len(re.findall(pattern, ptx))
+
+
+@pytest.mark.parametrize("kernel, states", [("layernorm_bwd", 2), ("layernorm_fwd", 2)])
+def test_mbarrier_exchange_sends_each_state_with_st_async(kernel, states):
+    ptx = _ptx(_spec(kernel, 65536, cluster_sync="mbarrier"))
+    # Two mbarriers (one per half of the buffer), initialised before the block announces
+    # it has started: the only cluster barrier left is the one at kernel entry.
+    assert _count(ptx, r"mbarrier\.init\.shared::cta\.b64") == 2
+    init = ptx.index("fence.mbarrier_init.release.cluster")
+    assert init < ptx.index("barrier.cluster.arrive.relaxed.aligned")
+    assert _count(ptx, r"barrier\.cluster\.arrive") == 1
+    assert _count(ptx, r"barrier\.cluster\.wait") == 1
+    # Each block sends its row state (the sums; LayerNorm forward: mean and M2, the count
+    # is known at build time) to every block, one 4-byte st.async per value.
+    assert _count(ptx, r"st\.async\.shared::cluster\.mbarrier::complete_tx::bytes\.b32") == states
+    assert _count(ptx, r"mbarrier\.arrive\.expect_tx\.shared::cta\.b64") == 1
+    assert "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64" in ptx
+    assert "fence.proxy.async" not in ptx  # see dsl.reduce._cluster_reduce_mbarrier
+
+
+def test_barrier_exchange_is_the_default_and_steps_the_cluster_each_row():
+    ptx = _ptx(_spec("layernorm_bwd", 65536))
+    assert "st.async" not in ptx and "mbarrier" not in ptx
+    assert _count(ptx, r"barrier\.cluster\.arrive\.aligned") == 1  # in the row loop
+    assert _count(ptx, r"barrier\.cluster\.wait\.aligned") == 2  # entry, and the row loop
+
+
+def test_mbarrier_exchange_alternates_the_block_slots():
+    # Without a cluster barrier nothing stops a fast warp from writing the next row's warp
+    # sum while a slow one still reads this row's: the slots alternate halves instead.
+    target = target_for_arch("sm_90")
+    plain = compiler.build(_spec("layernorm_bwd", 65536), target)
+    split = compiler.build(_spec("layernorm_bwd", 65536, cluster_sync="mbarrier"), target)
+    warps = plain.block // 32
+    # Block slots: two sums per warp, twice over; mbarriers: two of 8 bytes.
+    assert split.shared_bytes - plain.shared_bytes == 2 * warps * 4 + 16
+
+
+@pytest.mark.skipif(ptxas_path() is None, reason="ptxas not found")
+@pytest.mark.parametrize("kernel", ["layernorm_bwd", "layernorm_fwd", "rmsnorm_bwd"])
+def test_mbarrier_exchange_assembles(kernel):
+    base = (
+        dict(dtype="bf16", weight_dtype="bf16", compute_dw=True) if kernel == "rmsnorm_bwd" else {}
+    )
+    spec = (
+        KernelSpec.make(kernel, N=65536, vectorize=True, cluster_sync="mbarrier", **base)
+        if base
+        else _spec(kernel, 65536, cluster_sync="mbarrier")
+    )
+    artifact = compiler.compile_kernel(spec, target_for_arch("sm_90"))
+    assert artifact.meta["cluster"] == 8
+    assert artifact.meta["spill_stores"] <= 8
+
+
+@pytest.mark.parametrize(
+    "kernel, N, options, arch, message",
+    [
+        ("layernorm_bwd", 4096, dict(cluster_sync="mbarrier"), "sm_90", "needs rows split over"),
+        ("layernorm_fwd", 65536, dict(cluster_sync="fast"), "sm_90", "must be 'barrier' or"),
+        ("layernorm_bwd", 65536, dict(cluster_sync="mbarrier"), "sm_80", "needs rows split over"),
+    ],
+)
+def test_cluster_sync_options_that_cannot_apply_raise(kernel, N, options, arch, message):
+    with pytest.raises(CompileError, match=message):
+        compiler.build(_spec(kernel, N, **options), target_for_arch(arch))
+
+
+@pytest.mark.parametrize(
+    "kernel, N, options, exchange",
+    [
+        ("layernorm_fwd", 65536, {}, "mbarrier"),  # staged, persistent
+        ("layernorm_fwd", 65536, dict(persistent=False), "mbarrier"),
+        ("layernorm_bwd", 16384, {}, "mbarrier"),  # 128-thread blocks
+        ("layernorm_bwd", 65536, {}, "barrier"),  # 512-thread blocks at the register cap
+        ("layernorm_bwd", 16384, dict(stage=1), "barrier"),  # staged rows
+        ("layernorm_bwd", 4096, {}, "barrier"),  # one block per row: no cluster at all
+    ],
+)
+def test_the_chooser_picks_the_exchange_measured_faster(kernel, N, options, exchange):
+    kernel_ = compiler.build(_spec(kernel, N, **options), target_for_arch("sm_90"))
+    assert kernel_.cluster_exchange == exchange
+    ptx = _ptx(_spec(kernel, N, **options))
+    assert ("st.async" in ptx) == (exchange == "mbarrier")
