@@ -13,7 +13,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.tune import _arguments  # noqa: E402
+from bench.tune import _OPTIONS, _arguments  # noqa: E402
 from kbuild.jit import artifact_for, device_target  # noqa: E402
 from kbuild.manifest import BENCH_ELEMENTS, manifest  # noqa: E402
 from kbuild.ops.common import stream_of  # noqa: E402
@@ -34,7 +34,7 @@ def main() -> None:
             launcher(grid, stream_of(0), *args)
             bad += any(not torch.equal(tensors[n], first[n]) for n in outputs)
         torch.cuda.synchronize()
-        options = {k: v for k, v in spec.kwargs.items() if k in ("cluster_sync", "stage")}
+        options = {k: v for k, v in spec.kwargs.items() if k in _OPTIONS}
         print(f"{spec.kernel} N={spec['N']} {options}: {bad} of {repeats} runs differ")
 
 

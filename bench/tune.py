@@ -51,6 +51,7 @@ _OPTIONS = (
     "reload",
     "blocks_per_sm",
     "cluster_sync",
+    "rows_per_block",
 )
 # Diagnostic: these kernels also run on a fraction of their persistent grid. If the time per
 # row group stays the same with half the clusters, the loop is bound by its per-row chain

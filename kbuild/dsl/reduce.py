@@ -120,11 +120,17 @@ def cluster_reduce(
     phase: V | None = None,
     merge: Merge = add,
     meanwhile: Callable[[], None] | None = None,
+    rows: int = 1,
+    row: V | None = None,
+    lane: V | None = None,
 ) -> list[V]:
-    """Merge block results (the same in every thread of a block) over a cluster's blocks.
+    """Merge block results (the same in every thread of a row of a block) over a cluster's
+    blocks. A block may hold `rows` rows: thread `lane` of row `row` (default: the thread
+    index; a block of one row).
 
-    Block r's first `cluster` threads store its state into slot r of every block's shared
-    buffer (distributed shared memory), then each thread merges the slots in rank order:
+    Block r's first `cluster` threads of each row store the row's state into slot r of every
+    block's shared buffer (distributed shared memory), then each thread merges its row's slots
+    in rank order:
     every block gets the same bits. A call inside a loop passes `phase`, the iteration count
     modulo 4 (i64): slots alternate between two halves, so a fast block writing the next
     iteration's state never lands on a half a slow block still reads (it would first need
@@ -140,36 +146,49 @@ def cluster_reduce(
       mbarrier in the receiving block (one per half); a block waits only for its own
       mbarrier, with no cluster barrier and no release of its other stores.
     """
+    lane = k.thread_id() if lane is None else lane
+    slots = _Slots(k, state, phase, rows, row)
     if k.cluster_exchange == "mbarrier":
-        return _cluster_reduce_mbarrier(k, state, phase, merge, meanwhile)
-    cluster, n = k.cluster, len(state)
-    buffer = k.shared(2 * cluster * n)
-    half = const(0, "i64") if phase is None else cast(phase % 2, "i64") * (cluster * n)
+        return _cluster_reduce_mbarrier(k, state, phase, merge, meanwhile, slots, lane)
     rank = k.cluster_rank()
-    tid = k.thread_id()
 
-    def publish() -> None:  # thread t writes into block t
+    def publish() -> None:  # thread t of a row writes into block t
         for j, v in enumerate(state):
             if isinstance(v, V):
-                store(v, k.remote(get_llvm_ptr(buffer, half + rank * n + j, "f32"), tid))
+                store(v, k.remote(slots.slot(rank, j), lane))
 
     k.ensure_cluster_started()
-    if_then(tid < cluster, publish)
+    if_then(lane < k.cluster, publish)
     k.cluster_arrive()
     if meanwhile is not None:
         meanwhile()
     k.cluster_wait()
-    return _merge_slots(buffer, half, state, cluster, merge)
+    return _merge_slots(slots, state, k.cluster, merge)
 
 
-def _merge_slots(buffer: V, half: V, state: list[V], cluster: int, merge: Merge) -> list[V]:
-    """Merge the cluster's states from `buffer` in rank order."""
-    n = len(state)
+class _Slots:
+    """A cluster exchange's buffer in each block: [half][rank][row][value] f32."""
+
+    def __init__(self, k: Kernel, state: list[V], phase: V | None, rows: int, row: V | None):
+        self.n, self.rows = len(state), rows
+        size = k.cluster * rows * self.n
+        self.buffer = k.shared(2 * size)
+        self.which = const(0, "i64") if phase is None else cast(phase % 2, "i64")
+        self.base = self.which * size
+        if rows > 1:
+            self.base = self.base + row * self.n
+
+    def slot(self, rank: V | int, j: int) -> V:
+        """Where block `rank` puts value j of this thread's row."""
+        return get_llvm_ptr(self.buffer, self.base + rank * (self.rows * self.n) + j, "f32")
+
+
+def _merge_slots(slots: _Slots, state: list[V], cluster: int, merge: Merge) -> list[V]:
+    """Merge the cluster's states of this thread's row in rank order."""
 
     def block_state(r: int) -> list[V]:
         return [
-            load(get_llvm_ptr(buffer, half + (r * n + j), "f32"), "f32") if isinstance(v, V) else v
-            for j, v in enumerate(state)
+            load(slots.slot(r, j), "f32") if isinstance(v, V) else v for j, v in enumerate(state)
         ]
 
     total = block_state(0)
@@ -184,6 +203,8 @@ def _cluster_reduce_mbarrier(
     phase: V | None,
     merge: Merge,
     meanwhile: Callable[[], None] | None,
+    slots: _Slots,
+    lane: V,
 ) -> list[V]:
     """cluster_reduce through `st.async` and one mbarrier per half of the buffer.
 
@@ -193,9 +214,8 @@ def _cluster_reduce_mbarrier(
     beyond the causality the halves already rely on. The i-th use of a half waits for the
     mbarrier phase of parity i % 2, which is `phase // 2` for the iteration count modulo 4.
     """
-    cluster, n = k.cluster, len(state)
+    cluster = k.cluster
     live = [j for j, v in enumerate(state) if isinstance(v, V)]
-    buffer = k.shared(2 * cluster * n)
     bars_name = k.shared_array(2, "i64")
     with k.at_cluster_start():  # initialised before the block announces it has started
 
@@ -206,21 +226,18 @@ def _cluster_reduce_mbarrier(
             fence_mbarrier_init()
 
         if_then(k.thread_id() < 1, init)
-    which = const(0, "i64") if phase is None else cast(phase % 2, "i64")
-    bar = get_llvm_ptr(k.shared_address(bars_name), which, "i64")
-    half = which * (cluster * n)
+    bar = get_llvm_ptr(k.shared_address(bars_name), slots.which, "i64")
     rank = k.cluster_rank()
-    tid = k.thread_id()
     k.ensure_cluster_started()
-    if_then(tid < 1, lambda: arrive_expect_tx(bar, cluster * len(live) * 4))
+    nbytes = cluster * slots.rows * len(live) * 4  # every row's state from every block
+    if_then(k.thread_id() < 1, lambda: arrive_expect_tx(bar, nbytes))
 
-    def publish() -> None:  # thread t sends into block t
-        peer_bar = k.remote(bar, tid)
+    def publish() -> None:  # thread t of a row sends into block t
+        peer_bar = k.remote(bar, lane)
         for j in live:
-            slot = get_llvm_ptr(buffer, half + rank * n + j, "f32")
-            store_async(k.remote(slot, tid), state[j], peer_bar)
+            store_async(k.remote(slots.slot(rank, j), lane), state[j], peer_bar)
 
-    if_then(tid < cluster, publish)
+    if_then(lane < cluster, publish)
     if meanwhile is not None:
         meanwhile()
     if phase is None:
@@ -232,4 +249,4 @@ def _cluster_reduce_mbarrier(
     # next row, and a peer can only send that later row after this block's state of the next
     # row, sent after that barrier. (Measured with and without fence.proxy.async here: no
     # difference.)
-    return _merge_slots(buffer, half, state, cluster, merge)
+    return _merge_slots(slots, state, cluster, merge)

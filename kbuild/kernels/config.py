@@ -54,7 +54,7 @@ class RowConfig:
     rows_per_block: int
     iters: int  # vectors per thread per row (per chunk when chunked)
     chunked: bool  # row too long for registers: loop over chunks, two passes
-    cluster: int = 1  # blocks sharing one row, each a contiguous slice (rows_per_block 1)
+    cluster: int = 1  # blocks sharing a row, each a contiguous slice of it
 
     @property
     def block(self) -> int:
@@ -98,6 +98,7 @@ def choose_row_config(
     shapes: tuple[tuple[int, int, int], ...] = (),
     max_cluster: int = 1,
     cluster: int | None = None,
+    rows_per_block: int | None = None,
 ) -> RowConfig:
     """Threads, vector width and rows per block for rows of N elements of `dtype`.
 
@@ -110,9 +111,12 @@ def choose_row_config(
 
     Rows that would be chunked are split over a cluster of up to `max_cluster` blocks
     instead (see `cluster_size`); `cluster` forces the number of blocks per row (a tuning
-    override, 1 = none).
+    override, 1 = none). A cluster's blocks hold one row each unless `rows_per_block` says
+    more: the rows of a block then share its reductions and the cluster's exchange.
     """
     shape = (max_elems, threads_per_row, words_per_elem, iters_preference, shapes)
+    if rows_per_block is not None and (cluster or 1) == 1:
+        raise ValueError("rows_per_block is a cluster override (blocks of rows pick their own)")
     if cluster is None:
         one = _single_block(N, dtype, warp_size, vectorize, *shape)
         if not one.chunked or max_cluster == 1:
@@ -128,7 +132,13 @@ def choose_row_config(
             f"a cluster of {cluster} needs blocks of at least {cluster} threads; rows of {N} "
             f"split {cluster} ways take {one.threads_per_row}"
         )
-    return RowConfig(N, one.vec, one.threads_per_row, 1, one.iters, one.chunked, cluster)
+    rows = rows_per_block or 1
+    if rows < 1 or rows * one.threads_per_row > MAX_THREADS:
+        raise ValueError(
+            f"rows_per_block must be at least 1 and fit {MAX_THREADS} threads; {rows} rows "
+            f"of {one.threads_per_row} threads do not"
+        )
+    return RowConfig(N, one.vec, one.threads_per_row, rows, one.iters, one.chunked, cluster)
 
 
 def _single_block(

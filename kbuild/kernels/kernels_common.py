@@ -187,7 +187,10 @@ class RowTile:
             phase if halves else None,
         )
         if clustered:
-            return cluster_reduce(self.k, out, phase, merge, meanwhile)
+            rows = c.rows_per_block
+            return cluster_reduce(
+                self.k, out, phase, merge, meanwhile, rows, self.row_in_block, self.lane
+            )
         if meanwhile is not None:
             meanwhile()
         return out
@@ -399,9 +402,12 @@ class RowGroups:
     def _prefetch(self, g: V, arrays: list[tuple[V, str]]) -> None:
         cfg = self.cfg
         first_row = g * cfg.rows_per_block
-        # The group's rows are contiguous (a slice is the whole row unless rows_per_block is 1).
+        # The group's rows are contiguous: whole rows, or one row's slice.
         n_rows = minimum(self.rows - first_row, const(cfg.rows_per_block, "i64"))
         first = self.k.cluster_rank() * cfg.slice if cfg.cluster > 1 else 0
+
+        if cfg.cluster > 1 and cfg.rows_per_block > 1:
+            raise ValueError("L2 prefetch needs a group's slice to be contiguous (one row)")
 
         def issue() -> None:
             for base, dtype in arrays:

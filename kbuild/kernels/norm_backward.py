@@ -82,6 +82,7 @@ def build_norm_backward(
     reload: bool | None = None,
     blocks_per_sm: int | None = None,
     cluster_sync: str | None = None,
+    rows_per_block: int | None = None,
 ) -> Kernel:
     """Launch arguments: x, [weight], dy, [mean], rstd, [dresidual_out], dx, [dw_partial],
     [db_partial], M. Grid: persistent (at most the device's resident clusters, times the
@@ -98,7 +99,9 @@ def build_norm_backward(
     after the row sums instead of being held in registers across them, and their buffer is
     refilled only at the end of the row); `blocks_per_sm`, the resident blocks per
     multiprocessor the register allocation must allow; `cluster_sync`, how a cluster's blocks
-    exchange row sums ("barrier" or "mbarrier", see dsl.cluster_reduce).
+    exchange row sums ("barrier" or "mbarrier", see dsl.cluster_reduce); `rows_per_block`,
+    for rows split over a cluster, the rows each block holds (they share its reductions and
+    exchanges).
     """
     io = wider(p.dtype, p.x_dtype)
     n_partials = int(p.compute_dw) + int(p.compute_db)
@@ -117,6 +120,7 @@ def build_norm_backward(
             shapes=RMS_BACKWARD_SHAPES if plain_rms else BACKWARD_SHAPES,
             max_cluster=target.max_cluster,
             cluster=blocks_per_row,
+            rows_per_block=rows_per_block,
         )
 
     cfg = config(float(n_partials), cluster)  # partials in registers

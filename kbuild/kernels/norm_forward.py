@@ -75,6 +75,7 @@ def build_norm_forward(
     reload: bool | None = None,
     blocks_per_sm: int | None = None,
     cluster_sync: str | None = None,
+    rows_per_block: int | None = None,
 ) -> Kernel:
     """Launch arguments: x, [residual], [weight], [bias], y, [residual_out], [mean], [rstd], M.
     Grid: one block per row group, times the cluster size; or, `persistent`, as many blocks
@@ -93,7 +94,8 @@ def build_norm_forward(
     the reduction, and its buffer is refilled only after that), `blocks_per_sm` (the
     resident blocks per multiprocessor the register allocation must allow), `cluster_sync`
     (how a cluster's blocks exchange row sums: "barrier" or "mbarrier", see
-    dsl.cluster_reduce)."""
+    dsl.cluster_reduce), `rows_per_block` (rows split over a cluster: rows each block holds,
+    which then share its reductions and exchanges)."""
     N, fused = p.N, p.residual_dtype is not None
     row_dtype = p.residual_dtype if fused else p.dtype  # what the statistics are taken over
     # Register words per row element at the peak: the row (packed when bf16; the fused form
@@ -113,6 +115,7 @@ def build_norm_forward(
         words_per_elem=row_words + param_words,
         max_cluster=target.max_cluster,
         cluster=cluster,
+        rows_per_block=rows_per_block,
     )
     # Keep >= 1024 threads resident per SM (64 registers each) where the row needs no
     # predicates; the merge of LayerNorm's moments would otherwise take 72-73 registers and

@@ -105,6 +105,12 @@ class Launcher:
             _check(driver, err, f"loading {artifact.entry} ({artifact.format})")
             err, self._function = driver.cuModuleGetFunction(self._module, artifact.entry.encode())
             _check(driver, err, f"cuModuleGetFunction({artifact.entry})")
+            if self.cluster > 8:  # past the portable cluster size: the kernel opts in
+                attr = (
+                    driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED
+                )
+                err = driver.cuFuncSetAttribute(self._function, attr, 1)[0]
+                _check(driver, err, f"allowing clusters of {self.cluster} blocks")
             if self.dynamic_shared:  # static + dynamic past 48 KB needs this; harmless below
                 attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
                 err = driver.cuFuncSetAttribute(self._function, attr, self.dynamic_shared)[0]

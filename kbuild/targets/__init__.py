@@ -115,12 +115,21 @@ class Target:
             return 8  # the portable cluster size limit
         return 1
 
+    @property
+    def max_cluster_nonportable(self) -> int:
+        """Most blocks per cluster the hardware allows when a kernel opts in (the runtime sets
+        CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED for clusters past `max_cluster`):
+        16 on Hopper and Blackwell."""
+        return 16 if self._sm >= 90 else 1
+
     def cluster_attribute(self, cluster: int) -> tuple[str, str] | None:
         """The kernel attribute fixing its cluster shape (`.reqnctapercluster`), if any."""
         if cluster == 1:
             return None
-        if cluster > self.max_cluster:
-            raise ValueError(f"{self.arch} allows clusters of at most {self.max_cluster}")
+        if cluster > self.max_cluster_nonportable:
+            raise ValueError(
+                f"{self.arch} allows clusters of at most {self.max_cluster_nonportable}"
+            )
         return "nvvm.cluster_dim", f"array<i32: {cluster}, 1, 1>"
 
     def key_fields(self) -> dict[str, str | int]:
