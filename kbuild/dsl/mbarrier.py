@@ -95,14 +95,21 @@ def wait_phase(bars: V, phase: V) -> None:
     )
 
 
-def store_async(remote: V, value: V, remote_bar: V) -> None:
-    """Store an f32 into a peer block's shared memory (`remote`, from Kernel.remote) and count
-    its 4 bytes against that block's mbarrier `remote_bar` (also from Kernel.remote)."""
+def store_async(slot: V, value: V, bar: V, rank: V) -> None:
+    """Store an f32 into block `rank`'s copy of the shared slot `slot` (this block's address
+    of it) and count its 4 bytes against that block's copy of the mbarrier `bar`. The peer
+    addresses are formed inside the instruction sequence (`mapa`, 32-bit), so they take no
+    registers beyond it."""
     word = V(llvm.BitcastOp(scalar_type("i32"), value.value).result)
     _asm(
-        "st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [$0], $1, [$2];",
-        "l,r,l",
-        [remote, word, remote_bar],
+        "{\n"
+        ".reg .b32 peer_slot, peer_bar;\n"
+        "mapa.shared::cluster.u32 peer_slot, $0, $3;\n"
+        "mapa.shared::cluster.u32 peer_bar, $2, $3;\n"
+        "st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [peer_slot], $1, [peer_bar];\n"
+        "}",
+        "r,r,r,r",
+        [_shared32(slot), word, _shared32(bar), _i32(rank)],
     )
 
 

@@ -230,16 +230,15 @@ def _cluster_reduce_mbarrier(
     rank = k.cluster_rank()
     k.ensure_cluster_started()
     nbytes = cluster * slots.rows * len(live) * 4  # every row's state from every block
-    if_then(k.thread_id() < 1, lambda: arrive_expect_tx(bar, nbytes))
 
     def publish() -> None:  # thread t of a row sends into block t
-        peer_bar = k.remote(bar, lane)
         for j in live:
-            store_async(k.remote(slots.slot(rank, j), lane), state[j], peer_bar)
+            store_async(slots.slot(rank, j), state[j], bar, lane)
 
     if_then(lane < cluster, publish)
     if meanwhile is not None:
         meanwhile()
+    if_then(k.thread_id() < 1, lambda: arrive_expect_tx(bar, nbytes))
     if phase is None:
         wait_parity(bar, 0)
     else:  # bar and parity rederived from phase: nothing extra held across `meanwhile`
