@@ -25,8 +25,17 @@ LN_BWD = dict(dtype="bf16", weight_dtype="bf16", compute_dw=True, compute_db=Tru
 LN_FWD = dict(dtype="bf16", weight_dtype="bf16", bias_dtype="bf16", store_stats=True, eps=1e-5)
 
 
+FUSED_BWD = dict(
+    dtype="bf16",
+    weight_dtype="bf16",
+    residual_dtype="bf16",
+    compute_dw=True,
+    has_dresidual_out=True,
+)
+
+
 def _spec(kernel: str, N: int, **kwargs) -> KernelSpec:
-    base = LN_FWD if kernel == "layernorm_fwd" else LN_BWD
+    base = {"layernorm_fwd": LN_FWD, "fused_add_rmsnorm_bwd": FUSED_BWD}.get(kernel, LN_BWD)
     return KernelSpec.make(kernel, N=N, vectorize=True, **base, **kwargs)
 
 
@@ -58,8 +67,8 @@ def test_mbarrier_exchange_sends_each_state_with_st_async(kernel, states):
     assert "fence.proxy.async" not in ptx  # see dsl.reduce._cluster_reduce_mbarrier
 
 
-def test_barrier_exchange_is_the_default_and_steps_the_cluster_each_row():
-    ptx = _ptx(_spec("layernorm_bwd", 65536))
+def test_barrier_exchange_steps_the_cluster_each_row():
+    ptx = _ptx(_spec("layernorm_bwd", 65536, cluster_sync="barrier"))
     assert "st.async" not in ptx and "mbarrier" not in ptx
     assert _count(ptx, r"barrier\.cluster\.arrive\.aligned") == 1  # in the row loop
     assert _count(ptx, r"barrier\.cluster\.wait\.aligned") == 2  # entry, and the row loop
@@ -69,7 +78,7 @@ def test_mbarrier_exchange_alternates_the_block_slots():
     # Without a cluster barrier nothing stops a fast warp from writing the next row's warp
     # sum while a slow one still reads this row's: the slots alternate halves instead.
     target = target_for_arch("sm_90")
-    plain = compiler.build(_spec("layernorm_bwd", 65536), target)
+    plain = compiler.build(_spec("layernorm_bwd", 65536, cluster_sync="barrier"), target)
     split = compiler.build(_spec("layernorm_bwd", 65536, cluster_sync="mbarrier"), target)
     warps = plain.block // 32
     # Block slots: two sums per warp, twice over; mbarriers: two of 8 bytes.
@@ -111,8 +120,10 @@ def test_cluster_sync_options_that_cannot_apply_raise(kernel, N, options, arch, 
         ("layernorm_fwd", 65536, {}, "mbarrier"),  # staged, persistent
         ("layernorm_fwd", 65536, dict(persistent=False), "mbarrier"),
         ("layernorm_bwd", 16384, {}, "mbarrier"),  # 128-thread blocks
-        ("layernorm_bwd", 65536, {}, "barrier"),  # 512-thread blocks at the register cap
-        ("layernorm_bwd", 16384, dict(stage=1), "barrier"),  # staged rows
+        ("layernorm_bwd", 65536, {}, "mbarrier"),  # staged rows, 512-thread blocks
+        ("layernorm_bwd", 16384, dict(stage=1), "mbarrier"),
+        ("fused_add_rmsnorm_bwd", 65536, {}, "barrier"),  # the fused backward's staged rows
+        ("fused_add_rmsnorm_bwd", 65536, dict(stage=0), "mbarrier"),
         ("layernorm_bwd", 4096, {}, "barrier"),  # one block per row: no cluster at all
     ],
 )
@@ -121,3 +132,39 @@ def test_the_chooser_picks_the_exchange_measured_faster(kernel, N, options, exch
     assert kernel_.cluster_exchange == exchange
     ptx = _ptx(_spec(kernel, N, **options))
     assert ("st.async" in ptx) == (exchange == "mbarrier")
+
+
+# --- several rows per block of a cluster; clusters past the portable 8 -----------------------
+
+
+def test_rows_of_a_cluster_block_share_its_exchange():
+    # Two rows per block: each row's first 8 threads send that row's sums, and the mbarrier
+    # waits for both rows' bytes from all 8 blocks (8 * 2 rows * 2 sums * 4 bytes).
+    spec = _spec("layernorm_bwd", 65536, rows_per_block=2, cluster=8, cluster_sync="mbarrier")
+    kernel = compiler.build(spec, target_for_arch("sm_90"))
+    assert (kernel.block, kernel.meta["rows_per_block"], kernel.meta["cluster"]) == (1024, 2, 8)
+    ptx = _ptx(spec)
+    assert re.search(r"mov\.b32\s+%r\d+, 128;", ptx) or ", 128;" in ptx
+    assert _count(ptx, r"st\.async") == 2
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (dict(rows_per_block=2), "rows_per_block is a cluster override"),
+        (dict(rows_per_block=4, cluster=8), "fit 1024 threads"),
+        (dict(cluster=32), "at most 16"),
+    ],
+)
+def test_cluster_shape_overrides_that_cannot_apply_raise(options, message):
+    with pytest.raises(CompileError, match=message):
+        compiler.build(_spec("layernorm_bwd", 65536, **options), target_for_arch("sm_90"))
+
+
+def test_clusters_of_16_are_a_hopper_opt_in():
+    sm90, sm80 = target_for_arch("sm_90"), target_for_arch("sm_80")
+    assert (sm90.max_cluster, sm90.max_cluster_nonportable) == (8, 16)
+    assert sm80.max_cluster_nonportable == 1
+    kernel = compiler.build(_spec("layernorm_fwd", 65536, cluster=16), sm90)
+    assert kernel.meta["cluster"] == 16
+    assert ".reqnctapercluster 16, 1, 1" in _ptx(_spec("layernorm_fwd", 65536, cluster=16))

@@ -174,7 +174,9 @@ def test_staged_kernels_assemble_without_spills():
         (_spec("layernorm_fwd", 65536), "sm_90", True),  # split over a cluster
         (_spec("layernorm_fwd", 8192), "sm_90", False),  # short rows: one block per row
         (_spec("layernorm_fwd", 16384), "gfx942", False),  # no asynchronous copies
-        (_spec("layernorm_bwd", 65536), "sm_90", False),  # measured: no gain
+        (_spec("layernorm_bwd", 65536), "sm_90", True),  # 512-thread blocks of a cluster
+        (_spec("layernorm_bwd", 16384), "sm_90", False),  # 128-thread blocks: measured worse
+        (_spec("layernorm_bwd", 65536), "sm_80", False),  # no clusters: chunked rows
     ],
 )
 def test_the_chooser_stages_where_it_was_measured_to_win(spec, arch, staged):
@@ -193,3 +195,31 @@ def test_the_fused_backward_stages_its_longest_rows():
         spec = fused_add_rmsnorm_bwd_spec(N, "bf16", "bf16", "bf16", True, True)
         text = str(compiler.build(spec, target_for_arch("sm_90")).module)
         assert ("nvvm.cp.async.shared.global" in text) == staged, N
+
+
+def test_reloaded_rows_are_read_twice_and_refilled_after_the_second_read():
+    # reload: the staged row is read from shared memory for the moments and again to
+    # normalise; the next group's copy into the buffer starts only after that second read.
+    ptx, _ = _ptx_and_meta(_spec("layernorm_fwd", 65536, persistent=True, stage=1, reload=True))
+    body = ptx[ptx.index("mbarrier.try_wait") :] if "mbarrier.try_wait" in ptx else ptx
+    reads = [m.start() for m in re.finditer(r"ld\.shared\.v4\.b32", ptx)]
+    copies = [m.start() for m in re.finditer(r"cp\.async\.cg\.shared\.global", body)]
+    assert len(reads) >= 8  # 4 vectors, twice
+    assert copies and max(reads) < len(ptx) - len(body) + max(copies)
+
+
+@pytest.mark.parametrize(
+    "kernel, options, message",
+    [
+        ("layernorm_fwd", dict(reload=True, persistent=False), "reload needs staged rows"),
+        ("layernorm_bwd", dict(reload=True, stage=0), "reload needs staged rows"),
+    ],
+)
+def test_reload_without_staging_raises(kernel, options, message):
+    with pytest.raises(CompileError, match=message):
+        compiler.build(_spec(kernel, 65536, **options), target_for_arch("sm_90"))
+
+
+def test_blocks_per_sm_sets_the_occupancy_hint():
+    ptx, _ = _ptx_and_meta(_spec("layernorm_fwd", 65536, persistent=True, stage=1, blocks_per_sm=3))
+    assert ".minnctapersm 3" in ptx

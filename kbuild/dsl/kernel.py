@@ -42,6 +42,7 @@ class Kernel:
         (on NVIDIA, `.minnctapersm`: registers are capped to make room). `cluster` > 1 groups
         that many consecutive blocks into a cluster (see `remote`, `cluster_arrive`); the
         grid must then be a multiple of it."""
+        target.cluster_attribute(cluster)  # an unsupported cluster size raises here, early
         self.name = name
         self.min_blocks_per_sm = min_blocks_per_sm
         self.cluster = cluster
@@ -68,7 +69,12 @@ class Kernel:
             self.gpu_module = gpu.GPUModuleOp(self.name + "_module", targets=targets)
             self.gpu_module.bodyRegion.blocks.append()
         self._module_ip = ir.InsertionPoint(self.gpu_module.bodyRegion.blocks[0])
-        self._begin_function()
+        try:
+            self._begin_function()
+        except BaseException as err:  # leave MLIR's context stack as it was
+            self.location.__exit__(type(err), err, err.__traceback__)
+            self.context.__exit__(type(err), err, err.__traceback__)
+            raise
         return self
 
     def _begin_function(self) -> None:

@@ -151,14 +151,16 @@ def build_norm_backward(
     if prefetch_l2 is None:
         prefetch_l2 = False
     if stage is None:
-        # Measured on an H200 (bench/results/h200_tune_stage_backward.json, ..._clusters.json):
+        # Measured on an H200 (h200_tune_stage_backward.json, h200_tune_exchange_staging.json):
         # staging lifts the fused backward's longest rows (N = 16384: 97% -> 99% of copy;
-        # 65536: 90% -> 95%) and costs the plain and LayerNorm backward 0-2%.
+        # 65536: 90% -> 95%) and LayerNorm rows split over a cluster of 512-thread blocks
+        # (N = 65536, with mbarrier exchanges: 70% -> 78%); it costs the plain RMSNorm
+        # backward and LayerNorm's smaller blocks 1-5%.
         partial_bytes = n_partials * cfg.slice * cfg.rows_per_block * 4 if shared_partials else 0
-        stage = (
-            p.has_dres
-            and (cfg.cluster > 1 or cfg.block >= 1024)
-            and can_stage(target, cfg, [p.x_dtype, p.dtype], partial_bytes)
+        long_fused = p.has_dres and (cfg.cluster > 1 or cfg.block >= 1024)
+        long_center = p.center and cfg.cluster > 1 and cfg.block >= 512
+        stage = (long_fused or long_center) and can_stage(
+            target, cfg, [p.x_dtype, p.dtype], partial_bytes
         )
     stage = int(stage)
     if stage and not (target.async_copy and cfg.exact):
@@ -169,11 +171,11 @@ def build_norm_backward(
     if prefetch_l2 and not (target.l2_prefetch and cfg.vec * ELEMENT_BYTES[io] == 16):
         raise ValueError(f"prefetch_l2 needs 16-byte vectors on Hopper or later, not {target}")
     C = cfg.cluster
-    # Measured on an H200 (bf16, h200_tune_mbarrier*.json): row sums through mbarriers lift
-    # RMSNorm N = 65536 from 74% to 84% of copy and LayerNorm 16384 from 77% to 79-81%, but
-    # cost staged rows 3-5% (fused 65536: 93% -> 88%) and LayerNorm's 512-thread blocks 2%
-    # (N = 65536; two more registers push it past its 64-register cap).
-    keeps_barrier = stage or (p.center and cfg.block >= 512)
+    # Measured on an H200 (bf16; h200_tune_mbarrier*.json, h200_tune_exchange_staging.json):
+    # row sums through mbarriers lift RMSNorm N = 65536 from 75% to 84% of copy, LayerNorm
+    # 16384 from 79% to 82-83% and, with staged rows, LayerNorm 65536 from 70% to 78%; the
+    # fused backward's staged rows keep the cluster barrier (95% against 88%).
+    keeps_barrier = bool(stage) and p.has_dres
     cluster_sync = cluster_exchange(cluster_sync, cfg, "barrier" if keeps_barrier else "mbarrier")
     with Kernel(p.name, target, cfg.block, min_blocks_per_sm=min_blocks, cluster=C) as k:
         k.cluster_exchange = cluster_sync
