@@ -120,6 +120,7 @@ def _tune() -> Iterator[KernelSpec]:
     )
     bf16 = dict(dtype="bf16", vectorize=True)
     for kernel, N, options, extra in (
+        ("layernorm_fwd", 65536, ln_fwd, dict(persistent=True, stage=1, prefetch_l2=True)),
         ("layernorm_fwd", 65536, ln_fwd, dict(persistent=True, stage=2)),
         ("layernorm_bwd", 65536, ln_bwd, dict(stage=1)),
         ("layernorm_bwd", 16384, ln_bwd, dict(stage=1)),

@@ -15,20 +15,30 @@ from ..dsl import Kernel, V, const, get_llvm_ptr, if_else, if_then, load, loop, 
 from ..dsl.values import cast, vector_type
 from ..targets import Target
 
-COLUMN_VECTORS = 8  # vectors of columns per block
-ROW_LANES = 32  # threads that split the rows of one column vector: R is ~1000, N can be small
+BLOCK = 256
 UNROLL = 4  # independent loads in flight per thread
+LONG_ROWS = 8192  # from here on the backward's grid leaves few partial rows (R <= 264)
+
+
+def row_lanes(N: int) -> int:
+    """Threads that split the rows of one column vector. Short rows leave ~1000 partial rows
+    over few columns: 32 lanes. Long rows leave few (30 at N = 65536 on an H200) over many
+    columns: 8 lanes, so a block covers 4x the columns and its final combine reads 8 slots,
+    not 32 (the 32-lane form took ~7 us at N = 65536, 6% of LayerNorm's backward)."""
+    return 32 if N < LONG_ROWS else 8
 
 
 def build_column_sum_module(N: int, out_dtype: str, target: Target) -> Kernel:
     """Launch arguments: partial (fp32 [R, N]), out ([N] of `out_dtype`), R."""
     vec = 4 if N % 4 == 0 else 1
-    block = COLUMN_VECTORS * ROW_LANES
+    lanes = row_lanes(N)
+    column_vectors = BLOCK // lanes  # vectors of columns per block
+    block = BLOCK
     with Kernel("column_sum", target, block) as k:
         partial, out, rows = k.ptr("partial"), k.ptr("out"), k.i64("R")
         tid = k.thread_id()
-        column_vector, lane = tid % COLUMN_VECTORS, tid / COLUMN_VECTORS
-        col = (k.block_id() * COLUMN_VECTORS + column_vector) * vec
+        column_vector, lane = tid % column_vectors, tid / column_vectors
+        col = (k.block_id() * column_vectors + column_vector) * vec
         in_range = col < N
         zero = const(0.0, vector_type("f32", vec) if vec > 1 else "f32")
 
@@ -41,24 +51,24 @@ def build_column_sum_module(N: int, out_dtype: str, target: Target) -> Kernel:
             )
 
         def step(r0: V, acc: list[V]) -> list[V]:
-            values = [row_value(r0 + u * ROW_LANES) for u in range(UNROLL)]
+            values = [row_value(r0 + u * lanes) for u in range(UNROLL)]
             total = acc[0]
             for v in values:  # ascending row order within this lane
                 total = total + v
             return [total]
 
-        (acc,) = loop(lane, rows, const(ROW_LANES * UNROLL, "i64"), [zero], step)
+        (acc,) = loop(lane, rows, const(lanes * UNROLL, "i64"), [zero], step)
         slots = k.shared(block * vec)
         store(acc, get_llvm_ptr(slots, tid * vec, "f32"))
         k.barrier()
 
         def combine() -> None:
             total = load(get_llvm_ptr(slots, column_vector * vec, "f32"), "f32", vec)
-            for other in range(1, ROW_LANES):
-                offset = (column_vector + other * COLUMN_VECTORS) * vec
+            for other in range(1, lanes):
+                offset = (column_vector + other * column_vectors) * vec
                 total = total + load(get_llvm_ptr(slots, offset, "f32"), "f32", vec)
             store(cast(total, out_dtype), get_llvm_ptr(out, col, out_dtype), aligned=vec > 1)
 
         if_then((lane < 1) & in_range, combine)
-        k.meta.update(columns_per_block=COLUMN_VECTORS * vec, grid="columns")
+        k.meta.update(columns_per_block=column_vectors * vec, grid="columns")
     return k
