@@ -107,32 +107,31 @@ def _bench() -> Iterator[KernelSpec]:
 
 def _tune() -> Iterator[KernelSpec]:
     """Launch-shape alternatives to the chooser's picks for bench/tune.py, for the longest
-    rows (the chooser's own picks come first, for comparison): how row sums cross a cluster
-    (`cluster_sync`), with and without staged rows (`stage`). Earlier sweeps (rows per
-    block of a cluster, clusters of 16, reloading staged rows, ...) and what they showed:
-    bench/results/README.md."""
+    rows (the chooser's own picks come first, for comparison): fewer, larger blocks per row
+    (`cluster`) now that row sums cross the cluster through mbarriers, with and without a
+    persistent grid and staged rows, and L2 prefetch past the staged rows. Earlier sweeps
+    (the exchange x staging, rows per block of a cluster, clusters of 16, reloading staged
+    rows, ...) and what they showed: bench/results/README.md."""
     ln_fwd = dict(weight_dtype="bf16", bias_dtype="bf16", store_stats=True, eps=1e-5)
     ln_bwd = dict(weight_dtype="bf16", compute_dw=True, compute_db=True)
-    rms_bwd = dict(weight_dtype="bf16", compute_dw=True)
-    fused_fwd = dict(weight_dtype="bf16", residual_dtype="bf16", store_rstd=True, eps=1e-6)
-    fused_bwd = dict(
-        weight_dtype="bf16", residual_dtype="bf16", compute_dw=True, has_dresidual_out=True
-    )
     bf16 = dict(dtype="bf16", vectorize=True)
-    for kernel, N, options, extra in (
-        ("layernorm_fwd", 65536, ln_fwd, dict(persistent=True, stage=1, prefetch_l2=True)),
-        ("layernorm_fwd", 65536, ln_fwd, dict(persistent=True, stage=2)),
-        ("layernorm_bwd", 65536, ln_bwd, dict(stage=1)),
-        ("layernorm_bwd", 16384, ln_bwd, dict(stage=1)),
-        ("rmsnorm_bwd", 65536, rms_bwd, dict(stage=1)),
-        ("fused_add_rmsnorm_fwd", 65536, fused_fwd, None),
-        ("fused_add_rmsnorm_bwd", 65536, fused_bwd, dict(stage=0)),
+    for options in (
+        {},
+        dict(cluster=4, persistent=True, stage=1),
+        dict(cluster=2, persistent=True, stage=1),
+        dict(cluster=4, persistent=False),
+        dict(cluster_sync="barrier"),
     ):
-        yield KernelSpec.make(kernel, N=N, **options, **bf16)
-        for sync in ("barrier", "mbarrier"):
-            yield KernelSpec.make(kernel, N=N, cluster_sync=sync, **options, **bf16)
-            if extra is not None:
-                yield KernelSpec.make(kernel, N=N, cluster_sync=sync, **extra, **options, **bf16)
+        yield KernelSpec.make("layernorm_fwd", N=65536, **options, **ln_fwd, **bf16)
+    for options in (
+        {},
+        dict(prefetch_l2=True),
+        dict(cluster=4),
+        dict(cluster=4, stage=0),
+        dict(stage=0),
+        dict(cluster_sync="barrier", stage=0),
+    ):
+        yield KernelSpec.make("layernorm_bwd", N=65536, **options, **ln_bwd, **bf16)
 
 
 def _standard() -> Iterator[KernelSpec]:
