@@ -1,5 +1,6 @@
 """Reductions across the threads that share a row: warp shuffles, then shared memory, then
-(for a row split over a cluster of blocks) distributed shared memory.
+(for a row split over a cluster of blocks) distributed shared memory, through a cluster
+barrier or through `st.async` stores counted by mbarriers (see `cluster_reduce`).
 
 Sized by the target's warp size (32 on NVIDIA, 64 on CDNA), never by a constant, and always
 combined in a fixed order, so a result never depends on timing. A reduction combines a

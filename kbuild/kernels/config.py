@@ -16,10 +16,16 @@ memory, and the row is read once. Measured on an H200 at N = 65536 against the c
 form (bench/results/h200_tune_clusters.json, h200_tune_long_rows.json): backward RMSNorm
 31% -> 75% of copy, fused 39% -> 89%, LayerNorm 20% -> 68%; fused forward 82% -> 94%,
 LayerNorm forward 66% -> 68% (82% once the next row is staged in shared memory, see
-norm_forward.py). Rows that fit one block stay in one: splitting them costs a
-cluster barrier per row (RMSNorm forward N = 65536: 89% in one 1024-thread block, 79-84%
-split). Without clusters (sm_80, AMD) long rows are walked in chunks, two passes, the
-second mostly served from L2.
+norm_forward.py). Exchanging the row sums through mbarriers instead of a cluster barrier
+took them further (RMSNorm backward 83%, LayerNorm 74-79% with staged rows, fused forward
+99%; h200_tune_exchange_staging.json). Eight blocks per row stays best with mbarriers too
+(LayerNorm N = 65536, h200_tune_cluster_sizes.json: forward 78% and 83% with 2 or 4
+larger blocks against 85%, backward 72% with 4 against 79%); clusters of 16 (non-portable)
+and several rows per block of a cluster were slower (h200_tune_rows_per_block.json).
+
+Rows that fit one block stay in one: splitting them costs a cluster exchange per row
+(RMSNorm forward N = 65536: 89% in one 1024-thread block, 79-84% split). Without clusters
+(sm_80, AMD) long rows are walked in chunks, two passes, the second mostly served from L2.
 """
 
 from __future__ import annotations

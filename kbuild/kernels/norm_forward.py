@@ -23,6 +23,7 @@ Grid: one block (cluster) per row group; or, for LayerNorm rows that take a whol
 block or a cluster, persistent: each block walks its row groups and copies the next group's
 input into shared memory (`RowStage`, `cp.async`) while it reduces and writes the current one,
 so its loads are always in flight (H200, bf16: N = 16384 85% -> 92% of copy, 65536 68% -> 87%).
+Rows split over a cluster exchange their sums through mbarriers (dsl.cluster_reduce).
 """
 
 from __future__ import annotations
@@ -147,7 +148,8 @@ def build_norm_forward(
         )
     # Row sums cross the cluster through mbarriers: no cluster barrier per row, which would
     # also wait for the block's earlier stores to complete (H200, bf16, N = 65536: LayerNorm
-    # 80-82% -> 85-86% of copy, fused add + RMSNorm 92% -> 99%; h200_tune_mbarrier*.json).
+    # 80-83% -> 83-86% of copy, fused add + RMSNorm 92% -> 99%; h200_tune_mbarrier*.json,
+    # h200_tune_exchange*.json).
     cluster_sync = cluster_exchange(cluster_sync, cfg, "mbarrier")
     with Kernel(p.name, target, cfg.block, min_blocks, cluster=cfg.cluster) as k:
         k.cluster_exchange = cluster_sync
