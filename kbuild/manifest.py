@@ -76,8 +76,11 @@ def _layernorm_family(
     for store_stats in (False, True):
         yield layernorm_fwd_spec(N, dtype, w, b, store_stats, 1e-5)
     yield layernorm_bwd_spec(N, dtype, w, w is not None, b is not None)
-    for param in (w, b):
-        if param is not None:
+    params = [d for d in (w, b) if d is not None]
+    if len(params) == 2 and w == b:
+        yield column_sum_spec(N, w, planes=2)  # dw and db in one launch
+    else:
+        for param in params:
             yield column_sum_spec(N, param)
 
 

@@ -321,3 +321,13 @@ def test_backward_lowers_through_rocdl_for_gfx942(spec):
     assert "rocdl." in text
     assert "nvvm." not in text
     assert "gpu.func" not in text
+
+
+def test_two_plane_column_sum_takes_both_outputs_in_one_launch():
+    from kbuild.kernels.reduce import build_column_sum_module  # MLIR: not on the GPU machine
+
+    kernel = build_column_sum_module(65536, "bf16", target_for_arch("sm_90"), planes=2)
+    assert [name for name, _ in kernel.signature()] == ["partial", "out", "out1", "R"]
+    assert kernel.meta["planes"] == 2 and kernel.meta["columns_per_block"] == 128
+    with pytest.raises(ValueError, match="planes must be 1 or 2"):
+        build_column_sum_module(64, "bf16", target_for_arch("sm_90"), planes=3)

@@ -152,7 +152,14 @@ def test_layernorm_arguments(recorder, affine):
     assert ("dw_partial" in args) == affine[0] and ("db_partial" in args) == affine[1]
     sums = [c for c in recorder.calls if c[0].kernel == "column_sum"]
     outs = [_ptr(g) for g in (dw, db) if g is not None]
-    assert [c[2]["out"] for c in sums] == outs
+    got = [c[2][name] for c in sums for name in ("out", "out1") if name in c[2]]
+    assert got == outs
+    if affine == (True, True):
+        # dw and db (one dtype) sum in one launch over a [2, R, N] workspace whose planes
+        # the backward kernel wrote: dw_partial is plane 0, db_partial plane 1.
+        ((sum_spec, _, sum_args),) = sums
+        assert sum_spec["planes"] == 2 and sum_args["partial"] == args["dw_partial"]
+        assert args["db_partial"] - args["dw_partial"] == sum_args["R"] * 64 * 4
 
 
 def test_strided_weight_is_made_dense():

@@ -28,17 +28,30 @@ def row_lanes(N: int) -> int:
     return 32 if N < LONG_ROWS else 8
 
 
-def build_column_sum_module(N: int, out_dtype: str, target: Target) -> Kernel:
-    """Launch arguments: partial (fp32 [R, N]), out ([N] of `out_dtype`), R."""
+def build_column_sum_module(N: int, out_dtype: str, target: Target, planes: int = 1) -> Kernel:
+    """Launch arguments: partial (fp32 [planes, R, N]), out ([N] of `out_dtype`), then with
+    two planes out1 (the second plane's sums), R. Grid: planes * ceil(N / columns_per_block).
+
+    Two planes (LayerNorm's dw and db) take one launch instead of two: at N = 65536 each
+    launch costs about as much again in fixed overhead as its 8 MB of partials."""
+    if planes not in (1, 2):
+        raise ValueError(f"planes must be 1 or 2, not {planes}")
     vec = 4 if N % 4 == 0 else 1
     lanes = row_lanes(N)
     column_vectors = BLOCK // lanes  # vectors of columns per block
     block = BLOCK
+    blocks_per_plane = -(-N // (column_vectors * vec))
     with Kernel("column_sum", target, block) as k:
-        partial, out, rows = k.ptr("partial"), k.ptr("out"), k.i64("R")
+        base, outs = k.ptr("partial"), [k.ptr("out")]
+        if planes == 2:
+            outs.append(k.ptr("out1"))
+        rows = k.i64("R")
         tid = k.thread_id()
         column_vector, lane = tid % column_vectors, tid / column_vectors
-        col = (k.block_id() * column_vectors + column_vector) * vec
+        plane = k.block_id() / blocks_per_plane if planes > 1 else const(0, "i64")
+        block_in_plane = k.block_id() % blocks_per_plane if planes > 1 else k.block_id()
+        partial = get_llvm_ptr(base, plane * rows * N, "f32") if planes > 1 else base
+        col = (block_in_plane * column_vectors + column_vector) * vec
         in_range = col < N
         zero = const(0.0, vector_type("f32", vec) if vec > 1 else "f32")
 
@@ -67,8 +80,14 @@ def build_column_sum_module(N: int, out_dtype: str, target: Target) -> Kernel:
             for other in range(1, lanes):
                 offset = (column_vector + other * column_vectors) * vec
                 total = total + load(get_llvm_ptr(slots, offset, "f32"), "f32", vec)
-            store(cast(total, out_dtype), get_llvm_ptr(out, col, out_dtype), aligned=vec > 1)
+            value = cast(total, out_dtype)
+            if planes == 1:
+                store(value, get_llvm_ptr(outs[0], col, out_dtype), aligned=vec > 1)
+                return
+            for mine, out in zip((plane < 1, plane > 0), outs, strict=True):
+                ptr = get_llvm_ptr(out, col, out_dtype)
+                if_then(mine, lambda v=value, q=ptr: store(v, q, aligned=vec > 1))
 
         if_then((lane < 1) & in_range, combine)
-        k.meta.update(columns_per_block=column_vectors * vec, grid="columns")
+        k.meta.update(columns_per_block=column_vectors * vec, grid="columns", planes=planes)
     return k

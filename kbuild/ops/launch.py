@@ -44,24 +44,27 @@ def launch_rows(
     launcher(rows_grid(launcher, M), stream, *ptrs, M)
 
 
-def column_sum_spec(N: int, out_dtype: str) -> KernelSpec:
-    return KernelSpec.make("column_sum", N=N, out_dtype=out_dtype)
+def column_sum_spec(N: int, out_dtype: str, planes: int = 1) -> KernelSpec:
+    if planes == 1:  # the one-plane key stays as it was (warmed caches keep hitting)
+        return KernelSpec.make("column_sum", N=N, out_dtype=out_dtype)
+    return KernelSpec.make("column_sum", N=N, out_dtype=out_dtype, planes=planes)
 
 
 def column_sum(
     partial: torch.Tensor, out_dtype: torch.dtype, device: int, stream: int
-) -> torch.Tensor:
-    """Sum the rows of an fp32 (R, N) workspace in a fixed order, into an (N,) tensor."""
-    R, N = partial.shape
-    out = torch.empty(N, dtype=out_dtype, device=partial.device)
+) -> list[torch.Tensor]:
+    """Sum the rows of each plane of an fp32 (planes, R, N) workspace (1 or 2 planes) in a
+    fixed order; one (N,) tensor per plane, in one launch."""
+    planes, R, N = partial.shape
+    outs = [torch.empty(N, dtype=out_dtype, device=partial.device) for _ in range(planes)]
     launcher = get_launcher(
-        ("column_sum", N, out_dtype, device),
+        ("column_sum", N, out_dtype, planes, device),
         device,
-        lambda: column_sum_spec(N, DTYPE_NAMES[out_dtype]),
+        lambda: column_sum_spec(N, DTYPE_NAMES[out_dtype], planes),
     )
-    grid = -(-N // launcher.meta["columns_per_block"])
-    launcher(grid, stream, partial.data_ptr(), out.data_ptr(), R)
-    return out
+    grid = planes * -(-N // launcher.meta["columns_per_block"])
+    launcher(grid, stream, partial.data_ptr(), *(o.data_ptr() for o in outs), R)
+    return outs
 
 
 def launch_persistent(
@@ -87,12 +90,19 @@ def launch_persistent(
         return grads[0] if len(grads) == 1 else tuple(grads)
     launcher = get_launcher(key, device, make_spec)
     grid, rows = persistent_grid(launcher, M)
-    options = dict(dtype=torch.float32, device=wanted[0].device) if wanted else {}
-    partials = [torch.empty((rows, N), **options) for _ in wanted]
+    # One workspace plane per wanted param; params of one dtype share a column-sum launch.
+    device_of = wanted[0].device if wanted else None
+    workspace = torch.empty((len(wanted), rows, N), dtype=torch.float32, device=device_of)
     stream = stream_of(device)
-    launcher(grid, stream, *ptrs, *(p.data_ptr() for p in partials), M)
-    sums = iter(
-        [column_sum(w, p.dtype, device, stream) for w, p in zip(partials, wanted, strict=True)]
-    )
+    launcher(grid, stream, *ptrs, *(plane.data_ptr() for plane in workspace), M)
+    if not wanted:
+        sums = iter(())
+    elif len({p.dtype for p in wanted}) == 1:
+        sums = iter(column_sum(workspace, wanted[0].dtype, device, stream))
+    else:
+        sums = iter(
+            column_sum(plane[None], p.dtype, device, stream)[0]
+            for plane, p in zip(workspace, wanted, strict=True)
+        )
     grads = [None if p is None else next(sums) for p in params]
     return grads[0] if len(grads) == 1 else tuple(grads)
