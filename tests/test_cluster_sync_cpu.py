@@ -144,7 +144,9 @@ def test_rows_of_a_cluster_block_share_its_exchange():
     kernel = compiler.build(spec, target_for_arch("sm_90"))
     assert (kernel.block, kernel.meta["rows_per_block"], kernel.meta["cluster"]) == (1024, 2, 8)
     ptx = _ptx(spec)
-    assert re.search(r"mov\.b32\s+%r\d+, 128;", ptx) or ", 128;" in ptx
+    arrive = re.search(r"mbarrier\.arrive\.expect_tx\.shared::cta\.b64 _, \[%r\d+\], (%r\d+);", ptx)
+    assert arrive is not None
+    assert re.findall(rf"mov\.b32\s+{arrive.group(1)}, (\d+);", ptx) == ["128"]
     assert _count(ptx, r"st\.async") == 2
 
 

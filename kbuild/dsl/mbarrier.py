@@ -59,40 +59,35 @@ def arrive_expect_tx(bar: V, nbytes: V | int) -> None:
     )
 
 
+# Spin on try_wait until the phase of parity `parity` of the mbarrier at `bar` completes.
+_WAIT = (
+    "WAIT_${{:uid}}:\n"
+    "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 done, [{bar}], {parity};\n"
+    "@!done bra WAIT_${{:uid}};\n"
+)
+
+
 def wait_parity(bar: V, parity: V | int) -> None:
     """Spin until the phase of `bar` with this parity (0 for its first phase) has completed;
     stores that completed it, from any block of the cluster, are then visible."""
-    _asm(
-        "{\n"
-        ".reg .pred done;\n"
-        "WAIT_${:uid}:\n"
-        "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 done, [$0], $1;\n"
-        "@!done bra WAIT_${:uid};\n"
-        "}",
-        "r,r",
-        [_shared32(bar), _i32(parity)],
-    )
+    text = "{\n.reg .pred done;\n" + _WAIT.format(bar="$0", parity="$1") + "}"
+    _asm(text, "r,r", [_shared32(bar), _i32(parity)])
 
 
 def wait_phase(bars: V, phase: V) -> None:
     """`wait_parity` on a pair of mbarriers used in turn: for use count `phase` (i32, modulo
     4), mbarrier phase % 2 of the pair at `bars` and parity phase // 2. Derived inside the
     instruction sequence, so nothing but `phase` stays live while the wait is pending."""
-    _asm(
+    text = (
         "{\n"
         ".reg .b32 bar, parity, offset;\n"
         ".reg .pred done;\n"
         "and.b32 offset, $1, 1;\n"
         "shl.b32 offset, offset, 3;\n"
         "add.u32 bar, $0, offset;\n"
-        "shr.u32 parity, $1, 1;\n"
-        "WAIT_${:uid}:\n"
-        "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 done, [bar], parity;\n"
-        "@!done bra WAIT_${:uid};\n"
-        "}",
-        "r,r",
-        [_shared32(bars), _i32(phase)],
+        "shr.u32 parity, $1, 1;\n" + _WAIT.format(bar="bar", parity="parity") + "}"
     )
+    _asm(text, "r,r", [_shared32(bars), _i32(phase)])
 
 
 def store_async(slot: V, value: V, bar: V, rank: V) -> None:
@@ -111,9 +106,3 @@ def store_async(slot: V, value: V, bar: V, rank: V) -> None:
         "r,r,r,r",
         [_shared32(slot), word, _shared32(bar), _i32(rank)],
     )
-
-
-def fence_async_shared() -> None:
-    """Order this thread's earlier shared-memory accesses before later asynchronous-proxy
-    writes to them (a peer's `store_async` into a slot this thread has read)."""
-    _asm("fence.proxy.async.shared::cta;", "", [])

@@ -263,24 +263,22 @@ def build_norm_forward(
             mean = None
             if not cfg.chunked:
                 x = row_input()  # held raw, widened at each use (see dsl.rewiden)
+                state = moments(x) if p.center else [_sum_squares(widen(x))]
+                if staged is not None and not reload:
+                    staged.release()  # x is in registers now: refill the buffer
                 if p.center:
-                    state = moments(x)
-                    if staged is not None and not reload:
-                        staged.release()
                     _, mean, m2 = t.reduce(state, merge_moments, reused, phase)
                     if shifted_moments:
                         mean = shift + mean  # rounded once, at the mean's size, as x is
                 else:
-                    squares = _sum_squares(widen(x))
-                    if staged is not None and not reload:
-                        staged.release()
-                    (m2,) = t.sum(squares, reused=reused, phase=phase)
+                    (m2,) = t.sum(*state, reused=reused, phase=phase)
                 rstd = rsqrt(m2 * inv_n + p.eps)
                 if reload:
                     x = staged.reload()[0]
-                normalize(x, mean, rstd)
-                if reload:
+                    normalize(x, mean, rstd)
                     staged.release()
+                else:
+                    normalize(x, mean, rstd)
             else:
                 chunks = const(-(-cfg.slice // cfg.span), "i64")  # over this block's slice
                 step, zero = const(1, "i64"), const(0, "i64")
