@@ -107,6 +107,13 @@ def test_mbarrier_exchange_assembles(kernel):
         ("layernorm_bwd", 4096, dict(cluster_sync="mbarrier"), "sm_90", "needs rows split over"),
         ("layernorm_fwd", 65536, dict(cluster_sync="fast"), "sm_90", "must be 'barrier' or"),
         ("layernorm_bwd", 65536, dict(cluster_sync="mbarrier"), "sm_80", "needs rows split over"),
+        (
+            "layernorm_fwd",
+            4096,
+            dict(cluster=8, cluster_sync="mbarrier"),
+            "sm_90",
+            "needs rows of more than 32 threads",
+        ),
     ],
 )
 def test_cluster_sync_options_that_cannot_apply_raise(kernel, N, options, arch, message):
@@ -125,6 +132,8 @@ def test_cluster_sync_options_that_cannot_apply_raise(kernel, N, options, arch, 
         ("fused_add_rmsnorm_bwd", 65536, {}, "barrier"),  # the fused backward's staged rows
         ("fused_add_rmsnorm_bwd", 65536, dict(stage=0), "mbarrier"),
         ("layernorm_bwd", 4096, {}, "barrier"),  # one block per row: no cluster at all
+        # Forced: rows of 4096 over 8 blocks take 32 threads, no block barrier per row.
+        ("layernorm_fwd", 4096, dict(cluster=8), "barrier"),
     ],
 )
 def test_the_chooser_picks_the_exchange_measured_faster(kernel, N, options, exchange):

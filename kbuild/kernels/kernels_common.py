@@ -339,14 +339,26 @@ class RowStage:
         ]
 
 
-def cluster_exchange(cluster_sync: str | None, cfg: RowConfig, preferred: str) -> str:
+def cluster_exchange(
+    cluster_sync: str | None, cfg: RowConfig, preferred: str, warp_size: int
+) -> str:
     """How the row sums of a row split over a cluster cross it (dsl.cluster_reduce):
-    `cluster_sync` if given (checked), else `preferred`; "barrier" without a cluster."""
+    `cluster_sync` if given (checked), else `preferred`; "barrier" without a cluster.
+
+    The mbarrier exchange orders a block's reuse of its slots by the block barrier of the
+    next row's reduction (dsl.row_reduce), which rows of one warp or less do not have: those
+    keep the cluster barrier (only forced tuning shapes split such rows over a cluster)."""
     if cluster_sync not in (None, "barrier", "mbarrier"):
         raise ValueError(f"cluster_sync must be 'barrier' or 'mbarrier', not {cluster_sync!r}")
     if cluster_sync == "mbarrier" and cfg.cluster == 1:
         raise ValueError("cluster_sync='mbarrier' needs rows split over a cluster")
-    if cfg.cluster == 1:
+    within_warp = cfg.threads_per_row <= warp_size
+    if cluster_sync == "mbarrier" and within_warp:
+        raise ValueError(
+            f"cluster_sync='mbarrier' needs rows of more than {warp_size} threads (a block "
+            f"barrier per row); these rows take {cfg.threads_per_row}"
+        )
+    if cfg.cluster == 1 or within_warp:
         return "barrier"
     return cluster_sync or preferred
 
