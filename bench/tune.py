@@ -17,6 +17,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.harness import measure_copy  # noqa: E402
+from kbuild.dsl.trace import WORDS as TRACE_WORDS  # noqa: E402
 from kbuild.jit import artifact_for, device_target  # noqa: E402
 from kbuild.manifest import BENCH_ELEMENTS, manifest  # noqa: E402
 from kbuild.ops.common import stream_of  # noqa: E402
@@ -37,6 +38,7 @@ _MOVED = {
 
 
 ROUNDS = 5
+TRACE_ITERATIONS = 64  # dsl.trace.Trace's default
 # Build options a variant may set (see the norm_forward and norm_backward builders).
 _OPTIONS = (
     "threads_per_row",
@@ -52,11 +54,15 @@ _OPTIONS = (
     "blocks_per_sm",
     "cluster_sync",
     "rows_per_block",
+    "resident_params",
 )
 # Diagnostic: these kernels also run on a fraction of their persistent grid. If the time per
 # row group stays the same with half the clusters, the loop is bound by its per-row chain
 # (latency); if the bandwidth holds, by the memory system.
 _GRID_FRACTIONS = {("layernorm_fwd", 65536): (0.5,), ("layernorm_bwd", 65536): (0.5,)}
+# Diagnostic: these kernels also run on a row count that their resident clusters divide
+# (the persistent grid's last round full): the gap to the standard M is the tail's cost.
+_EVEN_ROUNDS = {("layernorm_fwd", 65536), ("layernorm_bwd", 65536)}
 
 
 def _arguments(
@@ -78,6 +84,8 @@ def _arguments(
             t = torch.randn(N, device="cuda", dtype=torch.bfloat16)
         elif name in ("mean", "rstd"):
             t = torch.rand(M, device="cuda") + 0.5
+        elif name == "trace":  # a diagnostic build's timestamps (dsl.trace)
+            t = torch.zeros(grid, TRACE_ITERATIONS, TRACE_WORDS, device="cuda", dtype=torch.int64)
         elif name.endswith("_partial"):
             t = torch.empty(partial_rows, N, device="cuda")
         else:
@@ -127,19 +135,24 @@ def main() -> None:
         N = spec["N"]
         M = BENCH_ELEMENTS // N
         chosen = not any(k in spec.kwargs for k in _OPTIONS)  # the chooser's own pick
-        fractions = (1.0,) + (_GRID_FRACTIONS.get((spec.kernel, N), ()) if chosen else ())
-        for fraction in fractions:
-            grid, args, tensors = _arguments(launcher, M, N, fraction)
+        shapes = [(1.0, M)]
+        if chosen:
+            shapes += [(f, M) for f in _GRID_FRACTIONS.get((spec.kernel, N), ())]
+            if (spec.kernel, N) in _EVEN_ROUNDS and launcher.meta.get("grid") == "persistent":
+                groups = launcher.resident_clusters * launcher.rows_per_block
+                shapes.append((1.0, M // groups * groups))
+        for fraction, rows in shapes:
+            grid, args, tensors = _arguments(launcher, rows, N, fraction)
             fn = functools.partial(launcher, grid, stream_of(0), *args)
-            moved = _MOVED[spec.kernel] * M * N * 2
-            variants.append((spec, launcher, fn, moved, tensors, fraction, grid))
+            moved = _MOVED[spec.kernel] * rows * N * 2
+            variants.append((spec, launcher, fn, moved, tensors, fraction, grid, rows))
     # Rounds over all variants, so a drift in the GPU's state hits each variant alike; the
     # median over rounds is reported, with the spread.
     times = [[] for _ in variants]
     for _ in range(ROUNDS):
         for (_, _, fn, *_), ts in zip(variants, times, strict=True):
             ts.append(median_ms(fn, reps=20, warmup_ms=30.0))
-    for (spec, launcher, _, moved, tensors, fraction, grid), ts in zip(
+    for (spec, launcher, _, moved, tensors, fraction, grid, M), ts in zip(
         variants, times, strict=True
     ):
         ts = sorted(ts)
@@ -161,6 +174,7 @@ def main() -> None:
             resident_clusters=launcher.resident_clusters,
             grid=grid,
             grid_fraction=fraction,
+            M=M,
             error=_error(spec, tensors),
         )
         print(row, flush=True)

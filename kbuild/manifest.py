@@ -118,22 +118,37 @@ def _tune() -> Iterator[KernelSpec]:
     ln_fwd = dict(weight_dtype="bf16", bias_dtype="bf16", store_stats=True, eps=1e-5)
     ln_bwd = dict(weight_dtype="bf16", compute_dw=True, compute_db=True)
     bf16 = dict(dtype="bf16", vectorize=True)
+    staged = dict(persistent=True)
     for options in (
         {},
-        dict(cluster=4, persistent=True, stage=1),
-        dict(cluster=2, persistent=True, stage=1),
-        dict(cluster=4, persistent=False),
-        dict(cluster_sync="barrier"),
+        dict(resident_params="registers", stage=1, **staged),
+        dict(resident_params="registers", stage=1, blocks_per_sm=3, **staged),
+        dict(resident_params="registers", stage=2, blocks_per_sm=3, **staged),
+        dict(resident_params="registers", stage=2, **staged),
+        dict(stage=2, blocks_per_sm=3, **staged),
+        dict(stage=3, blocks_per_sm=3, **staged),
+        dict(resident_params="shared", stage=1, **staged),
     ):
         yield KernelSpec.make("layernorm_fwd", N=65536, **options, **ln_fwd, **bf16)
     for options in (
         {},
-        dict(prefetch_l2=True),
-        dict(cluster=4),
-        dict(cluster=4, stage=0),
-        dict(stage=0),
-        dict(cluster_sync="barrier", stage=0),
+        dict(resident_params="registers"),
     ):
+        yield KernelSpec.make("layernorm_bwd", N=65536, **options, **ln_bwd, **bf16)
+
+
+def _trace() -> Iterator[KernelSpec]:
+    """Diagnostic builds for bench/trace_rows.py: the longest LayerNorm rows with per-row
+    timestamps (dsl.trace), as the chooser builds them and with w held in registers."""
+    ln_fwd = dict(weight_dtype="bf16", bias_dtype="bf16", store_stats=True, eps=1e-5)
+    ln_bwd = dict(weight_dtype="bf16", compute_dw=True, compute_db=True)
+    bf16 = dict(dtype="bf16", vectorize=True, trace=True)
+    for options in (
+        {},
+        dict(resident_params="registers", stage=2, blocks_per_sm=3, persistent=True),
+    ):
+        yield KernelSpec.make("layernorm_fwd", N=65536, **options, **ln_fwd, **bf16)
+    for options in ({}, dict(resident_params="registers")):
         yield KernelSpec.make("layernorm_bwd", N=65536, **options, **ln_bwd, **bf16)
 
 
@@ -149,6 +164,7 @@ MANIFESTS: dict[str, Callable[[], Iterator[KernelSpec]]] = {
     "tests": _tests,
     "bench": _bench,
     "tune": _tune,
+    "trace": _trace,
 }
 
 

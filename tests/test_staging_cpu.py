@@ -94,6 +94,44 @@ def test_resident_parameters_are_read_once_then_from_shared_memory():
     assert meta["dynamic_shared_bytes"] == 16384 * 2
 
 
+@pytest.mark.parametrize(
+    "kernel, N, options, words",
+    [
+        ("layernorm_fwd", 65536, dict(persistent=True, stage=1, blocks_per_sm=3), 32),
+        ("layernorm_bwd", 65536, {}, 8),
+    ],
+)
+def test_parameters_held_in_registers_are_read_once_and_widened_in_the_loop(
+    kernel, N, options, words
+):
+    ptx, _ = _ptx_and_meta(_spec(kernel, N, **options))
+    held, _ = _ptx_and_meta(_spec(kernel, N, resident_params="registers", **options))
+    # Both stage their rows: the row loop begins with the wait for the first staged group.
+    loop = held.index("cp.async.wait_group")
+    before, body = held[:loop], held[loop:]
+    # The forward's w and b (4 vectors each), the backward's w (2 vectors): read before the
+    # loop, never in it; the loop reads only the staged rows and the row stats.
+    params = 8 if kernel == "layernorm_fwd" else 2
+    assert len(re.findall(r"ld\.global\.v4\.b32", before)) == params
+    assert not re.findall(r"ld\.global\.v4\.b32", body)
+    # Each held word passes through one opaque move per row, so the fp32 widening (the
+    # shifts of the bf16 halves) stays inside the loop instead of taking twice the registers.
+    plain_body = ptx[ptx.index("cp.async.wait_group") :]
+    assert body.count("mov.b32") - plain_body.count("mov.b32") == words
+    assert len(re.findall(r"shl\.b32", body)) >= len(re.findall(r"shl\.b32", before))
+
+
+@pytest.mark.parametrize(
+    "kernel, options, message",
+    [
+        ("layernorm_fwd", dict(persistent=True, resident_params="l1"), "resident_params must"),
+        ("layernorm_bwd", dict(resident_params="shared"), "resident_params must be None or"),
+    ],
+)
+def test_unknown_resident_params_raise(kernel, options, message):
+    assert message in _build_error(_spec(kernel, 65536, **options), "sm_90")
+
+
 def test_dynamic_shared_arrays_are_laid_out_one_after_another():
     # w (32 KB, static), then b and the staged row (32 KB each) in the dynamic array: the
     # second starts where the first ends.

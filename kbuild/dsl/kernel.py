@@ -48,6 +48,7 @@ class Kernel:
         self.cluster = cluster
         # How row sums cross a cluster (reduce.cluster_reduce): "barrier" or "mbarrier".
         self.cluster_exchange = "barrier"
+        self.trace = None  # a dsl.trace.Trace in a diagnostic build: row loops mark their steps
         self.target = target
         self.block = block
         self.args: list[tuple[str, str]] = []  # (name, "ptr" | "i64" | "f32")

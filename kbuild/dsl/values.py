@@ -9,7 +9,7 @@ current MLIR insertion point.
 from __future__ import annotations
 
 from mlir import ir
-from mlir.dialects import arith, math, vector
+from mlir.dialects import arith, llvm, math, vector
 
 from ..dtypes import ELEMENT_BYTES
 
@@ -195,6 +195,34 @@ def rewiden(v: V) -> V:
     word = arith.extui(typ(ir.IntegerType.get_signless(32)), bits)
     word = arith.shli(word, const(16, typ(ir.IntegerType.get_signless(32))).value)
     return V(arith.bitcast(typ(ir.F32Type.get()), word))
+
+
+def opaque(v: V) -> V:
+    """`v` unchanged, through a register move the compiler cannot see into: a value held
+    across a loop and passed through this at each use is not hoisted, so work derived from
+    it (an fp32 widening of a packed bf16 row) stays inside the loop instead of taking twice
+    the registers for the whole loop. The moves cost nothing after ptxas; 32-bit words."""
+    t = v.type
+    element = _element_type(t)
+    width = element.width if _is_float(t) else ir.IntegerType(element).width
+    bits = v.width * width
+    if bits % 32:
+        raise ValueError(f"opaque takes values of whole 32-bit words, not {t}")
+    i32 = ir.IntegerType.get_signless(32)
+    words = bits // 32
+    packed = ir.VectorType.get([words], i32)
+    as_words = vector.bitcast(packed, v.value) if isinstance(t, ir.VectorType) else None
+    if as_words is None:
+        as_words = vector.broadcast(ir.VectorType.get([1], t), v.value)
+        as_words = vector.bitcast(packed, as_words)
+    out = as_words
+    for i in range(words):
+        word = vector.extract(out, [], [i])
+        moved = llvm.InlineAsmOp(i32, [word], "mov.b32 $0, $1;", "=r,r", has_side_effects=True)
+        out = vector.insert(moved.result, out, [], [i])
+    if isinstance(t, ir.VectorType):
+        return V(vector.bitcast(t, out))
+    return V(vector.extract(vector.bitcast(ir.VectorType.get([1], t), out), [], [0]))
 
 
 def i64(v: V | int) -> V:

@@ -186,11 +186,17 @@ class RowTile:
             merge,
             phase if halves else None,
         )
+        trace = self.k.trace
+        if trace is not None:
+            trace.mark("block")
         if clustered:
             rows = c.rows_per_block
-            return cluster_reduce(
+            out = cluster_reduce(
                 self.k, out, phase, merge, meanwhile, rows, self.row_in_block, self.lane
             )
+            if trace is not None:
+                trace.mark("cluster")
+            return out
         if meanwhile is not None:
             meanwhile()
         return out
@@ -308,6 +314,8 @@ class RowStage:
             buffer = carried[0] if extra else 0
             upcoming = RowTile(k, cfg, walk.rows, row_group=g + depth * walk.stride)
             staged = Staged(self, buffer, upcoming)
+            if k.trace is not None:
+                k.trace.mark("landed")
             out = body(g, phase, carried[extra:], staged)
             if not staged.released:
                 raise ValueError("the body of a staged loop must release its row group")
@@ -400,15 +408,26 @@ class RowGroups:
         if C > 1:
             k.ensure_cluster_started()  # before the loop: its row sums store into peer blocks
 
+        trace = k.trace
+
         def step(g: V, carried: list[V]) -> list[V]:
+            if trace is not None:
+                trace.iteration = (g - self.first) / self.stride
+                trace.mark("start")
             if ahead:
                 self._prefetch(g + distance * self.stride, ahead)
             if C == 1:
-                return body(g, None, carried)
-            return [(carried[0] + 1) % 4] + body(g, carried[0], carried[1:])
+                out = body(g, None, carried)
+            else:
+                out = [(carried[0] + 1) % 4] + body(g, carried[0], carried[1:])
+            if trace is not None:
+                trace.mark("end")
+            return out
 
         init = list(init) if C == 1 else [const(0, "i32")] + list(init)
         out = loop(self.first, self.count, self.stride, init, step)
+        if trace is not None:
+            trace.iteration = None  # its value lives in the loop only
         return out if C == 1 else out[1:]
 
     def _prefetch(self, g: V, arrays: list[tuple[V, str]]) -> None:

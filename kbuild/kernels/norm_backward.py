@@ -33,7 +33,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..dsl import Kernel, V, const, hsum, loop, select
+from ..dsl import Kernel, V, const, hsum, loop, opaque, select
+from ..dsl.trace import Trace
 from ..dsl.values import vector_type
 from ..dtypes import ELEMENT_BYTES
 from ..targets import Target
@@ -85,6 +86,8 @@ def build_norm_backward(
     blocks_per_sm: int | None = None,
     cluster_sync: str | None = None,
     rows_per_block: int | None = None,
+    resident_params: str | None = None,
+    trace: bool = False,
 ) -> Kernel:
     """Launch arguments: x, [weight], dy, [mean], rstd, [dresidual_out], dx, [dw_partial],
     [db_partial], M. Grid: persistent (at most the device's resident clusters, times the
@@ -103,8 +106,13 @@ def build_norm_backward(
     multiprocessor the register allocation must allow; `cluster_sync`, how a cluster's blocks
     exchange row sums ("barrier" or "mbarrier", see dsl.cluster_reduce); `rows_per_block`,
     for rows split over a cluster, the rows each block holds (they share its reductions and
-    exchanges).
+    exchanges); `resident_params="registers"`, each thread's columns of w read once and held
+    raw in registers for the whole kernel instead of read for every row (rows held in
+    registers); `trace`, a diagnostic build: per-row timestamps into an extra `trace`
+    argument (dsl.trace).
     """
+    if resident_params not in (None, "registers"):
+        raise ValueError(f"resident_params must be None or 'registers', not {resident_params!r}")
     io = wider(p.dtype, p.x_dtype)
     n_partials = int(p.compute_dw) + int(p.compute_db)
     plain_rms = not p.center and not p.has_dres
@@ -168,6 +176,8 @@ def build_norm_backward(
     if stage and not (target.async_copy and cfg.exact):
         raise ValueError(f"stage needs rows held in registers and asynchronous copies ({target})")
     prefetch = prefetch and not stage
+    if resident_params and cfg.chunked:
+        raise ValueError("resident_params needs rows held in registers (this row is chunked)")
     if reload and not stage:
         raise ValueError("reload needs staged rows (stage)")
     if prefetch_l2 and not (target.l2_prefetch and cfg.vec * ELEMENT_BYTES[io] == 16):
@@ -183,6 +193,8 @@ def build_norm_backward(
     )
     with Kernel(p.name, target, cfg.block, min_blocks_per_sm=min_blocks, cluster=C) as k:
         k.cluster_exchange = cluster_sync
+        if trace:
+            k.trace = Trace(k)
         x_ptr = k.ptr("x")
         w_ptr = k.ptr("weight") if p.weight_dtype else None
         dy_ptr = k.ptr("dy")
@@ -263,6 +275,16 @@ def build_norm_backward(
 
         if not cfg.chunked:
             n = cfg.iters
+            held_w = None  # resident_params: this thread's columns of w, raw
+            if resident_params and w_ptr is not None:
+                held_w = home.load_param(w_ptr, p.weight_dtype)
+
+            def weight(t: RowTile) -> list[V] | None:
+                """This thread's vectors of w, raw (held ones pass through `opaque` so their
+                widening is not hoisted out of the row loop: see loads())."""
+                if held_w is not None:
+                    return [opaque(v) for v in held_w]
+                return None if w_ptr is None else t.load_param(w_ptr, p.weight_dtype)
 
             def saved_stats(t: RowTile) -> list[V]:
                 """rstd (and mean) of t's row, as saved by the forward."""
@@ -297,7 +319,7 @@ def build_norm_backward(
                 x, dy, rstd = fetched[:n], fetched[n : 2 * n], fetched[2 * n]
                 # A row past M (last group) has rstd 0: it adds nothing to dw, stores nothing.
                 stats = (fetched[2 * n + 1] if p.center else None, select(t.valid, rstd, 0.0))
-                w = None if w_ptr is None else t.load_param(w_ptr, p.weight_dtype)
+                w = weight(t)
                 row_state = sums(*terms(x, dy, w, stats, widen))
                 if staged is not None and not reload:
                     staged.release()

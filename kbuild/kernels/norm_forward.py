@@ -30,7 +30,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..dsl import Kernel, V, cast, const, get_llvm_ptr, hsum, load, loop, rsqrt, select, to_f32
+from ..dsl import (
+    Kernel,
+    V,
+    cast,
+    const,
+    get_llvm_ptr,
+    hsum,
+    load,
+    loop,
+    opaque,
+    rsqrt,
+    select,
+    to_f32,
+)
+from ..dsl.trace import Trace
 from ..dtypes import ELEMENT_BYTES
 from ..targets import Target
 from .config import choose_row_config
@@ -70,13 +84,14 @@ def build_norm_forward(
     cluster: int | None = None,
     persistent: bool | None = None,
     prefetch_l2: bool | None = None,
-    resident_params: bool | None = None,
+    resident_params: bool | str | None = None,
     stream_x: bool | None = None,
     stage: bool | None = None,
     reload: bool | None = None,
     blocks_per_sm: int | None = None,
     cluster_sync: str | None = None,
     rows_per_block: int | None = None,
+    trace: bool = False,
 ) -> Kernel:
     """Launch arguments: x, [residual], [weight], [bias], y, [residual_out], [mean], [rstd], M.
     Grid: one block per row group, times the cluster size; or, `persistent`, as many blocks
@@ -86,8 +101,9 @@ def build_norm_forward(
     config chooser's pick): `threads_per_row`, `cluster` (blocks per row, 1 = none),
     `persistent`, `prefetch_l2` (persistent only: one thread per block asks the next row
     group's input into L2 while the current one is worked on; Hopper on),
-    `resident_params` (persistent only: each thread keeps its columns of w and b in shared
-    memory for the whole kernel instead of reading them for every row), `stream_x` (x read
+    `resident_params` (persistent only: each thread keeps its columns of w and b for the
+    whole kernel instead of reading them for every row: True or "shared" in shared memory,
+    "registers" in registers, raw), `stream_x` (x read
     without allocating in L1, which then keeps w and b; NVIDIA), `stage` (persistent only:
     the input of the next `stage` row groups is copied into shared memory while the current
     one is worked on, `RowStage`; True = 1; Ampere on), `reload` (staged only: the row is
@@ -96,7 +112,8 @@ def build_norm_forward(
     resident blocks per multiprocessor the register allocation must allow), `cluster_sync`
     (how a cluster's blocks exchange row sums: "barrier" or "mbarrier", see
     dsl.cluster_reduce), `rows_per_block` (rows split over a cluster: rows each block holds,
-    which then share its reductions and exchanges)."""
+    which then share its reductions and exchanges), `trace` (a diagnostic build: per-row
+    timestamps into an extra `trace` argument, dsl.trace)."""
     N, fused = p.N, p.residual_dtype is not None
     row_dtype = p.residual_dtype if fused else p.dtype  # what the statistics are taken over
     # Register words per row element at the peak: the row (packed when bf16; the fused form
@@ -134,10 +151,16 @@ def build_norm_forward(
         stage = p.center and not fused and long_row and can_stage(target, cfg, [p.dtype])
         persistent = stage
     persistent = bool(persistent)
+    if resident_params not in (None, False, True, "shared", "registers"):
+        raise ValueError(
+            f"resident_params must be True, 'shared' or 'registers', not {resident_params!r}"
+        )
     if resident_params and not (persistent and not cfg.chunked):
         raise ValueError("resident_params needs a persistent grid and rows held in registers")
     if stage and not (persistent and target.async_copy):
         raise ValueError(f"stage needs a persistent grid and asynchronous copies ({target})")
+    if trace and not persistent:
+        raise ValueError("trace times the steps of a persistent grid's row loop")
     if reload and not (stage and not fused):
         raise ValueError("reload needs staged rows (stage) and an unfused forward")
     if prefetch_l2 and not (
@@ -153,6 +176,8 @@ def build_norm_forward(
     cluster_sync = cluster_exchange(cluster_sync, cfg, "mbarrier", target.warp_size)
     with Kernel(p.name, target, cfg.block, min_blocks, cluster=cfg.cluster) as k:
         k.cluster_exchange = cluster_sync
+        if trace:
+            k.trace = Trace(k)
         x_ptr = k.ptr("x")
         res_ptr = k.ptr("residual") if fused else None
         w_ptr = k.ptr("weight") if p.weight_dtype else None
@@ -165,19 +190,29 @@ def build_norm_forward(
         inv_n = 1.0 / N
         walk = RowGroups(k, cfg, rows) if persistent else None
         params = {"weight": (w_ptr, p.weight_dtype), "bias": (b_ptr, p.bias_dtype)}
-        resident = {}  # parameter name -> this thread's columns of it, in shared memory
+        # Parameter name -> this thread's columns of it (a thread of a persistent grid sees the
+        # same columns in every row): in shared memory, or raw in registers.
+        resident: dict[str, ThreadShared | list[V]] = {}
         if resident_params:
             home = RowTile(k, cfg, rows, row_group=walk.first)
             for name, (ptr, dtype) in params.items():
-                if ptr is not None:
-                    resident[name] = ThreadShared(k, cfg.iters, dtype, cfg.vec)
-                    for i, v in enumerate(home.load_param(ptr, dtype)):
-                        resident[name].put(i, v)
+                if ptr is None:
+                    continue
+                values = home.load_param(ptr, dtype)
+                if resident_params == "registers":
+                    resident[name] = values
+                    continue
+                resident[name] = ThreadShared(k, cfg.iters, dtype, cfg.vec)
+                for i, v in enumerate(values):
+                    resident[name].put(i, v)
 
         def param(t: RowTile, name: str, start: V | int) -> list[V]:
             """This thread's vectors of w or b, raw."""
-            if name in resident:
-                return [resident[name].get(i) for i in range(cfg.iters)]
+            held = resident.get(name)
+            if isinstance(held, list):  # widened afresh in each row, not hoisted: see opaque
+                return [opaque(v) for v in held]
+            if held is not None:
+                return [held.get(i) for i in range(cfg.iters)]
             ptr, dtype = params[name]
             return t.load_param(ptr, dtype, start)
 
