@@ -17,13 +17,12 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.harness import measure_copy  # noqa: E402
-from kbuild.dsl.trace import WORDS as TRACE_WORDS  # noqa: E402
 from kbuild.jit import artifact_for, device_target  # noqa: E402
 from kbuild.manifest import BENCH_ELEMENTS, manifest  # noqa: E402
 from kbuild.ops.common import stream_of  # noqa: E402
 from kbuild.ops.launch import persistent_grid, rows_grid  # noqa: E402
 from kbuild.runtime.cuda import Launcher  # noqa: E402
-from kbuild.timing import gbps, median_ms  # noqa: E402
+from kbuild.timing import TRACE_WORDS, gbps, median_ms  # noqa: E402
 
 # Row-sized arrays each kernel reads (the rest it writes); the byte count is the tensors of
 # M x N elements the kernel must move (row stats and parameters are noise at these sizes).

@@ -12,6 +12,11 @@ from collections.abc import Callable
 
 import torch
 
+# The layout of a diagnostic build's per-row timestamps (kbuild.dsl.trace; read by
+# bench/trace_rows.py): five SM-cycle points of a row step, then the global timer (ns).
+TRACE_POINTS = ("start", "landed", "block", "cluster", "end")
+TRACE_WORDS = len(TRACE_POINTS) + 1
+
 
 def median_ms(fn: Callable[[], object], reps: int = 50, warmup_ms: float = 200.0) -> float:
     """Median device time of one call of `fn`, CUDA events around each call.

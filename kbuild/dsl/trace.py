@@ -17,12 +17,11 @@ from __future__ import annotations
 
 from mlir.dialects import llvm
 
+from ..timing import TRACE_POINTS as POINTS
+from ..timing import TRACE_WORDS as WORDS
 from .control import if_then
 from .memory import get_llvm_ptr, store
 from .values import V, scalar_type
-
-POINTS = ("start", "landed", "block", "cluster", "end")
-WORDS = len(POINTS) + 1  # and the global timer at the start
 
 
 def _read(register: str) -> V:
