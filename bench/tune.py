@@ -140,11 +140,11 @@ def main() -> None:
             if (spec.kernel, N) in _EVEN_ROUNDS and launcher.meta.get("grid") == "persistent":
                 groups = launcher.resident_clusters * launcher.rows_per_block
                 shapes.append((1.0, M // groups * groups))
-        for fraction, rows in shapes:
-            grid, args, tensors = _arguments(launcher, rows, N, fraction)
+        for fraction, m in shapes:
+            grid, args, tensors = _arguments(launcher, m, N, fraction)
             fn = functools.partial(launcher, grid, stream_of(0), *args)
-            moved = _MOVED[spec.kernel] * rows * N * 2
-            variants.append((spec, launcher, fn, moved, tensors, fraction, grid, rows))
+            moved = _MOVED[spec.kernel] * m * N * 2
+            variants.append((spec, launcher, fn, moved, tensors, fraction, grid, m))
     # Rounds over all variants, so a drift in the GPU's state hits each variant alike; the
     # median over rounds is reported, with the spread.
     times = [[] for _ in variants]
