@@ -110,31 +110,37 @@ def _bench() -> Iterator[KernelSpec]:
 
 def _tune() -> Iterator[KernelSpec]:
     """Launch-shape alternatives to the chooser's picks for bench/tune.py, for the longest
-    rows (the chooser's own picks come first, for comparison): fewer, larger blocks per row
-    (`cluster`) now that row sums cross the cluster through mbarriers, with and without a
-    persistent grid and staged rows, and L2 prefetch past the staged rows. Earlier sweeps
-    (the exchange x staging, rows per block of a cluster, clusters of 16, reloading staged
-    rows, ...) and what they showed: bench/results/README.md."""
-    ln_fwd = dict(weight_dtype="bf16", bias_dtype="bf16", store_stats=True, eps=1e-5)
-    ln_bwd = dict(weight_dtype="bf16", compute_dw=True, compute_db=True)
-    bf16 = dict(dtype="bf16", vectorize=True)
-    staged = dict(persistent=True)
-    for options in (
-        {},
-        dict(resident_params="registers", stage=1, **staged),
-        dict(resident_params="registers", stage=1, blocks_per_sm=3, **staged),
-        dict(resident_params="registers", stage=2, blocks_per_sm=3, **staged),
-        dict(resident_params="registers", stage=2, **staged),
-        dict(stage=2, blocks_per_sm=3, **staged),
-        dict(stage=3, blocks_per_sm=3, **staged),
-        dict(resident_params="shared", stage=1, **staged),
-    ):
-        yield KernelSpec.make("layernorm_fwd", N=65536, **options, **ln_fwd, **bf16)
-    for options in (
-        {},
-        dict(resident_params="registers"),
-    ):
-        yield KernelSpec.make("layernorm_bwd", N=65536, **options, **ln_bwd, **bf16)
+    rows (the chooser's own picks come first, for comparison): w and b held in registers for
+    the whole persistent loop (`resident_params="registers"`) and the resident blocks that
+    leaves room for, in LayerNorm (with and without a bias) and the RMSNorm and fused
+    backward.
+    Earlier sweeps (the exchange x staging, rows per block of a cluster, clusters of 16,
+    reloading staged rows, staging depth, ...) and what they showed:
+    bench/results/README.md."""
+    from .ops.layernorm import layernorm_bwd_spec, layernorm_fwd_spec
+    from .ops.rmsnorm import fused_add_rmsnorm_bwd_spec, rmsnorm_bwd_spec
+
+    held = dict(resident_params="registers")
+    staged = dict(persistent=True, stage=1)  # with it, the chooser's pick is overridden
+
+    def variants(spec: KernelSpec, *options: dict) -> Iterator[KernelSpec]:
+        for extra in ({}, *options):
+            yield KernelSpec.make(spec.kernel, **spec.kwargs, **extra)
+
+    N = 65536
+    for bias in ("bf16", None):
+        yield from variants(
+            layernorm_fwd_spec(N, "bf16", "bf16", bias, True, 1e-5),
+            dict(resident_params=False, **staged),  # the pick before w and b were held
+            dict(**held, **staged, blocks_per_sm=3),
+            dict(**held, **staged, blocks_per_sm=4),
+            dict(**held, persistent=True, stage=2, reload=True, blocks_per_sm=4),
+        )
+    yield from variants(
+        layernorm_bwd_spec(N, "bf16", "bf16", True, True), dict(resident_params=False)
+    )
+    yield from variants(rmsnorm_bwd_spec(N, "bf16", "bf16", True), held)
+    yield from variants(fused_add_rmsnorm_bwd_spec(N, "bf16", "bf16", "bf16", True, True), held)
 
 
 def _trace() -> Iterator[KernelSpec]:
@@ -145,7 +151,7 @@ def _trace() -> Iterator[KernelSpec]:
     bf16 = dict(dtype="bf16", vectorize=True, trace=True)
     for options in (
         {},
-        dict(resident_params="registers", stage=2, blocks_per_sm=3, persistent=True),
+        dict(resident_params="registers", stage=1, blocks_per_sm=3, persistent=True),
     ):
         yield KernelSpec.make("layernorm_fwd", N=65536, **options, **ln_fwd, **bf16)
     for options in ({}, dict(resident_params="registers")):

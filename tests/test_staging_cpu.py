@@ -29,7 +29,7 @@ LN_BWD = dict(dtype="bf16", weight_dtype="bf16", compute_dw=True, compute_db=Tru
 
 def _spec(kernel: str, N: int, **kwargs) -> KernelSpec:
     base = LN_FWD if kernel == "layernorm_fwd" else LN_BWD
-    return KernelSpec.make(kernel, N=N, vectorize=True, **base, **kwargs)
+    return KernelSpec.make(kernel, N=N, vectorize=True, **{**base, **kwargs})
 
 
 @functools.cache
@@ -104,7 +104,7 @@ def test_resident_parameters_are_read_once_then_from_shared_memory():
 def test_parameters_held_in_registers_are_read_once_and_widened_in_the_loop(
     kernel, N, options, words
 ):
-    ptx, _ = _ptx_and_meta(_spec(kernel, N, **options))
+    ptx, _ = _ptx_and_meta(_spec(kernel, N, resident_params=False, **options))
     held, _ = _ptx_and_meta(_spec(kernel, N, resident_params="registers", **options))
     # Both stage their rows: the row loop begins with the wait for the first staged group.
     loop = held.index("cp.async.wait_group")
@@ -122,10 +122,39 @@ def test_parameters_held_in_registers_are_read_once_and_widened_in_the_loop(
 
 
 @pytest.mark.parametrize(
+    "kernel, params, held, min_blocks",
+    [
+        # Rows split over a cluster: 16-bit w and b held; both take room for 3 blocks per SM.
+        ("layernorm_fwd", {}, True, 3),
+        ("layernorm_fwd", dict(bias_dtype=None), True, 4),
+        ("layernorm_fwd", dict(weight_dtype="f32", bias_dtype="f32"), False, 4),
+        ("layernorm_fwd", dict(weight_dtype=None, bias_dtype=None), False, 4),
+        ("layernorm_bwd", {}, True, 2),
+        ("layernorm_bwd", dict(weight_dtype="f32"), False, 2),
+    ],
+)
+def test_the_chooser_holds_16_bit_parameters_of_cluster_rows_in_registers(
+    kernel, params, held, min_blocks
+):
+    ptx, _ = _ptx_and_meta(_spec(kernel, 65536, **params))
+    before = ptx[: ptx.index("cp.async.wait_group")]
+    assert bool(re.search(r"ld\.global\.v4\.b32", before)) == held
+    assert re.search(rf"\.minnctapersm\s+{min_blocks}\b", ptx)
+
+
+def test_shorter_rows_keep_reading_their_parameters():
+    for kernel, N in (("layernorm_fwd", 16384), ("layernorm_bwd", 16384)):
+        ptx, _ = _ptx_and_meta(_spec(kernel, N))
+        assert "cp.async.wait_group" not in ptx or not re.search(
+            r"ld\.global\.v4\.b32", ptx[: ptx.index("cp.async.wait_group")]
+        )
+
+
+@pytest.mark.parametrize(
     "kernel, options, message",
     [
         ("layernorm_fwd", dict(persistent=True, resident_params="l1"), "resident_params must"),
-        ("layernorm_bwd", dict(resident_params="shared"), "resident_params must be None or"),
+        ("layernorm_bwd", dict(resident_params="shared"), "resident_params must be None, False or"),
     ],
 )
 def test_unknown_resident_params_raise(kernel, options, message):

@@ -111,8 +111,10 @@ def build_norm_backward(
     registers); `trace`, a diagnostic build: per-row timestamps into an extra `trace`
     argument (dsl.trace).
     """
-    if resident_params not in (None, "registers"):
-        raise ValueError(f"resident_params must be None or 'registers', not {resident_params!r}")
+    if resident_params not in (None, False, "registers"):
+        raise ValueError(
+            f"resident_params must be None, False or 'registers', not {resident_params!r}"
+        )
     io = wider(p.dtype, p.x_dtype)
     n_partials = int(p.compute_dw) + int(p.compute_db)
     plain_rms = not p.center and not p.has_dres
@@ -176,6 +178,14 @@ def build_norm_backward(
     if stage and not (target.async_copy and cfg.exact):
         raise ValueError(f"stage needs rows held in registers and asynchronous copies ({target})")
     prefetch = prefetch and not stage
+    if resident_params is None:
+        # LayerNorm rows split over a cluster (staged, shared partials): the block's 2 x 16 KB
+        # of w slices did not stay in L1 next to 96 KB of shared memory per block, and every
+        # row's sums waited on w from L2. Held raw in registers (16-bit w: 8 words a thread at
+        # 512 threads), with no spill under the 64-register cap.
+        w16 = p.weight_dtype is not None and ELEMENT_BYTES[p.weight_dtype] == 2
+        long_center = p.center and cfg.cluster > 1 and bool(stage)
+        resident_params = "registers" if w16 and long_center and not cfg.chunked else None
     if resident_params and cfg.chunked:
         raise ValueError("resident_params needs rows held in registers (this row is chunked)")
     if reload and not stage:

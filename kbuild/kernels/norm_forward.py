@@ -139,8 +139,7 @@ def build_norm_forward(
     # predicates; the merge of LayerNorm's moments would otherwise take 72-73 registers and
     # halve the resident blocks at N = 8192-16384.
     min_blocks = max(1, 1024 // cfg.block) if cfg.exact else None
-    if blocks_per_sm is not None:
-        min_blocks = blocks_per_sm
+    chosen_stage = stage is None and persistent is None
     if stage is None and persistent is None:
         # LayerNorm rows of a whole 512-thread block or split over a cluster: a persistent
         # grid that copies the next row group into shared memory while the current one is
@@ -150,6 +149,19 @@ def build_norm_forward(
         long_row = cfg.cluster > 1 or cfg.block >= 512
         stage = p.center and not fused and long_row and can_stage(target, cfg, [p.dtype])
         persistent = stage
+    params_16 = [d for d in (p.weight_dtype, p.bias_dtype) if d is not None]
+    if resident_params is None and chosen_stage and stage and cfg.cluster > 1 and params_16:
+        # Rows split over a cluster read w and b slices of 32 KB per block in every row: the
+        # 4 blocks on an SM need 128 KB of them, which L1 does not keep next to the staged
+        # rows, so the row's normalisation waited on L2 (2 us of a 3.8 us row step, measured
+        # with bench/trace_rows.py). Held in registers (16-bit ones), raw, they cost 16 words
+        # a parameter; with both, the register cap of 4 blocks per SM would spill, so 3.
+        if all(ELEMENT_BYTES[d] == 2 for d in params_16):
+            resident_params = "registers"
+            if len(params_16) == 2:
+                min_blocks = max(1, 768 // cfg.block)
+    if blocks_per_sm is not None:
+        min_blocks = blocks_per_sm
     persistent = bool(persistent)
     if resident_params not in (None, False, True, "shared", "registers"):
         raise ValueError(
