@@ -179,13 +179,18 @@ def build_norm_backward(
         raise ValueError(f"stage needs rows held in registers and asynchronous copies ({target})")
     prefetch = prefetch and not stage
     if resident_params is None:
-        # LayerNorm rows split over a cluster (staged, shared partials): the block's 2 x 16 KB
-        # of w slices did not stay in L1 next to 96 KB of shared memory per block, and every
-        # row's sums waited on w from L2. Held raw in registers (16-bit w: 8 words a thread at
-        # 512 threads), with no spill under the 64-register cap.
+        # Rows split over a cluster: w is read for every row, and each row's sums wait for it
+        # (from L2 where the partials and staged rows leave L1 too little room). Held raw in
+        # registers instead (16-bit w: 8 words a thread at 512 threads). H200, bf16, N =
+        # 65536, kernel alone: LayerNorm 75% -> 79% of copy, RMSNorm 82% -> 86%
+        # (h200_tune_resident.json). bf16 rows only: they stay packed until used
+        # (dsl.rewiden); f16 rows already spill at the cap and would spill more. Not the fused
+        # form with a residual gradient: it gains 94% -> 96% but spills 4 bytes, and the
+        # bench kernels stay spill-free (tests/test_kernels_ir.py).
         w16 = p.weight_dtype is not None and ELEMENT_BYTES[p.weight_dtype] == 2
-        long_center = p.center and cfg.cluster > 1 and bool(stage)
-        resident_params = "registers" if w16 and long_center and not cfg.chunked else None
+        held = w16 and io == "bf16" and cfg.cluster > 1 and not cfg.chunked
+        held = held and not p.has_dres
+        resident_params = "registers" if held else None
     if resident_params and cfg.chunked:
         raise ValueError("resident_params needs rows held in registers (this row is chunked)")
     if reload and not stage:

@@ -155,11 +155,12 @@ def build_norm_forward(
         # 4 blocks on an SM need 128 KB of them, which L1 does not keep next to the staged
         # rows, so the row's normalisation waited on L2 (2 us of a 3.8 us row step, measured
         # with bench/trace_rows.py). Held in registers (16-bit ones), raw, they cost 16 words
-        # a parameter; with both, the register cap of 4 blocks per SM would spill, so 3.
+        # a parameter, with 3 blocks per SM (H200, bf16, N = 65536, kernel alone: w and b
+        # 84% -> 90% of copy, w alone 90% -> 91%; at 4 blocks per SM w and b spill and w
+        # alone runs 86-87%: h200_tune_resident.json).
         if all(ELEMENT_BYTES[d] == 2 for d in params_16):
             resident_params = "registers"
-            if len(params_16) == 2:
-                min_blocks = max(1, 768 // cfg.block)
+            min_blocks = max(1, 768 // cfg.block)
     if blocks_per_sm is not None:
         min_blocks = blocks_per_sm
     persistent = bool(persistent)
