@@ -145,7 +145,13 @@ def test_the_chooser_holds_16_bit_parameters_of_cluster_rows_in_registers(
 
 
 def test_shorter_rows_keep_reading_their_parameters():
-    for kernel, N in (("layernorm_fwd", 16384), ("layernorm_bwd", 16384)):
+    # 16384: one block per row; 131072: 512-thread blocks, which held parameters would leave
+    # at one block per SM.
+    for kernel, N in (
+        ("layernorm_fwd", 16384),
+        ("layernorm_bwd", 16384),
+        ("layernorm_fwd", 131072),
+    ):
         ptx, _ = _ptx_and_meta(_spec(kernel, N))
         assert "cp.async.wait_group" not in ptx or not re.search(
             r"ld\.global\.v4\.b32", ptx[: ptx.index("cp.async.wait_group")]

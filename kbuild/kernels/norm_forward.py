@@ -158,9 +158,11 @@ def build_norm_forward(
         # a parameter, with 3 blocks per SM (H200, bf16, N = 65536, kernel alone: w and b
         # 84% -> 90% of copy, w alone 90% -> 91%; at 4 blocks per SM w and b spill and w
         # alone runs 86-87%: h200_tune_resident.json).
-        if all(ELEMENT_BYTES[d] == 2 for d in params_16):
+        # Measured on 256-thread blocks; the 512-thread blocks of longer rows would drop to
+        # one per SM (unmeasured): those keep reading w and b.
+        if all(ELEMENT_BYTES[d] == 2 for d in params_16) and cfg.block <= 256:
             resident_params = "registers"
-            min_blocks = max(1, 768 // cfg.block)
+            min_blocks = 768 // cfg.block
     if blocks_per_sm is not None:
         min_blocks = blocks_per_sm
     persistent = bool(persistent)
