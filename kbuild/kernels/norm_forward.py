@@ -23,7 +23,8 @@ Grid: one block (cluster) per row group; or, for LayerNorm rows that take a whol
 block or a cluster, persistent: each block walks its row groups and copies the next group's
 input into shared memory (`RowStage`, `cp.async`) while it reduces and writes the current one,
 so its loads are always in flight (H200, bf16: N = 16384 85% -> 92% of copy, 65536 68% -> 87%).
-Rows split over a cluster exchange their sums through mbarriers (dsl.cluster_reduce).
+Rows split over a cluster exchange their sums through mbarriers (dsl.cluster_reduce) and
+hold their 16-bit w and b in registers for the whole loop (`resident_params`).
 """
 
 from __future__ import annotations
@@ -140,7 +141,7 @@ def build_norm_forward(
     # halve the resident blocks at N = 8192-16384.
     min_blocks = max(1, 1024 // cfg.block) if cfg.exact else None
     chosen_stage = stage is None and persistent is None
-    if stage is None and persistent is None:
+    if chosen_stage:
         # LayerNorm rows of a whole 512-thread block or split over a cluster: a persistent
         # grid that copies the next row group into shared memory while the current one is
         # reduced and written (H200, bf16: N = 16384 86% -> 90% of copy, 65536 66% -> 82%;
@@ -168,7 +169,8 @@ def build_norm_forward(
     persistent = bool(persistent)
     if resident_params not in (None, False, True, "shared", "registers"):
         raise ValueError(
-            f"resident_params must be True, 'shared' or 'registers', not {resident_params!r}"
+            "resident_params must be None, False, True, 'shared' or 'registers', "
+            f"not {resident_params!r}"
         )
     if resident_params and not (persistent and not cfg.chunked):
         raise ValueError("resident_params needs a persistent grid and rows held in registers")
