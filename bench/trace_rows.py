@@ -49,19 +49,19 @@ def summarize(trace: torch.Tensor) -> dict:
     trace = trace.cpu()
     cycles, ns = trace[..., : len(POINTS)].double(), trace[..., len(POINTS)].double()
     taken = cycles[..., 0] > 0  # [block, step]
-    steps = taken.sum(1)
-    keep = torch.zeros_like(taken)
-    for b, n in enumerate(steps.tolist()):
+    steps = taken.sum(1).tolist()
+    keep = torch.zeros_like(taken)  # the steps measured: neither a block's first nor last
+    rate, first, last = [], [], []  # SM clock per block (cycles per ns); first/last step's ns
+    for b, n in enumerate(steps):
         keep[b, 1 : max(1, n - 1)] = True
-    # The SM clock, from each block's first and last recorded step.
-    rate = []
-    for b, n in enumerate(steps.tolist()):
-        if n >= 3:
-            dt = ns[b, n - 1] - ns[b, 0]
-            if dt > 0:
-                rate.append(float((cycles[b, n - 1, 0] - cycles[b, 0, 0]) / dt))
+        if n > 0:
+            first.append(float(ns[b, 0]))
+            last.append(float(ns[b, n - 1]))
+        if n >= 3 and ns[b, n - 1] > ns[b, 0]:
+            cycles_taken = cycles[b, n - 1, 0] - cycles[b, 0, 0]
+            rate.append(float(cycles_taken / (ns[b, n - 1] - ns[b, 0])))
     ghz = sorted(rate)[len(rate) // 2]
-    out = {"sm_ghz": round(ghz, 3), "steps_per_block": [int(steps.min()), int(steps.max())]}
+    out = {"sm_ghz": round(ghz, 3), "steps_per_block": [min(steps), max(steps)]}
     for name, (a, b) in PHASES.items():
         i, j = POINTS.index(a), POINTS.index(b)
         passed = keep & (cycles[..., i] > 0) & (cycles[..., j] > 0)
@@ -71,11 +71,10 @@ def summarize(trace: torch.Tensor) -> dict:
     nxt[:, :-1] = keep[:, :-1] & taken[:, 1:]
     period = (cycles[:, 1:, 0] - cycles[:, :-1, 0]) / ghz
     out["period"] = _quantiles(period[nxt[:, :-1]])
-    # When each block ended its last step, against the earliest: the tail of the grid.
-    last = torch.stack([ns[b, n - 1] for b, n in enumerate(steps.tolist()) if n > 0])
-    first = torch.stack([ns[b, 0] for b, n in enumerate(steps.tolist()) if n > 0])
-    out["first_step_start_spread_ns"] = round(float(first.max() - first.min()))
-    out["last_step_start_spread_ns"] = round(float(last.max() - last.min()))
+    # When each block started its first and its last step, against the earliest: the grid's
+    # start and its tail.
+    out["first_step_start_spread_ns"] = round(max(first) - min(first))
+    out["last_step_start_spread_ns"] = round(max(last) - min(last))
     return out
 
 

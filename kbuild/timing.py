@@ -16,6 +16,7 @@ import torch
 # bench/trace_rows.py): five SM-cycle points of a row step, then the global timer (ns).
 TRACE_POINTS = ("start", "landed", "block", "cluster", "end")
 TRACE_WORDS = len(TRACE_POINTS) + 1
+TRACE_ITERATIONS = 64  # row steps recorded per block
 
 
 def median_ms(fn: Callable[[], object], reps: int = 50, warmup_ms: float = 200.0) -> float:

@@ -11,21 +11,10 @@ semantics are then exactly those of the PTX ISA, whatever the MLIR version.
 
 from __future__ import annotations
 
-from mlir import ir
 from mlir.dialects import llvm
 
 from .values import V, cast, const, scalar_type
-
-
-def _asm(text: str, constraints: str, operands: list[V], result: ir.Type | None = None):
-    out = llvm.InlineAsmOp(
-        result,
-        [v.value for v in operands],
-        text,
-        constraints,
-        has_side_effects=True,
-    )
-    return out.result if result is not None else None
+from .values import inline_asm as _asm
 
 
 def _i32(v: V | int) -> V:

@@ -2,7 +2,7 @@
 kernel builders; bench/trace_rows.py reads them): where one row step of a block spends its
 time. NVIDIA only (the SM cycle counter and the global nanosecond timer, inline PTX).
 
-Thread 0 of each block stores, for each of its first `iterations` row steps, the SM's cycle
+Thread 0 of each block stores, for each of its first TRACE_ITERATIONS row steps, the SM's cycle
 counter at five points of the step and the global timer at its start:
 
     0 step start      1 row landed (staged rows)    2 block reduction done
@@ -15,27 +15,22 @@ was not passed). Points a step does not pass (no cluster, no staging) stay 0.
 
 from __future__ import annotations
 
-from mlir.dialects import llvm
-
+from ..timing import TRACE_ITERATIONS, TRACE_WORDS
 from ..timing import TRACE_POINTS as POINTS
-from ..timing import TRACE_WORDS as WORDS
 from .control import if_then
 from .memory import get_llvm_ptr, store
-from .values import V, scalar_type
+from .values import V, inline_asm, scalar_type
 
 
 def _read(register: str) -> V:
-    op = llvm.InlineAsmOp(
-        scalar_type("i64"), [], f"mov.u64 $0, %{register};", "=l", has_side_effects=True
-    )
-    return V(op.result)
+    return V(inline_asm(f"mov.u64 $0, %{register};", "=l", [], scalar_type("i64")))
 
 
 class Trace:
-    def __init__(self, k, iterations: int = 64):
+    def __init__(self, k):
         if k.target.vendor != "nvidia":
             raise ValueError(f"trace reads NVIDIA timers; {k.target} has none")
-        self.k, self.iterations = k, iterations
+        self.k = k
         self.ptr = k.ptr("trace")
         self.iteration: V | None = None  # the current row step (i64), set by the row loop
 
@@ -47,9 +42,9 @@ class Trace:
         index = POINTS.index(point)
 
         def record() -> None:
-            base = (k.block_id() * self.iterations + step) * WORDS
+            base = (k.block_id() * TRACE_ITERATIONS + step) * TRACE_WORDS
             store(_read("clock64"), get_llvm_ptr(self.ptr, base + index, "i64"))
             if index == 0:
                 store(_read("globaltimer"), get_llvm_ptr(self.ptr, base + len(POINTS), "i64"))
 
-        if_then((k.thread_id() < 1) & (step < self.iterations), record)
+        if_then((k.thread_id() < 1) & (step < TRACE_ITERATIONS), record)

@@ -197,6 +197,15 @@ def rewiden(v: V) -> V:
     return V(arith.bitcast(typ(ir.F32Type.get()), word))
 
 
+def inline_asm(text: str, constraints: str, operands: list[V], result: ir.Type | None = None):
+    """Inline PTX, kept where it is written (has side effects: never hoisted, merged or
+    dropped). Returns the result value (an `ir.Value`) when `result` names its type."""
+    op = llvm.InlineAsmOp(
+        result, [v.value for v in operands], text, constraints, has_side_effects=True
+    )
+    return op.result if result is not None else None
+
+
 def opaque(v: V) -> V:
     """`v` unchanged, through a register move the compiler cannot see into: a value held
     across a loop and passed through this at each use is not hoisted, so work derived from
@@ -217,9 +226,9 @@ def opaque(v: V) -> V:
         as_words = vector.bitcast(packed, as_words)
     out = as_words
     for i in range(words):
-        word = vector.extract(out, [], [i])
-        moved = llvm.InlineAsmOp(i32, [word], "mov.b32 $0, $1;", "=r,r", has_side_effects=True)
-        out = vector.insert(moved.result, out, [], [i])
+        word = V(vector.extract(out, [], [i]))
+        moved = inline_asm("mov.b32 $0, $1;", "=r,r", [word], i32)
+        out = vector.insert(moved, out, [], [i])
     if isinstance(t, ir.VectorType):
         return V(vector.bitcast(t, out))
     return V(vector.extract(vector.bitcast(ir.VectorType.get([1], t), out), [], [0]))

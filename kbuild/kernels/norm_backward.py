@@ -187,12 +187,11 @@ def build_norm_backward(
         # (dsl.rewiden); f16 rows already spill at the cap and would spill more. Not the fused
         # form with a residual gradient: it gains 94% -> 96% but spills 4 bytes, and the
         # bench kernels stay spill-free (tests/test_kernels_ir.py).
-        w16 = p.weight_dtype is not None and ELEMENT_BYTES[p.weight_dtype] == 2
         # Measured on 512-thread blocks; the 1024-thread blocks of some longer rows are not
         # (RMSNorm at N = 262144 spills more with it).
-        held = w16 and io == "bf16" and cfg.cluster > 1 and not cfg.chunked
-        held = held and cfg.block <= 512
-        held = held and not p.has_dres
+        w16 = p.weight_dtype is not None and ELEMENT_BYTES[p.weight_dtype] == 2
+        split = cfg.cluster > 1 and cfg.block <= 512 and not cfg.chunked
+        held = w16 and io == "bf16" and split and not p.has_dres
         resident_params = "registers" if held else None
     if resident_params and cfg.chunked:
         raise ValueError("resident_params needs rows held in registers (this row is chunked)")
