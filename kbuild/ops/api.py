@@ -45,7 +45,9 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1e
     check_input("x", x)
     weight = check_param("weight", weight, x)
     eps = check_eps(eps)
-    if not x.is_cuda:
+    # Under torch.compile CPU tensors take the custom-op route too (the ops run this same
+    # reference on CPU), so a CPU compile traces the kbuild::* ops and their autograd.
+    if not x.is_cuda and not torch.compiler.is_compiling():
         return rmsnorm_reference(x, weight, eps)[0]
     x = contiguous(x)
     needs_grad = torch.is_grad_enabled() and (
@@ -118,7 +120,9 @@ def layernorm(
     weight = check_param("weight", weight, x)
     bias = check_param("bias", bias, x)
     eps = check_eps(eps)
-    if not x.is_cuda:
+    # Under torch.compile CPU tensors take the custom-op route too (the ops run this same
+    # reference on CPU), so a CPU compile traces the kbuild::* ops and their autograd.
+    if not x.is_cuda and not torch.compiler.is_compiling():
         return layernorm_reference(x, weight, bias, eps)[0]
     x = contiguous(x)
     needs_grad = _needs_grad(x, weight, bias)
