@@ -1,4 +1,4 @@
-"""CPU tests of the two ways a cluster's blocks exchange row sums (dsl.cluster_reduce):
+"""CPU tests of the two ways a cluster's blocks exchange row sums (dsl.exchange):
 a cluster barrier per row, or `st.async` stores counted against an mbarrier in each block.
 
 Whether the mbarrier exchange computes the same rows is checked on the GPU (the tune sweep's
@@ -64,7 +64,7 @@ def test_mbarrier_exchange_sends_each_state_with_st_async(kernel, states):
     assert _count(ptx, r"st\.async\.shared::cluster\.mbarrier::complete_tx::bytes\.b32") == states
     assert _count(ptx, r"mbarrier\.arrive\.expect_tx\.shared::cta\.b64") == 1
     assert "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64" in ptx
-    assert "fence.proxy.async" not in ptx  # see dsl.reduce._cluster_reduce_mbarrier
+    assert "fence.proxy.async" not in ptx  # see dsl.exchange (the ordering argument)
 
 
 def test_barrier_exchange_steps_the_cluster_each_row():
@@ -138,7 +138,7 @@ def test_cluster_sync_options_that_cannot_apply_raise(kernel, N, options, arch, 
 )
 def test_the_chooser_picks_the_exchange_measured_faster(kernel, N, options, exchange):
     kernel_ = compiler.build(_spec(kernel, N, **options), target_for_arch("sm_90"))
-    assert kernel_.cluster_exchange == exchange
+    assert kernel_.exchange.mode == exchange
     ptx = _ptx(_spec(kernel, N, **options))
     assert ("st.async" in ptx) == (exchange == "mbarrier")
 
@@ -179,3 +179,30 @@ def test_clusters_of_16_are_a_hopper_opt_in():
     kernel = compiler.build(_spec("layernorm_fwd", 65536, cluster=16), sm90)
     assert kernel.meta["cluster"] == 16
     assert ".reqnctapercluster 16, 1, 1" in _ptx(_spec("layernorm_fwd", 65536, cluster=16))
+
+
+# --- the exchange object ---------------------------------------------------------------------
+
+
+def test_the_exchange_is_fixed_when_the_kernel_is_made():
+    from kbuild.dsl import Kernel
+
+    target = target_for_arch("sm_90")
+    k = Kernel("probe", target, block=256, cluster=2, exchange="mbarrier")
+    assert k.exchange.mode == "mbarrier"
+    with pytest.raises(AttributeError):
+        k.exchange = "barrier"
+    with pytest.raises(AttributeError):
+        k.exchange.mode = "barrier"
+    assert Kernel("probe", target, block=256, cluster=2).exchange.mode == "barrier"
+
+
+@pytest.mark.parametrize(
+    "cluster, exchange, message",
+    [(2, "fast", "exchange must be 'barrier' or 'mbarrier'"), (1, "mbarrier", "with clusters")],
+)
+def test_exchanges_that_cannot_apply_raise(cluster, exchange, message):
+    from kbuild.dsl import Kernel
+
+    with pytest.raises(ValueError, match=message):
+        Kernel("probe", target_for_arch("sm_90"), block=256, cluster=cluster, exchange=exchange)

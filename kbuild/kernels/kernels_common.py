@@ -8,7 +8,6 @@ from ..dsl import (
     V,
     add,
     cast,
-    cluster_reduce,
     commit_async,
     const,
     copy_async,
@@ -164,36 +163,34 @@ class RowTile:
         """A per-thread state merged over the row (dsl.row_reduce; `sum` merges by adding).
 
         `reused`: the call sits in a loop (its shared slots are reused). With a cluster the
-        block results are then merged across the cluster (dsl.cluster_reduce), whose barrier
-        also orders the slot reuse; a call in a loop passes `phase` (RowGroups) for it.
-        `meanwhile()`, work that does not need the result, runs while the cluster barrier
-        waits for the other blocks (without a cluster: after the row's reduction).
+        block results are then merged across the cluster by the kernel's exchange
+        (dsl.exchange.ClusterExchange), which also says how the block's slots are reused; a
+        call in a loop passes `phase` (RowGroups) for it. `meanwhile()`, work that does not
+        need the result, runs while the exchange waits for the other blocks (without a
+        cluster: after the row's reduction).
         """
         c = self.cfg
         clustered = c.cluster > 1
         if clustered and reused and phase is None:
             raise ValueError("a cluster row reduction inside a loop needs its phase")
-        # A cluster barrier orders the reuse of the block's slots too; mbarriers do not (a
-        # block waits only for the data it needs), so those rows alternate slot halves.
-        halves = clustered and reused and self.k.cluster_exchange == "mbarrier"
+        exchange = self.k.exchange
+        block_reused, block_phase = exchange.block_slots(reused, phase)
         out = row_reduce(
             self.k,
             state,
             c.threads_per_row,
             self.row_in_block,
             c.rows_per_block,
-            reused and not clustered,
+            block_reused,
             merge,
-            phase if halves else None,
+            block_phase,
         )
         trace = self.k.trace
         if trace is not None:
             trace.mark("block")
         if clustered:
             rows = c.rows_per_block
-            out = cluster_reduce(
-                self.k, out, phase, merge, meanwhile, rows, self.row_in_block, self.lane
-            )
+            out = exchange.reduce(out, phase, merge, meanwhile, rows, self.row_in_block, self.lane)
             if trace is not None:
                 trace.mark("cluster")
             return out
@@ -350,7 +347,8 @@ class RowStage:
 def cluster_exchange(
     cluster_sync: str | None, cfg: RowConfig, preferred: str, warp_size: int
 ) -> str:
-    """How the row sums of a row split over a cluster cross it (dsl.cluster_reduce):
+    """How the row sums of a row split over a cluster cross it (the kernel's `exchange`,
+    dsl.exchange.ClusterExchange):
     `cluster_sync` if given (checked), else `preferred`; "barrier" without a cluster.
 
     The mbarrier exchange orders a block's reuse of its slots by the block barrier of the
@@ -397,8 +395,9 @@ class RowGroups:
         self, init: list[V], body, ahead: list[tuple[V, str]] = (), distance: int = 1
     ) -> list[V]:
         """body(g, phase, carried) -> carried, for each of this block's row groups g.
-        `phase` (i64) counts the iterations modulo 4 for a cluster row sum's double buffer
-        and its mbarrier parity (dsl.cluster_reduce); None without a cluster.
+        `phase` (i32), the kernel's exchange phase (dsl.exchange.ClusterExchange: which half
+        of a cluster row sum's buffers a row uses, and its mbarrier parity), goes from
+        `first_phase` through `next_phase`; None without a cluster.
 
         `ahead`: (array, dtype) pairs whose slice of the rows `distance` groups ahead one
         thread asks into L2 at the start of each step (`prefetch_l2`), so the loads of them
@@ -408,7 +407,7 @@ class RowGroups:
         if C > 1:
             k.ensure_cluster_started()  # before the loop: its row sums store into peer blocks
 
-        trace = k.trace
+        trace, exchange = k.trace, k.exchange
 
         def step(g: V, carried: list[V]) -> list[V]:
             if trace is not None:
@@ -419,12 +418,12 @@ class RowGroups:
             if C == 1:
                 out = body(g, None, carried)
             else:
-                out = [(carried[0] + 1) % 4] + body(g, carried[0], carried[1:])
+                out = [exchange.next_phase(carried[0])] + body(g, carried[0], carried[1:])
             if trace is not None:
                 trace.mark("end")
             return out
 
-        init = list(init) if C == 1 else [const(0, "i32")] + list(init)
+        init = list(init) if C == 1 else [exchange.first_phase()] + list(init)
         out = loop(self.first, self.count, self.stride, init, step)
         if trace is not None:
             trace.iteration = None  # its value lives in the loop only

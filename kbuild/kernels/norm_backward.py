@@ -205,11 +205,12 @@ def build_norm_backward(
     # 16384 from 79% to 82-83% and, with staged rows, LayerNorm 65536 from 70% to 78%; the
     # fused backward's staged rows keep the cluster barrier (95% against 88%).
     keeps_barrier = bool(stage) and p.has_dres
-    cluster_sync = cluster_exchange(
+    exchange = cluster_exchange(
         cluster_sync, cfg, "barrier" if keeps_barrier else "mbarrier", target.warp_size
     )
-    with Kernel(p.name, target, cfg.block, min_blocks_per_sm=min_blocks, cluster=C) as k:
-        k.cluster_exchange = cluster_sync
+    with Kernel(
+        p.name, target, cfg.block, min_blocks_per_sm=min_blocks, cluster=C, exchange=exchange
+    ) as k:
         if trace:
             k.trace = Trace(k)
         x_ptr = k.ptr("x")

@@ -190,9 +190,8 @@ def build_norm_forward(
     # also wait for the block's earlier stores to complete (H200, bf16, N = 65536: LayerNorm
     # 80-83% -> 83-86% of copy, fused add + RMSNorm 92% -> 99%; h200_tune_mbarrier*.json,
     # h200_tune_exchange*.json).
-    cluster_sync = cluster_exchange(cluster_sync, cfg, "mbarrier", target.warp_size)
-    with Kernel(p.name, target, cfg.block, min_blocks, cluster=cfg.cluster) as k:
-        k.cluster_exchange = cluster_sync
+    exchange = cluster_exchange(cluster_sync, cfg, "mbarrier", target.warp_size)
+    with Kernel(p.name, target, cfg.block, min_blocks, cluster=cfg.cluster, exchange=exchange) as k:
         if trace:
             k.trace = Trace(k)
         x_ptr = k.ptr("x")
