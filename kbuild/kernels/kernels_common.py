@@ -16,7 +16,6 @@ from ..dsl import (
     if_then,
     join,
     load,
-    load_streaming,
     loop,
     minimum,
     prefetch_l2,
@@ -74,10 +73,9 @@ class RowTile:
 
     # ------------------------------------------------------------------ loads and stores
 
-    def load(self, base: V, dtype: str, start: V | int = 0, streaming: bool = False) -> list[V]:
-        """This thread's vectors of its row of `base`, raw (in `dtype`); zeros past N.
-        `streaming`: data read once, kept out of L1 where the target can (`load_streaming`)."""
-        return self._load(base, self.offset, dtype, start, streaming)
+    def load(self, base: V, dtype: str, start: V | int = 0) -> list[V]:
+        """This thread's vectors of its row of `base`, raw (in `dtype`); zeros past N."""
+        return self._load(base, self.offset, dtype, start)
 
     def load_row(self, base: V, row: V, dtype: str, start: V | int = 0) -> list[V]:
         """Like `load`, from row `row` of an (R, N) array (a workspace) instead of this row."""
@@ -87,21 +85,12 @@ class RowTile:
         """This thread's vectors of a length-N parameter (weight, bias), raw."""
         return self._load(base, const(0, "i64") + self.first, dtype, start)
 
-    def _load(
-        self, base: V, offset: V, dtype: str, start: V | int, streaming: bool = False
-    ) -> list[V]:
+    def _load(self, base: V, offset: V, dtype: str, start: V | int) -> list[V]:
         out = []
-        streaming = (
-            streaming
-            and self.k.target.streaming_loads
-            and ELEMENT_BYTES[dtype] * self.cfg.vec == 16
-        )
         for col in self.columns(start):
             ptr = get_llvm_ptr(base, offset + col, dtype)
             guard = self._guarded(col)
-            if guard is None and streaming:
-                out.append(load_streaming(ptr, dtype, self.cfg.vec))
-            elif guard is None:
+            if guard is None:
                 out.append(load(ptr, dtype, self.cfg.vec))
             else:
                 zero = vector_type(dtype, self.cfg.vec) if self.cfg.vec > 1 else scalar_type(dtype)
@@ -197,9 +186,6 @@ class RowTile:
         if meanwhile is not None:
             meanwhile()
         return out
-
-
-SHARED_SLACK = 4 * 1024  # room kept for the row sums' slots and the like
 
 
 class ThreadShared:
@@ -344,42 +330,6 @@ class RowStage:
         ]
 
 
-def cluster_exchange(
-    cluster_sync: str | None, cfg: RowConfig, preferred: str, warp_size: int
-) -> str:
-    """How the row sums of a row split over a cluster cross it (the kernel's `exchange`,
-    dsl.exchange.ClusterExchange):
-    `cluster_sync` if given (checked), else `preferred`; "barrier" without a cluster.
-
-    The mbarrier exchange orders a block's reuse of its slots by the block barrier of the
-    next row's reduction (dsl.row_reduce), which rows of one warp or less do not have: those
-    keep the cluster barrier (only forced tuning shapes split such rows over a cluster)."""
-    if cluster_sync not in (None, "barrier", "mbarrier"):
-        raise ValueError(f"cluster_sync must be 'barrier' or 'mbarrier', not {cluster_sync!r}")
-    if cluster_sync == "mbarrier" and cfg.cluster == 1:
-        raise ValueError("cluster_sync='mbarrier' needs rows split over a cluster")
-    within_warp = cfg.threads_per_row <= warp_size
-    if cluster_sync == "mbarrier" and within_warp:
-        raise ValueError(
-            f"cluster_sync='mbarrier' needs rows of more than {warp_size} threads (a block "
-            f"barrier per row); these rows take {cfg.threads_per_row}"
-        )
-    if cfg.cluster == 1 or within_warp:
-        return "barrier"
-    return cluster_sync or preferred
-
-
-def can_stage(target, cfg: RowConfig, dtypes: list[str], other_shared: int = 0) -> bool:
-    """Whether rows of these arrays can be staged one group ahead (RowStage, depth 1) on
-    `target`, next to `other_shared` bytes of shared memory the kernel already uses."""
-    if not (target.async_copy and cfg.exact):
-        return False
-    if any(cfg.vec * ELEMENT_BYTES[d] != 16 for d in dtypes):
-        return False
-    staged = len(dtypes) * cfg.iters * 16 * cfg.block
-    return staged + other_shared + SHARED_SLACK <= target.shared_bytes_per_block
-
-
 class RowGroups:
     """A persistent grid's walk over the row groups: cluster c (block c, without clusters)
     takes groups c, c + clusters, ...; its blocks each cover their slice of those rows."""
@@ -447,13 +397,6 @@ class RowGroups:
                 prefetch_l2(ptr, n_rows * (cfg.slice * ELEMENT_BYTES[dtype]))
 
         if_then((g < self.count) & (self.k.thread_id() < 1), issue)
-
-
-def wider(*dtypes: str | None) -> str:
-    """The widest of several I/O dtypes: it sets the vector width a row tile uses."""
-    from ..dtypes import ELEMENT_BYTES
-
-    return max((d for d in dtypes if d), key=lambda d: ELEMENT_BYTES[d])
 
 
 def widen(values: list[V]) -> list[V]:
