@@ -52,13 +52,19 @@ def describe(plan: ForwardPlan | BackwardPlan) -> str:
 def problem(kernel: str, N: int, dtype: str = "bf16", **changes) -> NormForward | NormBackward:
     """The kernel with weights (and LayerNorm's bias) of its own dtype, stats stored."""
     d = dtype
+    f = dict(name=kernel, N=N, dtype=d)
+    b = dict(name=kernel, N=N, dtype=d, x_dtype=d)
     p = {
-        "rmsnorm_fwd": NormForward(kernel, N, d, d, None, None, False, True, 1e-6),
-        "fused_fwd": NormForward(kernel, N, d, d, None, d, False, True, 1e-6),
-        "layernorm_fwd": NormForward(kernel, N, d, d, d, None, True, True, 1e-5),
-        "rmsnorm_bwd": NormBackward(kernel, N, d, d, d, False, False, True, False),
-        "fused_bwd": NormBackward(kernel, N, d, d, d, False, True, True, False),
-        "layernorm_bwd": NormBackward(kernel, N, d, d, d, True, False, True, True),
+        "rmsnorm_fwd": NormForward(**f, weight_dtype=d, store_stats=True, eps=1e-6),
+        "fused_fwd": NormForward(**f, weight_dtype=d, residual_dtype=d, store_stats=True, eps=1e-6),
+        "layernorm_fwd": NormForward(
+            **f, weight_dtype=d, bias_dtype=d, center=True, store_stats=True, eps=1e-5
+        ),
+        "rmsnorm_bwd": NormBackward(**b, weight_dtype=d, compute_dw=True),
+        "fused_bwd": NormBackward(**b, weight_dtype=d, has_dres=True, compute_dw=True),
+        "layernorm_bwd": NormBackward(
+            **b, weight_dtype=d, center=True, compute_dw=True, compute_db=True
+        ),
     }[kernel]
     return dataclasses.replace(p, **changes)
 

@@ -28,7 +28,7 @@ count modulo 4, an i32 that RowGroups carries from `first_phase` through `next_p
   threads like that: the warp slots alternate halves too (`block_slots`), so the next write
   to a half comes a block barrier later (the next row's reduction), after every warp's reads
   of it. Rows of one warp or less have no block barrier per row and must keep the cluster
-  barrier (kernels_common.cluster_exchange refuses them the mbarrier mode).
+  barrier (plans.cluster_exchange refuses them the mbarrier mode).
 - mbarriers: the i-th use of a half waits for the mbarrier phase of parity i % 2, which is
   `phase // 2`. Each row, thread 0 arrives on the half's mbarrier expecting the bytes of
   every block's state; bytes that land before the arrival count too, so no ordering between

@@ -43,30 +43,39 @@ def _field(*keywords: str):
     return field(metadata={"keywords": keywords})
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class NormForward:
+    """What a forward kernel computes (the launch shape is the plan's)."""
+
     name: str
     N: int
     dtype: str  # x, y
-    weight_dtype: str | None
-    bias_dtype: str | None
-    residual_dtype: str | None  # fused add: the dtype residual_out is stored in
-    center: bool  # LayerNorm
-    store_stats: bool  # rstd (and mean, for LayerNorm)
+    weight_dtype: str | None = None
+    bias_dtype: str | None = None
+    residual_dtype: str | None = None  # fused add: the dtype residual_out is stored in
+    center: bool = False  # LayerNorm
+    store_stats: bool = False  # rstd (and mean, for LayerNorm)
     eps: float
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class NormBackward:
+    """What a backward kernel computes. A weight gradient needs a weight (the kernel table
+    turns compute_dw off without one; a direct caller asking for it gets ValueError)."""
+
     name: str
     N: int
     dtype: str  # dy, dx
     x_dtype: str  # the normalised input (residual_out in the fused form)
-    weight_dtype: str | None
-    center: bool  # LayerNorm: subtract the mean
-    has_dres: bool  # fused form with a gradient flowing into residual_out
-    compute_dw: bool
-    compute_db: bool
+    weight_dtype: str | None = None
+    center: bool = False  # LayerNorm: subtract the mean
+    has_dres: bool = False  # fused form with a gradient flowing into residual_out
+    compute_dw: bool = False
+    compute_db: bool = False
+
+    def __post_init__(self) -> None:
+        if self.compute_dw and self.weight_dtype is None:
+            raise ValueError(f"{self.name}: compute_dw needs a weight (weight_dtype is None)")
 
 
 @dataclass(frozen=True)
