@@ -1,12 +1,11 @@
-"""CPU tests of the compile cache: keys, the disk store under damage and contention, memory tier."""
+"""CPU tests of the compile cache: keys, the disk store under damage, memory tier (contention
+between processes: test_cache_locking.py)."""
 
 from __future__ import annotations
 
 import json
-import multiprocessing
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -229,6 +228,7 @@ def test_read_only_leaves_damage_alone(tmp_path, keys):
 
 
 # --- disk: atomic writes and build-once ---------------------------------------------------
+# Across processes (the lock, publication while others read) see test_cache_locking.py.
 
 
 def test_put_leaves_no_temp_files(tmp_path, keys):
@@ -255,41 +255,6 @@ def test_failed_build_writes_nothing_and_releases_the_lock(tmp_path, keys):
     assert built and artifact == make_artifact()
     artifact, built = cache.get_or_build(*keys, TOOLCHAIN, broken)
     assert not built and artifact == make_artifact()
-
-
-def _slow_build(counter: str) -> Artifact:
-    time.sleep(0.5)
-    with open(counter, "a") as f:
-        f.write("built\n")
-    return make_artifact(b"from-one-process")
-
-
-def _compile_in_child(root: str, entry: str, tool: str, counter: str, out: str) -> None:
-    artifact, built = DiskCache(root).get_or_build(
-        entry, tool, TOOLCHAIN, lambda: _slow_build(counter)
-    )
-    Path(out).write_text(json.dumps({"binary": artifact.binary.hex(), "built": built}))
-
-
-def test_two_processes_compile_once(tmp_path, keys):
-    ctx = multiprocessing.get_context("spawn")
-    counter = tmp_path / "counter.txt"
-    outs = [tmp_path / f"out{i}.json" for i in range(2)]
-    args = [(str(tmp_path / "cache"), *keys, str(counter), str(out)) for out in outs]
-    procs = [ctx.Process(target=_compile_in_child, args=a) for a in args]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=60)
-    assert [p.exitcode for p in procs] == [0, 0]
-    assert counter.read_text().splitlines() == ["built"]
-    results = [json.loads(out.read_text()) for out in outs]
-    assert (
-        results[0]["binary"]
-        == results[1]["binary"]
-        == make_artifact(b"from-one-process").binary.hex()
-    )
-    assert sorted(r["built"] for r in results) == [False, True]
 
 
 # --- disk: read-only, listing, clearing ---------------------------------------------------

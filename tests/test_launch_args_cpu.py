@@ -9,7 +9,6 @@ here it is a failed assertion.
 from __future__ import annotations
 
 import functools
-import importlib
 
 import pytest
 import torch
@@ -17,10 +16,7 @@ import torch
 from kbuild import compiler
 from kbuild.targets import target_for_arch
 
-# The modules, not the public functions of the same names that kbuild.ops exports.
-rmsnorm = importlib.import_module("kbuild.ops.rmsnorm")
-layernorm = importlib.import_module("kbuild.ops.layernorm")
-launch = importlib.import_module("kbuild.ops.launch")
+from .launch_recorder import FakeLauncher, install, layernorm, rmsnorm
 
 SM90 = target_for_arch("sm_90")
 
@@ -30,18 +26,14 @@ def _signature(spec) -> tuple[tuple[str, str], ...]:
     return tuple(compiler.build(spec, SM90).signature())
 
 
-class Recorder:
+class Recorder(FakeLauncher):
     """Stands in for runtime.cuda.Launcher: records (spec, grid, args) of every launch."""
 
     calls: list = []
 
     def __init__(self, spec):
-        self.spec = spec
+        super().__init__(spec)
         self.signature = _signature(spec)
-        self.rows_per_block = 2
-        self.cluster = 1
-        self.resident_blocks = self.resident_clusters = 3
-        self.meta = {"columns_per_block": 32}
 
     def __call__(self, grid, stream, *args):
         assert len(args) == len(self.signature), (self.spec.short(), args)
@@ -53,14 +45,7 @@ class Recorder:
 @pytest.fixture
 def recorder(monkeypatch):
     Recorder.calls = []
-
-    def fake_get_launcher(key, device, make_spec):
-        return Recorder(make_spec())
-
-    # Every op looks its kernel up through ops/launch.py (launcher_for).
-    monkeypatch.setattr(launch, "get_launcher", fake_get_launcher)
-    monkeypatch.setattr(launch, "loaded", lambda key: None)
-    monkeypatch.setattr(launch, "stream_of", lambda device: 0)
+    install(monkeypatch, lambda key, device, make_spec: Recorder(make_spec()))
     return Recorder
 
 

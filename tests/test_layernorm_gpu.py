@@ -7,8 +7,9 @@ import pytest
 import torch
 
 import kbuild
-from kbuild.manifest import DTYPES, TEST_M, TEST_N, affine_dtypes
+from kbuild.manifest import DTYPES, TEST_N
 
+from .gpu_cases import DETERMINISTIC_N, LARGE_MEAN_N, layernorm_cases
 from .gpu_utils import GRAD_TOL, TORCH_DTYPES, poison_allocator, rand
 from .reference import assert_close_rel, layernorm_grads
 
@@ -26,24 +27,23 @@ def _param(N, dtype, seed, offset):
 def test_layernorm_forward_backward(N: int, dtype: str) -> None:
     tdtype = TORCH_DTYPES[dtype]
     tol = GRAD_TOL[tdtype]
-    for M in TEST_M:
-        for w_dtype, b_dtype in affine_dtypes(dtype):
-            x = rand((M, N), tdtype, seed=N + M, scale=2.0).requires_grad_()
-            w, b = _param(N, w_dtype, N, 1.0), _param(N, b_dtype, N + 1, 0.0)
-            dy = rand((M, N), tdtype, seed=N + M + 1)
-            poison_allocator(M * N, tdtype)
-            y = kbuild.layernorm(x, w, b, 1e-5)
-            inputs = [t for t in (x, w, b) if t is not None]
-            grads = iter(torch.autograd.grad(y, inputs, dy))
-            ref_y, ref_dx, ref_dw, ref_db = layernorm_grads(x, w, b, dy, 1e-5)
-            what = f"M={M} N={N} {dtype} w={w_dtype} b={b_dtype}"
-            assert_close_rel(y, ref_y.to(tdtype), tol, "y " + what)
-            assert_close_rel(next(grads), ref_dx, tol, "dx " + what)
-            for p, ref in ((w, ref_dw), (b, ref_db)):
-                if p is not None:
-                    g = next(grads)
-                    assert g.dtype == p.dtype
-                    assert_close_rel(g, ref, GRAD_TOL[p.dtype] + tol, "dparam " + what)
+    for M, w_dtype, b_dtype in layernorm_cases(dtype):
+        x = rand((M, N), tdtype, seed=N + M, scale=2.0).requires_grad_()
+        w, b = _param(N, w_dtype, N, 1.0), _param(N, b_dtype, N + 1, 0.0)
+        dy = rand((M, N), tdtype, seed=N + M + 1)
+        poison_allocator(M * N, tdtype)
+        y = kbuild.layernorm(x, w, b, 1e-5)
+        inputs = [t for t in (x, w, b) if t is not None]
+        grads = iter(torch.autograd.grad(y, inputs, dy))
+        ref_y, ref_dx, ref_dw, ref_db = layernorm_grads(x, w, b, dy, 1e-5)
+        what = f"M={M} N={N} {dtype} w={w_dtype} b={b_dtype}"
+        assert_close_rel(y, ref_y.to(tdtype), tol, "y " + what)
+        assert_close_rel(next(grads), ref_dx, tol, "dx " + what)
+        for p, ref in ((w, ref_dw), (b, ref_db)):
+            if p is not None:
+                g = next(grads)
+                assert g.dtype == p.dtype
+                assert_close_rel(g, ref, GRAD_TOL[p.dtype] + tol, "dparam " + what)
 
 
 def test_stats_match() -> None:
@@ -58,7 +58,7 @@ def test_stats_match() -> None:
     )
 
 
-@pytest.mark.parametrize("N", (768, 4096, 65536))
+@pytest.mark.parametrize("N", LARGE_MEAN_N)
 def test_large_mean_keeps_fp32_accuracy(N: int) -> None:
     """x = 1000 + randn: E[x^2] - mean^2 would lose every digit of the variance in fp32."""
     x = 1000.0 + rand((64, N), torch.float32, seed=3)
@@ -73,7 +73,7 @@ def test_large_mean_keeps_fp32_accuracy(N: int) -> None:
     assert_close_rel(y, ref, 2e-4, "large mean")
 
 
-@pytest.mark.parametrize("N", (1000, 4096, 65536))
+@pytest.mark.parametrize("N", DETERMINISTIC_N)
 def test_dw_db_bitwise_deterministic(N: int) -> None:
     # N = 65536 splits each row over a cluster of blocks (Hopper), partials in shared memory.
     x = rand((256 if N == 65536 else 4096, N), torch.bfloat16, seed=4)

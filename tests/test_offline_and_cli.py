@@ -1,24 +1,29 @@
-"""CPU tests of the offline mode, the `kbuild` command line and cross-process compiles, end to end
-through the real compiler (key sensitivity is test_cache.py's job)."""
+"""CPU tests of the offline mode and the `kbuild` command line, end to end through the real
+compiler, and of the jit path's build-once lock across processes (key sensitivity is
+test_cache.py's job, the lock's own protocol test_cache_locking.py's)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from kbuild import cli
-from kbuild.cache import DiskCache, entry_key
+from kbuild.artifact import Artifact
+from kbuild.cache import DiskCache, entry_key, toolchain_key
+from kbuild.compiler import toolchain
 from kbuild.jit import KernelNotCached, artifact_for
 from kbuild.manifest import manifest
 from kbuild.ops.rmsnorm import rmsnorm_fwd_spec
 from kbuild.spec import KernelSpec
 from kbuild.targets import target_for_arch
+
+from .lock_workers import artifact_for_worker, children
 
 SM90 = target_for_arch("sm_90")
 SPEC = rmsnorm_fwd_spec(4096, "bf16", "bf16", False, 1e-6)
@@ -155,53 +160,31 @@ def test_cache_path_and_clear(tmp_path, capsys):
     assert (tmp_path / "unrelated.txt").read_text() == "kept"
 
 
-# --- two processes, one compile -----------------------------------------------------------
-
-_CHILD = """
-import hashlib, os, sys, time
-from pathlib import Path
-from kbuild.jit import artifact_for
-from kbuild.ops.rmsnorm import rmsnorm_fwd_spec
-from kbuild.targets import target_for_arch
-spec, target = rmsnorm_fwd_spec(2048, "bf16", "bf16", True, 1e-6), target_for_arch("sm_90")
-Path(sys.argv[1]).touch()
-deadline = time.time() + 60
-while not Path(sys.argv[2]).exists() and time.time() < deadline:
-    time.sleep(0.005)
-print(hashlib.sha256(artifact_for(spec, target).binary).hexdigest())
-"""
+# --- two processes, one entry -------------------------------------------------------------
 
 
-def test_two_processes_share_one_entry(tmp_path, tmp_cache, subprocess_env):
-    env = dict(subprocess_env, KBUILD_CACHE_DIR=str(tmp_cache))
-    go = tmp_path / "go"
-    ready = [tmp_path / f"ready{i}" for i in range(2)]
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", _CHILD, str(r), str(go)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env,
-        )
-        for r in ready
-    ]
-    deadline = time.time() + 60
-    while not all(r.exists() for r in ready) and time.time() < deadline:
-        time.sleep(0.005)
-    go.touch()  # both have imported everything: release them together
-    outputs = [p.communicate(timeout=120) for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], [err for _, err in outputs]
-    digests = [out.strip() for out, _ in outputs]
-    assert re.fullmatch(r"[0-9a-f]{64}", digests[0])
-    assert digests[0] == digests[1]
+def test_two_processes_wait_on_the_lock_and_share_one_entry(tmp_cache):
+    """kbuild.jit's online path goes through the entry's lock: two processes calling
+    artifact_for while this one holds that lock both wait (each is refused the lock file),
+    then both take the entry the holder wrote, and neither compiles.
 
+    Catches: the jit path (artifact_for -> build_into) compiling without get_or_build's lock
+    or its second get, or locking a different key than it stores under. The holder's entry is
+    a sentinel, not a real cubin, so a child that compiled would return other bytes."""
     spec = rmsnorm_fwd_spec(2048, "bf16", "bf16", True, 1e-6)
-    key = entry_key(spec, SM90)
+    key, tools = entry_key(spec, SM90), toolchain(SM90.vendor)
+    cache = DiskCache(tmp_cache)
+    lock = cache.lock(key, toolchain_key(tools))
+    sentinel = Artifact(b"sentinel, not a cubin", "cubin", "rmsnorm_fwd_kernel", {})
+    with children() as spawn:
+        with lock:
+            pair = [spawn(artifact_for_worker, spec.canonical_json(), lock.lock_file) for _ in "ab"]
+            for child in pair:
+                child.expect(("start",), ("refused",))
+            cache.put(key, toolchain_key(tools), sentinel, tools)
+        digest = hashlib.sha256(sentinel.binary).hexdigest()
+        for child in pair:
+            child.expect(("locked",), ("unlocked", True), ("returned", digest))
     entries = list(DiskCache(tmp_cache).entries())
-    assert len(entries) == 1
-    directory, meta = entries[0]
-    assert directory.parent.name == key
-    assert meta["sha256"] == digests[0]
-    assert [p.name for p in directory.parent.iterdir() if p.is_dir()] == [directory.name]
+    assert [(d.parent.name, meta["sha256"]) for d, meta in entries] == [(key, digest)]
     assert not list(tmp_cache.rglob(".tmp-*")), "temp files left behind"

@@ -7,16 +7,9 @@ import pytest
 import torch
 
 import kbuild
-from kbuild.manifest import (
-    DTYPES,
-    TEST_M,
-    TEST_N,
-    TRAIN_DTYPE,
-    TRAIN_N,
-    residual_dtypes,
-    weight_dtypes,
-)
+from kbuild.manifest import DTYPES, TEST_N, TRAIN_DTYPE, TRAIN_N
 
+from .gpu_cases import DETERMINISTIC_N, fused_cases, rmsnorm_cases
 from .gpu_utils import GRAD_TOL, TORCH_DTYPES, poison_allocator, rand
 from .reference import assert_close_rel, dx_terms, rmsnorm_grads
 
@@ -33,24 +26,21 @@ def _weight(N, w_dtype, seed):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rmsnorm_backward(N: int, dtype: str) -> None:
     tdtype = TORCH_DTYPES[dtype]
-    for M in TEST_M:
-        for w_dtype in weight_dtypes(dtype):
-            x = rand((M, N), tdtype, seed=N + M).requires_grad_()
-            w = _weight(N, w_dtype, seed=N)
-            dy = rand((M, N), tdtype, seed=N + M + 1)
-            poison_allocator(M * N, tdtype)
-            y = kbuild.rmsnorm(x, w, 1e-6)
-            grads = torch.autograd.grad(y, [t for t in (x, w) if t is not None], dy)
-            ref_y, ref_dx, ref_dw, _ = rmsnorm_grads(x.detach(), w, dy, 1e-6)
-            what = f"M={M} N={N} {dtype} w={w_dtype}"
-            assert grads[0].dtype == tdtype
-            floor = dx_terms(x, w, dy, 1e-6)
-            assert_close_rel(grads[0], ref_dx, GRAD_TOL[tdtype], "dx " + what, floor)
-            if w is not None:
-                assert grads[1].dtype == w.dtype
-                assert_close_rel(
-                    grads[1], ref_dw, GRAD_TOL[w.dtype] + GRAD_TOL[tdtype], "dw " + what
-                )
+    for M, w_dtype in rmsnorm_cases(dtype):
+        x = rand((M, N), tdtype, seed=N + M).requires_grad_()
+        w = _weight(N, w_dtype, seed=N)
+        dy = rand((M, N), tdtype, seed=N + M + 1)
+        poison_allocator(M * N, tdtype)
+        y = kbuild.rmsnorm(x, w, 1e-6)
+        grads = torch.autograd.grad(y, [t for t in (x, w) if t is not None], dy)
+        ref_y, ref_dx, ref_dw, _ = rmsnorm_grads(x.detach(), w, dy, 1e-6)
+        what = f"M={M} N={N} {dtype} w={w_dtype}"
+        assert grads[0].dtype == tdtype
+        floor = dx_terms(x, w, dy, 1e-6)
+        assert_close_rel(grads[0], ref_dx, GRAD_TOL[tdtype], "dx " + what, floor)
+        if w is not None:
+            assert grads[1].dtype == w.dtype
+            assert_close_rel(grads[1], ref_dw, GRAD_TOL[w.dtype] + GRAD_TOL[tdtype], "dw " + what)
 
 
 def test_frozen_weight_and_input_grads_respected() -> None:
@@ -69,36 +59,31 @@ def test_frozen_weight_and_input_grads_respected() -> None:
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_fused_add_rmsnorm(N: int, dtype: str) -> None:
     tdtype = TORCH_DTYPES[dtype]
-    for M in TEST_M:
-        for w_dtype in (dtype, "f32"):
-            for residual_dtype in residual_dtypes(dtype):
-                for with_dres in (False, True):
-                    x = rand((M, N), tdtype, seed=N + M).requires_grad_()
-                    r = rand((M, N), tdtype, seed=N + M + 7).requires_grad_()
-                    w = _weight(N, w_dtype, seed=N)
-                    fp32 = residual_dtype == "f32"
-                    out, res = kbuild.fused_add_rmsnorm(x, r, w, 1e-6, residual_in_fp32=fp32)
-                    assert res.dtype == TORCH_DTYPES[residual_dtype] and out.dtype == tdtype
-                    dy = rand((M, N), tdtype, seed=N + 2)
-                    dres = rand((M, N), res.dtype, seed=N + 3) if with_dres else None
-                    outputs, grads_in = ([out, res], [dy, dres]) if with_dres else ([out], [dy])
-                    dx, dr, dw = torch.autograd.grad(outputs, [x, r, w], grads_in)
-                    # The reference normalises the stored residual_out, as the kernel must.
-                    res_ref = (x.detach().double() + r.detach().double()).to(res.dtype)
-                    torch.testing.assert_close(res, res_ref, rtol=0, atol=0)
-                    ref_y, ref_d, ref_dw, _ = rmsnorm_grads(
-                        res_ref, w, dy, 1e-6, dresidual_out=dres
-                    )
-                    what = f"M={M} N={N} {dtype} w={w_dtype} res={residual_dtype} dres={with_dres}"
-                    tol = GRAD_TOL[tdtype]
-                    assert_close_rel(out, ref_y.to(tdtype), tol, "out " + what)
-                    floor = dx_terms(res_ref, w, dy, 1e-6)
-                    assert_close_rel(dx, ref_d, tol, "dx " + what, floor)
-                    assert torch.equal(dx, dr), "dx and dresidual must be the same values"
-                    assert_close_rel(dw, ref_dw, GRAD_TOL[w.dtype] + tol, "dw " + what)
+    for M, w_dtype, residual_dtype, with_dres in fused_cases(dtype):
+        x = rand((M, N), tdtype, seed=N + M).requires_grad_()
+        r = rand((M, N), tdtype, seed=N + M + 7).requires_grad_()
+        w = _weight(N, w_dtype, seed=N)
+        fp32 = residual_dtype == "f32"
+        out, res = kbuild.fused_add_rmsnorm(x, r, w, 1e-6, residual_in_fp32=fp32)
+        assert res.dtype == TORCH_DTYPES[residual_dtype] and out.dtype == tdtype
+        dy = rand((M, N), tdtype, seed=N + 2)
+        dres = rand((M, N), res.dtype, seed=N + 3) if with_dres else None
+        outputs, grads_in = ([out, res], [dy, dres]) if with_dres else ([out], [dy])
+        dx, dr, dw = torch.autograd.grad(outputs, [x, r, w], grads_in)
+        # The reference normalises the stored residual_out, as the kernel must.
+        res_ref = (x.detach().double() + r.detach().double()).to(res.dtype)
+        torch.testing.assert_close(res, res_ref, rtol=0, atol=0)
+        ref_y, ref_d, ref_dw, _ = rmsnorm_grads(res_ref, w, dy, 1e-6, dresidual_out=dres)
+        what = f"M={M} N={N} {dtype} w={w_dtype} res={residual_dtype} dres={with_dres}"
+        tol = GRAD_TOL[tdtype]
+        assert_close_rel(out, ref_y.to(tdtype), tol, "out " + what)
+        floor = dx_terms(res_ref, w, dy, 1e-6)
+        assert_close_rel(dx, ref_d, tol, "dx " + what, floor)
+        assert torch.equal(dx, dr), "dx and dresidual must be the same values"
+        assert_close_rel(dw, ref_dw, GRAD_TOL[w.dtype] + tol, "dw " + what)
 
 
-@pytest.mark.parametrize("N", (1000, 4096, 65536))
+@pytest.mark.parametrize("N", DETERMINISTIC_N)
 def test_dw_bitwise_deterministic(N: int) -> None:
     # N = 65536 splits each row over a cluster of blocks (Hopper): fewer, longer rows.
     x = rand((256 if N == 65536 else 4096, N), torch.bfloat16, seed=4)

@@ -10,9 +10,10 @@ import pytest
 import torch
 
 import kbuild
-from kbuild.manifest import DTYPES, TEST_M, TEST_N, weight_dtypes
+from kbuild.manifest import DTYPES, TEST_N
 from kbuild.ops.rmsnorm import rmsnorm_fwd
 
+from .gpu_cases import RSTD_N, rmsnorm_cases
 from .gpu_utils import FWD_TOL, TORCH_DTYPES, poison_allocator, rand
 from .reference import rmsnorm_ref
 
@@ -29,19 +30,18 @@ def _weight(N: int, w_dtype: str | None, seed: int) -> torch.Tensor | None:
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_forward_matches_reference(N: int, dtype: str) -> None:
     tdtype = TORCH_DTYPES[dtype]
-    for M in TEST_M:
-        for w_dtype in weight_dtypes(dtype):
-            x = rand((M, N), tdtype, seed=N + M)
-            w = _weight(N, w_dtype, seed=N)
-            poison_allocator(M * N, tdtype)
-            y = kbuild.rmsnorm(x, w, eps=1e-6)
-            assert y.shape == x.shape and y.dtype == x.dtype
-            ref = rmsnorm_ref(x, w, 1e-6)
-            torch.testing.assert_close(y, ref, **FWD_TOL[tdtype], msg=f"M={M} w={w_dtype}")
+    for M, w_dtype in rmsnorm_cases(dtype):
+        x = rand((M, N), tdtype, seed=N + M)
+        w = _weight(N, w_dtype, seed=N)
+        poison_allocator(M * N, tdtype)
+        y = kbuild.rmsnorm(x, w, eps=1e-6)
+        assert y.shape == x.shape and y.dtype == x.dtype
+        ref = rmsnorm_ref(x, w, 1e-6)
+        torch.testing.assert_close(y, ref, **FWD_TOL[tdtype], msg=f"M={M} w={w_dtype}")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("N", (7, 4096, 65536))
+@pytest.mark.parametrize("N", RSTD_N)
 def test_rstd_matches(N: int, dtype: str) -> None:
     tdtype = TORCH_DTYPES[dtype]
     x = rand((37, N), tdtype, seed=3)
