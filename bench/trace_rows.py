@@ -28,7 +28,7 @@ from kbuild.jit import artifact_for, device_target  # noqa: E402
 from kbuild.manifest import BENCH_ELEMENTS, manifest  # noqa: E402
 from kbuild.ops.common import stream_of  # noqa: E402
 from kbuild.runtime.cuda import Launcher  # noqa: E402
-from kbuild.timing import TRACE_POINTS as POINTS  # noqa: E402
+from kbuild.trace_layout import TRACE_POINTS as POINTS  # noqa: E402
 
 PHASES = {
     "wait": ("start", "landed"),

@@ -1,6 +1,6 @@
-"""Launch-shape sweep: time each kernel variant of the `tune` manifest (threads per row,
-blocks per row in a cluster, prefetch, a persistent grid, ...), the kernel alone,
-back to back. Shapes as the benchmarks (bf16, M*N = 64 Mi).
+"""Launch-shape sweep: time each kernel variant of the `tune` manifest (launch-plan fields
+forced: threads per row, blocks per row in a cluster, prefetch, a persistent grid, ...), the
+kernel alone, back to back. Shapes as the benchmarks (bf16, M*N = 64 Mi).
 
     kbuild warmup --manifest tune ...   then   python bench/tune.py [out.json]
 """
@@ -18,6 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.harness import measure_copy  # noqa: E402
 from kbuild.jit import artifact_for, device_target  # noqa: E402
+from kbuild.kernels.plans import BackwardPlan, ForwardPlan, override_keywords  # noqa: E402
 from kbuild.manifest import BENCH_ELEMENTS, manifest  # noqa: E402
 from kbuild.ops.common import stream_of  # noqa: E402
 from kbuild.ops.launch import persistent_grid, rows_grid  # noqa: E402
@@ -37,23 +38,8 @@ _MOVED = {
 
 
 ROUNDS = 5
-# Build options a variant may set (see the norm_forward and norm_backward builders).
-_OPTIONS = (
-    "threads_per_row",
-    "cluster",
-    "prefetch",
-    "shared_partials",
-    "persistent",
-    "prefetch_l2",
-    "resident_params",
-    "stream_x",
-    "stage",
-    "reload",
-    "blocks_per_sm",
-    "cluster_sync",
-    "rows_per_block",
-    "resident_params",
-)
+# Launch-plan fields a variant may force, by builder keyword (kbuild/kernels/plans.py).
+_OPTIONS = tuple(dict.fromkeys(override_keywords(ForwardPlan) + override_keywords(BackwardPlan)))
 # Diagnostic: these kernels also run on a fraction of their persistent grid. If the time per
 # row group stays the same with half the clusters, the loop is bound by its per-row chain
 # (latency); if the bandwidth holds, by the memory system.

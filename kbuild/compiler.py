@@ -10,7 +10,7 @@ import time
 from importlib import metadata
 
 from .artifact import Artifact
-from .kernels import get_builder
+from .kernels import get_builder, kernel_def
 from .spec import KernelSpec
 from .targets import Target
 
@@ -51,6 +51,10 @@ def build(spec: KernelSpec, target: Target):
     with kernel.context:
         if not kernel.module.operation.verify():
             raise CompileError(f"{spec.short()} produced IR that does not verify")
+    try:  # the launch path packs arguments in the table's order: the builder must agree
+        kernel_def(spec.kernel).check_signature(spec, kernel.signature())
+    except ValueError as err:
+        raise CompileError(str(err)) from err
     return kernel
 
 

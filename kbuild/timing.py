@@ -12,11 +12,9 @@ from collections.abc import Callable
 
 import torch
 
-# The layout of a diagnostic build's per-row timestamps (kbuild.dsl.trace; read by
-# bench/trace_rows.py): five SM-cycle points of a row step, then the global timer (ns).
-TRACE_POINTS = ("start", "landed", "block", "cluster", "end")
-TRACE_WORDS = len(TRACE_POINTS) + 1
-TRACE_ITERATIONS = 64  # row steps recorded per block
+# The trace layout lives in kbuild/trace_layout.py (fingerprinted: kernels are built from
+# it); these names stay importable here for bench/tune.py.
+from .trace_layout import TRACE_ITERATIONS, TRACE_POINTS, TRACE_WORDS  # noqa: F401
 
 
 def median_ms(fn: Callable[[], object], reps: int = 50, warmup_ms: float = 200.0) -> float:

@@ -73,12 +73,11 @@ def zeros(shape, dtype, offset: bool = False):
 def install(monkeypatch, get_launcher, loaded=lambda key: None) -> None:
     """Every module that imported get_launcher / loaded / stream_of gets the fakes (patching
     kbuild.jit alone would not reach the names the ops modules bound at import)."""
+    fakes = {"get_launcher": get_launcher, "loaded": loaded, "stream_of": lambda device: 0}
     for module in (*OPS_MODULES, jit):
-        if hasattr(module, "get_launcher"):
-            monkeypatch.setattr(module, "get_launcher", get_launcher)
-    monkeypatch.setattr(rmsnorm, "loaded", loaded)
-    for module in OPS_MODULES:
-        monkeypatch.setattr(module, "stream_of", lambda device: 0)
+        for name, fake in fakes.items():
+            if hasattr(module, name) and not (module is jit and name == "stream_of"):
+                monkeypatch.setattr(module, name, fake)
 
 
 def pretend_cuda(monkeypatch) -> None:

@@ -1,4 +1,4 @@
-"""CPU tests of the two ways a cluster's blocks exchange row sums (dsl.cluster_reduce):
+"""CPU tests of the two ways a cluster's blocks exchange row sums (dsl.exchange):
 a cluster barrier per row, or `st.async` stores counted against an mbarrier in each block.
 
 Whether the mbarrier exchange computes the same rows is checked on the GPU (the tune sweep's
@@ -64,7 +64,7 @@ def test_mbarrier_exchange_sends_each_state_with_st_async(kernel, states):
     assert _count(ptx, r"st\.async\.shared::cluster\.mbarrier::complete_tx::bytes\.b32") == states
     assert _count(ptx, r"mbarrier\.arrive\.expect_tx\.shared::cta\.b64") == 1
     assert "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64" in ptx
-    assert "fence.proxy.async" not in ptx  # see dsl.reduce._cluster_reduce_mbarrier
+    assert "fence.proxy.async" not in ptx  # see dsl.exchange (the ordering argument)
 
 
 def test_barrier_exchange_steps_the_cluster_each_row():
@@ -138,33 +138,22 @@ def test_cluster_sync_options_that_cannot_apply_raise(kernel, N, options, arch, 
 )
 def test_the_chooser_picks_the_exchange_measured_faster(kernel, N, options, exchange):
     kernel_ = compiler.build(_spec(kernel, N, **options), target_for_arch("sm_90"))
-    assert kernel_.cluster_exchange == exchange
+    assert kernel_.exchange.mode == exchange
     ptx = _ptx(_spec(kernel, N, **options))
     assert ("st.async" in ptx) == (exchange == "mbarrier")
 
 
-# --- several rows per block of a cluster; clusters past the portable 8 -----------------------
-
-
-def test_rows_of_a_cluster_block_share_its_exchange():
-    # Two rows per block: each row's first 8 threads send that row's sums, and the mbarrier
-    # waits for both rows' bytes from all 8 blocks (8 * 2 rows * 2 sums * 4 bytes).
-    spec = _spec("layernorm_bwd", 65536, rows_per_block=2, cluster=8, cluster_sync="mbarrier")
-    kernel = compiler.build(spec, target_for_arch("sm_90"))
-    assert (kernel.block, kernel.meta["rows_per_block"], kernel.meta["cluster"]) == (1024, 2, 8)
-    ptx = _ptx(spec)
-    arrive = re.search(r"mbarrier\.arrive\.expect_tx\.shared::cta\.b64 _, \[%r\d+\], (%r\d+);", ptx)
-    assert arrive is not None
-    assert re.findall(rf"mov\.b32\s+{arrive.group(1)}, (\d+);", ptx) == ["128"]
-    assert _count(ptx, r"st\.async") == 2
+# --- cluster shapes the plans no longer offer ------------------------------------------------
 
 
 @pytest.mark.parametrize(
     "options, message",
     [
-        (dict(rows_per_block=2), "rows_per_block is a cluster override"),
-        (dict(rows_per_block=4, cluster=8), "fit 1024 threads"),
-        (dict(cluster=32), "at most 16"),
+        # Several rows per block of a cluster and clusters past the portable 8 lost every
+        # sweep (bench/results/h200_tune_rows_per_block.json): no longer launch-plan fields.
+        (dict(rows_per_block=2, cluster=8), "unexpected keyword argument 'rows_per_block'"),
+        (dict(cluster=16), "cluster must be from 1 to 8 blocks on sm_90, not 16"),
+        (dict(cluster=32), "cluster must be from 1 to 8 blocks on sm_90, not 32"),
     ],
 )
 def test_cluster_shape_overrides_that_cannot_apply_raise(options, message):
@@ -172,10 +161,47 @@ def test_cluster_shape_overrides_that_cannot_apply_raise(options, message):
         compiler.build(_spec("layernorm_bwd", 65536, **options), target_for_arch("sm_90"))
 
 
-def test_clusters_of_16_are_a_hopper_opt_in():
-    sm90, sm80 = target_for_arch("sm_90"), target_for_arch("sm_80")
-    assert (sm90.max_cluster, sm90.max_cluster_nonportable) == (8, 16)
-    assert sm80.max_cluster_nonportable == 1
-    kernel = compiler.build(_spec("layernorm_fwd", 65536, cluster=16), sm90)
-    assert kernel.meta["cluster"] == 16
-    assert ".reqnctapercluster 16, 1, 1" in _ptx(_spec("layernorm_fwd", 65536, cluster=16))
+# --- the exchange object ---------------------------------------------------------------------
+
+
+def test_the_exchange_is_fixed_when_the_kernel_is_made():
+    from kbuild.dsl import Kernel
+
+    target = target_for_arch("sm_90")
+    k = Kernel("probe", target, block=256, cluster=2, exchange="mbarrier")
+    assert k.exchange.mode == "mbarrier"
+    with pytest.raises(AttributeError):
+        k.exchange = "barrier"
+    with pytest.raises(AttributeError):
+        k.exchange.mode = "barrier"
+    assert Kernel("probe", target, block=256, cluster=2).exchange.mode == "barrier"
+
+
+@pytest.mark.parametrize(
+    "cluster, exchange, message",
+    [(2, "fast", "exchange must be 'barrier' or 'mbarrier'"), (1, "mbarrier", "with clusters")],
+)
+def test_exchanges_that_cannot_apply_raise(cluster, exchange, message):
+    from kbuild.dsl import Kernel
+
+    with pytest.raises(ValueError, match=message):
+        Kernel("probe", target_for_arch("sm_90"), block=256, cluster=cluster, exchange=exchange)
+
+
+def test_the_exchange_mode_check_is_importable_for_launch_plans():
+    # plans.cluster_exchange: pure logic over a RowConfig, no IR built; None: no cluster.
+    from types import SimpleNamespace
+
+    from kbuild.dsl.exchange import MODES
+    from kbuild.kernels.plans import EXCHANGES, cluster_exchange
+
+    assert EXCHANGES == MODES  # the plans' copy of the vocabulary (plans import no MLIR)
+
+    split = SimpleNamespace(cluster=8, threads_per_row=256)
+    assert cluster_exchange(None, split, "mbarrier", 32) == "mbarrier"
+    assert cluster_exchange("barrier", split, "mbarrier", 32) == "barrier"
+    assert cluster_exchange(None, SimpleNamespace(cluster=1, threads_per_row=256), "x", 32) is None
+    within_warp = SimpleNamespace(cluster=8, threads_per_row=32)
+    assert cluster_exchange(None, within_warp, "mbarrier", 32) == "barrier"
+    with pytest.raises(ValueError, match="needs rows of more than 32 threads"):
+        cluster_exchange("mbarrier", within_warp, "mbarrier", 32)

@@ -62,7 +62,7 @@ def cubin_of(spec: KernelSpec, arch: str) -> Artifact:
 
 
 BF16_4096 = rmsnorm_fwd_spec(4096, "bf16", "bf16", False, 1e-6)
-BF16_4096_UNALIGNED = rmsnorm_fwd_spec(4096, "bf16", "bf16", False, 1e-6, is_aligned=False)
+BF16_4096_UNALIGNED = rmsnorm_fwd_spec(4096, "bf16", "bf16", False, 1e-6, vectorize=False)
 BF16_65536 = rmsnorm_fwd_spec(65536, "bf16", "bf16", False, 1e-6)
 F32_4096 = rmsnorm_fwd_spec(4096, "f32", "f32", False, 1e-6)
 
@@ -306,7 +306,7 @@ def _amd_backward_specs() -> list[KernelSpec]:
     for n, dtype in itertools.product((7, 1000, 4096), ("f32", "f16", "bf16")):
         specs += [
             rmsnorm_bwd_spec(n, dtype, dtype, True),
-            rmsnorm_bwd_spec(n, dtype, None, False, is_aligned=False),
+            rmsnorm_bwd_spec(n, dtype, None, False, vectorize=False),
             fused_add_rmsnorm_bwd_spec(n, dtype, "f32", "f32", True, True),
             fused_add_rmsnorm_bwd_spec(n, dtype, dtype, dtype, True, False),
             column_sum_spec(n, dtype),

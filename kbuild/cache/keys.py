@@ -32,9 +32,12 @@ from kbuild.targets import Target
 CACHE_FORMAT_VERSION = 1
 
 # What generates code, relative to the package: edits here must invalidate every entry.
-# The runtime, the cache and the ops are left out, since they never change a binary.
+# The runtime, the cache and the ops are left out, since they never change a binary. The set
+# is closed under imports: whatever these modules import from kbuild is in it too (the trace
+# layout the kernels write by, the Artifact the compiler returns), which
+# tests/test_fingerprint_cpu.py checks.
 _SOURCE_DIRS = ("kernels", "dsl", "targets")
-_SOURCE_FILES = ("spec.py", "compiler.py", "dtypes.py")
+_SOURCE_FILES = ("spec.py", "compiler.py", "dtypes.py", "trace_layout.py", "artifact.py")
 
 
 def _digest(payload: Any) -> str:
@@ -43,16 +46,21 @@ def _digest(payload: Any) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
+def source_files(package: Path) -> list[tuple[str, Path]]:
+    """The code-generating `*.py` files under `package`, as sorted (relative path, path)."""
+    files = [path for name in _SOURCE_DIRS for path in (package / name).rglob("*.py")]
+    files += [package / name for name in _SOURCE_FILES if (package / name).is_file()]
+    return sorted((path.relative_to(package).as_posix(), path) for path in files)
+
+
 def fingerprint_tree(package: Path) -> str:
     """Hash the code-generating `*.py` files under `package`, each with its relative path.
 
     Paths are hashed too, so renaming or moving a file counts as a change; each part is
     length-prefixed so no two different trees can produce the same byte stream.
     """
-    files = [path for name in _SOURCE_DIRS for path in (package / name).rglob("*.py")]
-    files += [package / name for name in _SOURCE_FILES if (package / name).is_file()]
     digest = hashlib.sha256()
-    for rel, path in sorted((path.relative_to(package).as_posix(), path) for path in files):
+    for rel, path in source_files(package):
         data = path.read_bytes()
         digest.update(f"{len(rel)}:{rel}:{len(data)}:".encode())
         digest.update(data)

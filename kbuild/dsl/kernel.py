@@ -17,6 +17,7 @@ from mlir import ir
 from mlir.dialects import gpu, llvm, nvvm
 
 from ..targets import Target
+from .exchange import ClusterExchange
 from .memory import get_llvm_ptr
 from .values import V, cast, const, element_bytes, scalar_type
 
@@ -37,17 +38,18 @@ class Kernel:
         block: int,
         min_blocks_per_sm: int | None = None,
         cluster: int = 1,
+        exchange: str = "barrier",
     ):
         """`min_blocks_per_sm` asks the backend to fit that many blocks on a multiprocessor
         (on NVIDIA, `.minnctapersm`: registers are capped to make room). `cluster` > 1 groups
         that many consecutive blocks into a cluster (see `remote`, `cluster_arrive`); the
-        grid must then be a multiple of it."""
+        grid must then be a multiple of it. `exchange`: how row states cross the cluster,
+        "barrier" or "mbarrier" (the kernel's `exchange`, a dsl.exchange.ClusterExchange)."""
         target.cluster_attribute(cluster)  # an unsupported cluster size raises here, early
         self.name = name
         self.min_blocks_per_sm = min_blocks_per_sm
         self.cluster = cluster
-        # How row sums cross a cluster (reduce.cluster_reduce): "barrier" or "mbarrier".
-        self.cluster_exchange = "barrier"
+        self._exchange = ClusterExchange(self, exchange)
         self.trace = None  # a dsl.trace.Trace in a diagnostic build: row loops mark their steps
         self.target = target
         self.block = block
@@ -147,6 +149,11 @@ class Kernel:
         gpu.barrier()
 
     # ------------------------------------------------------------------ clusters
+
+    @property
+    def exchange(self) -> ClusterExchange:
+        """How the blocks of a cluster exchange row states (dsl.exchange; fixed at creation)."""
+        return self._exchange
 
     def cluster_rank(self) -> V:
         """This block's index within its cluster (i64; 0 without clusters)."""

@@ -1,6 +1,6 @@
 """Transaction barriers (`mbarrier`) and asynchronous stores into a cluster peer's shared
 memory (`st.async`), sm_90 on: a block can wait for data that other blocks send it without a
-cluster-wide barrier (see reduce.cluster_reduce).
+cluster-wide barrier (see dsl.exchange).
 
 An mbarrier is a 64-bit object in shared memory. A phase completes when its expected arrivals
 have arrived and the bytes it was told to expect (`arrive_expect_tx`) have landed; a store
@@ -63,20 +63,14 @@ def wait_parity(bar: V, parity: V | int) -> None:
     _asm(text, "r,r", [_shared32(bar), _i32(parity)])
 
 
-def wait_phase(bars: V, phase: V) -> None:
-    """`wait_parity` on a pair of mbarriers used in turn: for use count `phase` (i32, modulo
-    4), mbarrier phase % 2 of the pair at `bars` and parity phase // 2. Derived inside the
-    instruction sequence, so nothing but `phase` stays live while the wait is pending."""
-    text = (
-        "{\n"
-        ".reg .b32 bar, parity, offset;\n"
-        ".reg .pred done;\n"
-        "and.b32 offset, $1, 1;\n"
-        "shl.b32 offset, offset, 3;\n"
-        "add.u32 bar, $0, offset;\n"
-        "shr.u32 parity, $1, 1;\n" + _WAIT.format(bar="bar", parity="parity") + "}"
-    )
-    _asm(text, "r,r", [_shared32(bars), _i32(phase)])
+def wait_parity_derived(base: V, word: V, derive: str) -> None:
+    """`wait_parity` on an mbarrier that PTX `derive` picks inside the instruction sequence:
+    from $0 (the 32-bit shared address of `base`) and $1 (`word`, as i32) it sets registers
+    `bar` (the mbarrier's address) and `parity` (`offset` is scratch). Nothing but `word`
+    then stays live while the wait is pending (see dsl.exchange: a pair used in turn)."""
+    text = "{\n.reg .b32 bar, parity, offset;\n.reg .pred done;\n" + derive
+    text += _WAIT.format(bar="bar", parity="parity") + "}"
+    _asm(text, "r,r", [_shared32(base), _i32(word)])
 
 
 def store_async(slot: V, value: V, bar: V, rank: V) -> None:

@@ -9,7 +9,7 @@ without it the access is split into scalars.
 from __future__ import annotations
 
 from mlir import ir
-from mlir.dialects import llvm, nvvm, vector
+from mlir.dialects import llvm, nvvm
 
 from .values import V, cast, const, element_bytes, scalar_type, vector_type
 
@@ -45,25 +45,6 @@ def load(ptr: V, dtype: str, width: int = 1, aligned: bool = True) -> V:
     """Load `width` elements (a vector when width > 1) of `dtype`."""
     t = vector_type(dtype, width) if width > 1 else scalar_type(dtype)
     return V(llvm.LoadOp(t, ptr.value, alignment=_align(dtype, width, aligned)).result)
-
-
-def load_streaming(ptr: V, dtype: str, width: int) -> V:
-    """A 16-byte global load that does not allocate in L1 (NVIDIA `ld.global.L1::no_allocate`,
-    through inline PTX: LLVM's NVPTX backend drops `!nontemporal`). For data read once, so
-    it does not evict what the block reads again (a norm's weight and bias)."""
-    if element_bytes(dtype) * width != 16:
-        raise ValueError(f"load_streaming loads 16 bytes, not {width} x {dtype}")
-    i32 = scalar_type("i32")
-    words = llvm.InlineAsmOp(
-        llvm.StructType.get_literal([i32] * 4),
-        [ptr.value],
-        "ld.global.L1::no_allocate.v4.b32 {$0, $1, $2, $3}, [$4];",
-        "=r,=r,=r,=r,l",
-        has_side_effects=False,
-    ).result
-    parts = [llvm.ExtractValueOp(i32, words, [i]).result for i in range(4)]
-    packed = vector.FromElementsOp(vector_type("i32", 4), parts).result
-    return V(llvm.BitcastOp(vector_type(dtype, width), packed).result)
 
 
 def store(value: V, ptr: V, aligned: bool = True) -> None:

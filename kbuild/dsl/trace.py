@@ -10,13 +10,14 @@ counter at five points of the step and the global timer at its start:
     5 global timer (ns) at the step start
 
 into the kernel argument `trace`, an int64 array of [grid, iterations, 6] (zero where a point
-was not passed). Points a step does not pass (no cluster, no staging) stay 0.
+was not passed). Points a step does not pass (no cluster, no staging) stay 0. The layout is
+kbuild/trace_layout.py, which the readers import without MLIR.
 """
 
 from __future__ import annotations
 
-from ..timing import TRACE_ITERATIONS, TRACE_WORDS
-from ..timing import TRACE_POINTS as POINTS
+from ..trace_layout import TRACE_ITERATIONS, TRACE_WORDS
+from ..trace_layout import TRACE_POINTS as POINTS
 from .control import if_then
 from .memory import get_llvm_ptr, store
 from .values import V, inline_asm, scalar_type

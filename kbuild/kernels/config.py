@@ -16,12 +16,13 @@ memory, and the row is read once. Measured on an H200 at N = 65536 against the c
 form (bench/results/h200_tune_clusters.json, h200_tune_long_rows.json): backward RMSNorm
 31% -> 75% of copy, fused 39% -> 89%, LayerNorm 20% -> 68%; fused forward 82% -> 94%,
 LayerNorm forward 66% -> 68% (82% once the next row is staged in shared memory, see
-norm_forward.py). Exchanging the row sums through mbarriers instead of a cluster barrier
+plans.py). Exchanging the row sums through mbarriers instead of a cluster barrier
 took them further (RMSNorm backward 83%, LayerNorm 74-79% with staged rows, fused forward
 99%; h200_tune_exchange_staging.json). Eight blocks per row stays best with mbarriers too
 (LayerNorm N = 65536, h200_tune_cluster_sizes.json: forward 78% and 83% with 2 or 4
 larger blocks against 85%, backward 72% with 4 against 79%); clusters of 16 (non-portable)
-and several rows per block of a cluster were slower (h200_tune_rows_per_block.json).
+and several rows per block of a cluster were slower (h200_tune_rows_per_block.json) and are
+no longer offered.
 
 Rows that fit one block stay in one: splitting them costs a cluster exchange per row
 (RMSNorm forward N = 65536: 89% in one 1024-thread block, 79-84% split). Without clusters
@@ -39,6 +40,7 @@ MIN_BLOCK = 128
 # Row elements a thread may hold as fp32 at <= 512 threads per block (128 registers each);
 # at 1024 threads the register file allows 64 per thread, so half as many.
 FORWARD_ELEMS = 64
+BACKWARD_ELEMS = 64  # the same bound; their words per element count x, dy and partials
 # Vectors per thread, in order of preference: 4 keeps several 16-byte loads in flight per
 # thread without crowding the register file.
 _ITERS_PREFERENCE = (4, 3, 5, 2, 6, 8, 7, 1, 16, 12, 10, 9, 11, 13, 14, 15)
@@ -50,6 +52,25 @@ _ITERS_PREFERENCE = (4, 3, 5, 2, 6, 8, 7, 1, 16, 12, 10, 9, 11, 13, 14, 15)
 BACKWARD_SHAPES = ((2, 128, 512), (1, 1, 512), (2, 1, 1024), (1, 1, 1024))
 RMS_BACKWARD_SHAPES = ((1, 128, 512), (2, 128, 512), (2, 1, 1024), (1, 1, 1024))
 CHUNK_ITERS = 4
+
+
+@dataclass(frozen=True)
+class RowBudget:
+    """What one thread may hold of a row, and the shapes choose_row_config tries first.
+
+    `max_elems` bounds the fp32 words of row data a thread keeps in registers at <= 512
+    threads (half that at 1024); `words_per_elem` is the register words one row element
+    costs (None: 0.5 for packed bf16, else 1). `shapes` lists (iters, min threads, max
+    threads) to try first, in order; then `iters_preference` orders the vectors-per-thread
+    counts tried."""
+
+    max_elems: int = FORWARD_ELEMS
+    words_per_elem: float | None = None
+    iters_preference: tuple[int, ...] = _ITERS_PREFERENCE
+    shapes: tuple[tuple[int, int, int], ...] = ()
+
+
+FORWARD_BUDGET = RowBudget()
 
 
 @dataclass(frozen=True)
@@ -97,54 +118,36 @@ def choose_row_config(
     dtype: str,
     warp_size: int,
     vectorize: bool = True,
-    max_elems: int = FORWARD_ELEMS,
-    threads_per_row: int | None = None,
-    words_per_elem: float | None = None,
-    iters_preference: tuple[int, ...] = _ITERS_PREFERENCE,
-    shapes: tuple[tuple[int, int, int], ...] = (),
+    budget: RowBudget = FORWARD_BUDGET,
+    *,
     max_cluster: int = 1,
+    threads_per_row: int | None = None,
     cluster: int | None = None,
-    rows_per_block: int | None = None,
 ) -> RowConfig:
-    """Threads, vector width and rows per block for rows of N elements of `dtype`.
+    """Threads, vector width and rows per block for rows of N elements of `dtype`, within
+    what `budget` lets a thread hold.
 
-    `max_elems` bounds the fp32 words of row data a thread keeps in registers (backward
-    kernels, which also hold dweight partials, ask for fewer); `words_per_elem` is the
-    register words one row element costs (default: 0.5 for packed bf16, else 1).
     `threads_per_row` forces the row's thread count (a tuning override; rows that then do
-    not fit are chunked). `shapes` lists (iters, min threads, max threads) to try first, in
-    order; then `iters_preference` orders the vectors-per-thread counts tried.
-
-    Rows that would be chunked are split over a cluster of up to `max_cluster` blocks
-    instead (see `cluster_size`); `cluster` forces the number of blocks per row (a tuning
-    override, 1 = none). A cluster's blocks hold one row each unless `rows_per_block` says
-    more: the rows of a block then share its reductions and the cluster's exchange.
+    not fit are chunked). Rows that would be chunked are split over a cluster of up to
+    `max_cluster` blocks instead (see `cluster_size`); `cluster` forces the number of blocks
+    per row (a tuning override, 1 = none). A cluster's blocks hold one row each.
     """
-    shape = (max_elems, threads_per_row, words_per_elem, iters_preference, shapes)
-    if rows_per_block is not None and (cluster or 1) == 1:
-        raise ValueError("rows_per_block is a cluster override (blocks of rows pick their own)")
     if cluster is None:
-        one = _single_block(N, dtype, warp_size, vectorize, *shape)
+        one = _single_block(N, dtype, warp_size, vectorize, budget, threads_per_row)
         if not one.chunked or max_cluster == 1:
             return one
         cluster = cluster_size(N, dtype, vectorize, max_cluster)
     if cluster == 1:
-        return _single_block(N, dtype, warp_size, vectorize, *shape)
+        return _single_block(N, dtype, warp_size, vectorize, budget, threads_per_row)
     if N % (cluster * vector_width(N, dtype, vectorize)):
         raise ValueError(f"a cluster of {cluster} cannot split rows of {N} into vectors")
-    one = _single_block(N // cluster, dtype, warp_size, vectorize, *shape)
+    one = _single_block(N // cluster, dtype, warp_size, vectorize, budget, threads_per_row)
     if one.threads_per_row < cluster:  # a block's first `cluster` threads share its sums
         raise ValueError(
             f"a cluster of {cluster} needs blocks of at least {cluster} threads; rows of {N} "
             f"split {cluster} ways take {one.threads_per_row}"
         )
-    rows = rows_per_block or 1
-    if rows < 1 or rows * one.threads_per_row > MAX_THREADS:
-        raise ValueError(
-            f"rows_per_block must be at least 1 and fit {MAX_THREADS} threads; {rows} rows "
-            f"of {one.threads_per_row} threads do not"
-        )
-    return RowConfig(N, one.vec, one.threads_per_row, rows, one.iters, one.chunked, cluster)
+    return RowConfig(N, one.vec, one.threads_per_row, 1, one.iters, one.chunked, cluster)
 
 
 def _single_block(
@@ -152,21 +155,19 @@ def _single_block(
     dtype: str,
     warp_size: int,
     vectorize: bool,
-    max_elems: int,
+    budget: RowBudget,
     threads_per_row: int | None,
-    words_per_elem: float | None,
-    iters_preference: tuple[int, ...],
-    shapes: tuple[tuple[int, int, int], ...],
 ) -> RowConfig:
     """choose_row_config for one block per row."""
     vec = vector_width(N, dtype, vectorize)
     nv = -(-N // vec)
+    max_elems, words_per_elem = budget.max_elems, budget.words_per_elem
     if words_per_elem is None:
         words_per_elem = 0.5 if dtype == "bf16" else 1.0
 
     def fits(tpr: int, iters: int) -> bool:
-        budget = max_elems if tpr <= MAX_THREADS // 2 else max_elems // 2
-        return tpr <= MAX_THREADS and iters * vec * words_per_elem <= budget
+        limit = max_elems if tpr <= MAX_THREADS // 2 else max_elems // 2
+        return tpr <= MAX_THREADS and iters * vec * words_per_elem <= limit
 
     if threads_per_row is not None:
         if threads_per_row % warp_size and threads_per_row > warp_size or threads_per_row < 1:
@@ -176,13 +177,13 @@ def _single_block(
             return _pack(N, vec, threads_per_row, iters, False)
         return _pack(N, vec, threads_per_row, CHUNK_ITERS, True)
 
-    for iters, lo, hi in shapes:
+    for iters, lo, hi in budget.shapes:
         if nv % iters == 0:
             tpr = nv // iters
             if tpr % warp_size == 0 and lo <= tpr <= hi and fits(tpr, iters):
                 return _pack(N, vec, tpr, iters, False)
     # Exact fits first: a whole number of warps, each thread the same number of vectors.
-    for iters in iters_preference:
+    for iters in budget.iters_preference:
         if nv % iters == 0:
             tpr = nv // iters
             if tpr % warp_size == 0 and fits(tpr, iters):

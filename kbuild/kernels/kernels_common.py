@@ -8,7 +8,6 @@ from ..dsl import (
     V,
     add,
     cast,
-    cluster_reduce,
     commit_async,
     const,
     copy_async,
@@ -17,7 +16,6 @@ from ..dsl import (
     if_then,
     join,
     load,
-    load_streaming,
     loop,
     minimum,
     prefetch_l2,
@@ -75,10 +73,9 @@ class RowTile:
 
     # ------------------------------------------------------------------ loads and stores
 
-    def load(self, base: V, dtype: str, start: V | int = 0, streaming: bool = False) -> list[V]:
-        """This thread's vectors of its row of `base`, raw (in `dtype`); zeros past N.
-        `streaming`: data read once, kept out of L1 where the target can (`load_streaming`)."""
-        return self._load(base, self.offset, dtype, start, streaming)
+    def load(self, base: V, dtype: str, start: V | int = 0) -> list[V]:
+        """This thread's vectors of its row of `base`, raw (in `dtype`); zeros past N."""
+        return self._load(base, self.offset, dtype, start)
 
     def load_row(self, base: V, row: V, dtype: str, start: V | int = 0) -> list[V]:
         """Like `load`, from row `row` of an (R, N) array (a workspace) instead of this row."""
@@ -88,21 +85,12 @@ class RowTile:
         """This thread's vectors of a length-N parameter (weight, bias), raw."""
         return self._load(base, const(0, "i64") + self.first, dtype, start)
 
-    def _load(
-        self, base: V, offset: V, dtype: str, start: V | int, streaming: bool = False
-    ) -> list[V]:
+    def _load(self, base: V, offset: V, dtype: str, start: V | int) -> list[V]:
         out = []
-        streaming = (
-            streaming
-            and self.k.target.streaming_loads
-            and ELEMENT_BYTES[dtype] * self.cfg.vec == 16
-        )
         for col in self.columns(start):
             ptr = get_llvm_ptr(base, offset + col, dtype)
             guard = self._guarded(col)
-            if guard is None and streaming:
-                out.append(load_streaming(ptr, dtype, self.cfg.vec))
-            elif guard is None:
+            if guard is None:
                 out.append(load(ptr, dtype, self.cfg.vec))
             else:
                 zero = vector_type(dtype, self.cfg.vec) if self.cfg.vec > 1 else scalar_type(dtype)
@@ -164,45 +152,40 @@ class RowTile:
         """A per-thread state merged over the row (dsl.row_reduce; `sum` merges by adding).
 
         `reused`: the call sits in a loop (its shared slots are reused). With a cluster the
-        block results are then merged across the cluster (dsl.cluster_reduce), whose barrier
-        also orders the slot reuse; a call in a loop passes `phase` (RowGroups) for it.
-        `meanwhile()`, work that does not need the result, runs while the cluster barrier
-        waits for the other blocks (without a cluster: after the row's reduction).
+        block results are then merged across the cluster by the kernel's exchange
+        (dsl.exchange.ClusterExchange), which also says how the block's slots are reused; a
+        call in a loop passes `phase` (RowGroups) for it. `meanwhile()`, work that does not
+        need the result, runs while the exchange waits for the other blocks (without a
+        cluster: after the row's reduction).
         """
         c = self.cfg
         clustered = c.cluster > 1
         if clustered and reused and phase is None:
             raise ValueError("a cluster row reduction inside a loop needs its phase")
-        # A cluster barrier orders the reuse of the block's slots too; mbarriers do not (a
-        # block waits only for the data it needs), so those rows alternate slot halves.
-        halves = clustered and reused and self.k.cluster_exchange == "mbarrier"
+        exchange = self.k.exchange
+        block_reused, block_phase = exchange.block_slots(reused, phase)
         out = row_reduce(
             self.k,
             state,
             c.threads_per_row,
             self.row_in_block,
             c.rows_per_block,
-            reused and not clustered,
+            block_reused,
             merge,
-            phase if halves else None,
+            block_phase,
         )
         trace = self.k.trace
         if trace is not None:
             trace.mark("block")
         if clustered:
             rows = c.rows_per_block
-            out = cluster_reduce(
-                self.k, out, phase, merge, meanwhile, rows, self.row_in_block, self.lane
-            )
+            out = exchange.reduce(out, phase, merge, meanwhile, rows, self.row_in_block, self.lane)
             if trace is not None:
                 trace.mark("cluster")
             return out
         if meanwhile is not None:
             meanwhile()
         return out
-
-
-SHARED_SLACK = 4 * 1024  # room kept for the row sums' slots and the like
 
 
 class ThreadShared:
@@ -347,41 +330,6 @@ class RowStage:
         ]
 
 
-def cluster_exchange(
-    cluster_sync: str | None, cfg: RowConfig, preferred: str, warp_size: int
-) -> str:
-    """How the row sums of a row split over a cluster cross it (dsl.cluster_reduce):
-    `cluster_sync` if given (checked), else `preferred`; "barrier" without a cluster.
-
-    The mbarrier exchange orders a block's reuse of its slots by the block barrier of the
-    next row's reduction (dsl.row_reduce), which rows of one warp or less do not have: those
-    keep the cluster barrier (only forced tuning shapes split such rows over a cluster)."""
-    if cluster_sync not in (None, "barrier", "mbarrier"):
-        raise ValueError(f"cluster_sync must be 'barrier' or 'mbarrier', not {cluster_sync!r}")
-    if cluster_sync == "mbarrier" and cfg.cluster == 1:
-        raise ValueError("cluster_sync='mbarrier' needs rows split over a cluster")
-    within_warp = cfg.threads_per_row <= warp_size
-    if cluster_sync == "mbarrier" and within_warp:
-        raise ValueError(
-            f"cluster_sync='mbarrier' needs rows of more than {warp_size} threads (a block "
-            f"barrier per row); these rows take {cfg.threads_per_row}"
-        )
-    if cfg.cluster == 1 or within_warp:
-        return "barrier"
-    return cluster_sync or preferred
-
-
-def can_stage(target, cfg: RowConfig, dtypes: list[str], other_shared: int = 0) -> bool:
-    """Whether rows of these arrays can be staged one group ahead (RowStage, depth 1) on
-    `target`, next to `other_shared` bytes of shared memory the kernel already uses."""
-    if not (target.async_copy and cfg.exact):
-        return False
-    if any(cfg.vec * ELEMENT_BYTES[d] != 16 for d in dtypes):
-        return False
-    staged = len(dtypes) * cfg.iters * 16 * cfg.block
-    return staged + other_shared + SHARED_SLACK <= target.shared_bytes_per_block
-
-
 class RowGroups:
     """A persistent grid's walk over the row groups: cluster c (block c, without clusters)
     takes groups c, c + clusters, ...; its blocks each cover their slice of those rows."""
@@ -397,8 +345,9 @@ class RowGroups:
         self, init: list[V], body, ahead: list[tuple[V, str]] = (), distance: int = 1
     ) -> list[V]:
         """body(g, phase, carried) -> carried, for each of this block's row groups g.
-        `phase` (i64) counts the iterations modulo 4 for a cluster row sum's double buffer
-        and its mbarrier parity (dsl.cluster_reduce); None without a cluster.
+        `phase` (i32), the kernel's exchange phase (dsl.exchange.ClusterExchange: which half
+        of a cluster row sum's buffers a row uses, and its mbarrier parity), goes from
+        `first_phase` through `next_phase`; None without a cluster.
 
         `ahead`: (array, dtype) pairs whose slice of the rows `distance` groups ahead one
         thread asks into L2 at the start of each step (`prefetch_l2`), so the loads of them
@@ -408,7 +357,7 @@ class RowGroups:
         if C > 1:
             k.ensure_cluster_started()  # before the loop: its row sums store into peer blocks
 
-        trace = k.trace
+        trace, exchange = k.trace, k.exchange
 
         def step(g: V, carried: list[V]) -> list[V]:
             if trace is not None:
@@ -419,12 +368,12 @@ class RowGroups:
             if C == 1:
                 out = body(g, None, carried)
             else:
-                out = [(carried[0] + 1) % 4] + body(g, carried[0], carried[1:])
+                out = [exchange.next_phase(carried[0])] + body(g, carried[0], carried[1:])
             if trace is not None:
                 trace.mark("end")
             return out
 
-        init = list(init) if C == 1 else [const(0, "i32")] + list(init)
+        init = list(init) if C == 1 else [exchange.first_phase()] + list(init)
         out = loop(self.first, self.count, self.stride, init, step)
         if trace is not None:
             trace.iteration = None  # its value lives in the loop only
@@ -448,13 +397,6 @@ class RowGroups:
                 prefetch_l2(ptr, n_rows * (cfg.slice * ELEMENT_BYTES[dtype]))
 
         if_then((g < self.count) & (self.k.thread_id() < 1), issue)
-
-
-def wider(*dtypes: str | None) -> str:
-    """The widest of several I/O dtypes: it sets the vector width a row tile uses."""
-    from ..dtypes import ELEMENT_BYTES
-
-    return max((d for d in dtypes if d), key=lambda d: ELEMENT_BYTES[d])
 
 
 def widen(values: list[V]) -> list[V]:

@@ -33,12 +33,11 @@ def build_layernorm_module(
 ) -> Kernel:
     """Launch arguments: x, [weight], [bias], y, [mean, rstd], M."""
     p = NormForward(
-        "layernorm_fwd",
-        N,
-        dtype,
-        weight_dtype,
-        bias_dtype,
-        None,
+        name="layernorm_fwd",
+        N=N,
+        dtype=dtype,
+        weight_dtype=weight_dtype,
+        bias_dtype=bias_dtype,
         center=True,
         store_stats=store_stats,
         eps=eps,
@@ -58,14 +57,13 @@ def build_layernorm_bwd_module(
 ) -> Kernel:
     """Launch arguments: x, [weight], dy, mean, rstd, dx, [dw_partial], [db_partial], M."""
     p = NormBackward(
-        "layernorm_bwd",
-        N,
-        dtype,
-        dtype,
-        weight_dtype,
+        name="layernorm_bwd",
+        N=N,
+        dtype=dtype,
+        x_dtype=dtype,
+        weight_dtype=weight_dtype,
         center=True,
-        has_dres=False,
-        compute_dw=compute_dw and weight_dtype is not None,
+        compute_dw=compute_dw,
         compute_db=compute_db,
     )
     return build_norm_backward(p, target, vectorize, **shape)

@@ -34,13 +34,10 @@ def build_rmsnorm_module(
     tuning (`threads_per_row`, `cluster`: see norm_forward.build_norm_forward).
     """
     p = NormForward(
-        "rmsnorm_fwd",
-        N,
-        dtype,
-        weight_dtype,
-        None,
-        None,
-        center=False,
+        name="rmsnorm_fwd",
+        N=N,
+        dtype=dtype,
+        weight_dtype=weight_dtype,
         store_stats=store_rstd,
         eps=eps,
     )
@@ -64,13 +61,11 @@ def build_fused_add_rmsnorm_module(
     Launch arguments: x, residual, [weight], y, residual_out, [rstd], M.
     """
     p = NormForward(
-        "fused_add_rmsnorm_fwd",
-        N,
-        dtype,
-        weight_dtype,
-        None,
-        residual_dtype,
-        center=False,
+        name="fused_add_rmsnorm_fwd",
+        N=N,
+        dtype=dtype,
+        weight_dtype=weight_dtype,
+        residual_dtype=residual_dtype,
         store_stats=store_rstd,
         eps=eps,
     )

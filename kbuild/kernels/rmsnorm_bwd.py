@@ -31,15 +31,12 @@ def build_rmsnorm_bwd_module(
     Launch arguments: x, [weight], dy, rstd, dx, [dw_partial], M. Grid: persistent.
     """
     p = NormBackward(
-        "rmsnorm_bwd",
-        N,
-        dtype,
-        dtype,
-        weight_dtype,
-        center=False,
-        has_dres=False,
-        compute_dw=compute_dw and weight_dtype is not None,
-        compute_db=False,
+        name="rmsnorm_bwd",
+        N=N,
+        dtype=dtype,
+        x_dtype=dtype,
+        weight_dtype=weight_dtype,
+        compute_dw=compute_dw,
     )
     return build_norm_backward(p, target, vectorize, **shape)
 
@@ -61,14 +58,12 @@ def build_fused_add_rmsnorm_bwd_module(
     dx (of `dtype`) is both dx and dresidual.
     """
     p = NormBackward(
-        "fused_add_rmsnorm_bwd",
-        N,
-        dtype,
-        residual_dtype,
-        weight_dtype,
-        center=False,
+        name="fused_add_rmsnorm_bwd",
+        N=N,
+        dtype=dtype,
+        x_dtype=residual_dtype,
+        weight_dtype=weight_dtype,
         has_dres=has_dresidual_out,
-        compute_dw=compute_dw and weight_dtype is not None,
-        compute_db=False,
+        compute_dw=compute_dw,
     )
     return build_norm_backward(p, target, vectorize, **shape)

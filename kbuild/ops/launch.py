@@ -1,24 +1,31 @@
 """Launch shapes shared by the ops: one block per row group, or a persistent grid whose
-blocks each leave an fp32 partial row of the parameter gradients, summed in a fixed order."""
+blocks each leave an fp32 partial row of the parameter gradients, summed in a fixed order.
+
+Every kernel is looked up through `launcher_for(kernel_def, device, values)`: the memory
+tier's key is the table's kernel name, the parameter values as the op gives them (in the
+table's order, kbuild/kernels/table.py) and the device index, so the key and the spec are
+the same description; pointer arguments are passed in the table's argument order.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Sequence
 
 import torch
 
-from ..dtypes import ELEMENT_BYTES
-from ..jit import get_launcher
-from ..kernels.config import vector_width
-from ..spec import KernelSpec
+from ..jit import get_launcher, loaded
+from ..kernels.table import COLUMN_SUM, KernelDef
+from ..spec import KernelSpec, Scalar
 from .common import DTYPE_NAMES, stream_of
 
 
-def vectorizable(N: int, dtypes: Sequence[str], is_aligned: bool) -> bool:
-    """128-bit accesses are legal: aligned bases and rows a whole number of vectors long
-    (the kernels' own rule, for the widest of `dtypes`)."""
-    widest = max(dtypes, key=lambda d: ELEMENT_BYTES[d])
-    return vector_width(N, widest, is_aligned) > 1
+def launcher_for(kernel: KernelDef, device: int, values: tuple[Scalar, ...]):
+    """The loaded kernel `kernel.spec(*values)` on `device`: one dict lookup on a hit."""
+    key = (kernel.name, *values, device)
+    launcher = loaded(key)
+    if launcher is None:
+        launcher = get_launcher(key, device, lambda: kernel.spec(*values))
+    return launcher
 
 
 def rows_grid(launcher, M: int) -> int:
@@ -38,16 +45,14 @@ def persistent_grid(launcher, M: int) -> tuple[int, int]:
 
 
 def launch_rows(
-    key: Hashable, make_spec: Callable[[], KernelSpec], device: int, stream: int, M: int, *ptrs
+    kernel: KernelDef, values: tuple[Scalar, ...], device: int, M: int, ptrs: Sequence[int]
 ) -> None:
-    launcher = get_launcher(key, device, make_spec)
-    launcher(rows_grid(launcher, M), stream, *ptrs, M)
+    launcher = launcher_for(kernel, device, values)
+    launcher(rows_grid(launcher, M), stream_of(device), *ptrs, M)
 
 
 def column_sum_spec(N: int, out_dtype: str, planes: int = 1) -> KernelSpec:
-    if planes == 1:  # the one-plane key stays as it was (warmed caches keep hitting)
-        return KernelSpec.make("column_sum", N=N, out_dtype=out_dtype)
-    return KernelSpec.make("column_sum", N=N, out_dtype=out_dtype, planes=planes)
+    return COLUMN_SUM.spec(N, out_dtype, planes)
 
 
 def column_sum(
@@ -57,19 +62,15 @@ def column_sum(
     fixed order; one (N,) tensor per plane, in one launch."""
     planes, R, N = partial.shape
     outs = [torch.empty(N, dtype=out_dtype, device=partial.device) for _ in range(planes)]
-    launcher = get_launcher(
-        ("column_sum", N, out_dtype, planes, device),
-        device,
-        lambda: column_sum_spec(N, DTYPE_NAMES[out_dtype], planes),
-    )
+    launcher = launcher_for(COLUMN_SUM, device, (N, DTYPE_NAMES[out_dtype], planes))
     grid = planes * -(-N // launcher.meta["columns_per_block"])
     launcher(grid, stream, partial.data_ptr(), *(o.data_ptr() for o in outs), R)
     return outs
 
 
 def launch_persistent(
-    key: Hashable,
-    make_spec: Callable[[], KernelSpec],
+    kernel: KernelDef,
+    values: tuple[Scalar, ...],
     device: int,
     M: int,
     N: int,
@@ -88,7 +89,7 @@ def launch_persistent(
     if M == 0:
         grads = [None if p is None else torch.zeros_like(p) for p in params]
         return grads[0] if len(grads) == 1 else tuple(grads)
-    launcher = get_launcher(key, device, make_spec)
+    launcher = launcher_for(kernel, device, values)
     grid, rows = persistent_grid(launcher, M)
     # One workspace plane per wanted param; params of one dtype share a column-sum launch.
     device_of = wanted[0].device if wanted else None

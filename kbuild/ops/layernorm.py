@@ -5,49 +5,13 @@ from __future__ import annotations
 
 import torch
 
-from ..spec import KernelSpec
-from .common import aligned, data_ptrs, dtype_name, empty_row_stats, row_count, stream_of
-from .launch import launch_persistent, launch_rows, vectorizable
+from ..kernels.table import LAYERNORM_BWD, LAYERNORM_FWD
+from .common import DTYPE_NAMES, aligned, data_ptrs, dtype_name, empty_row_stats, row_count
+from .launch import launch_persistent, launch_rows
 
-
-def layernorm_fwd_spec(
-    N: int,
-    dtype: str,
-    weight_dtype: str | None,
-    bias_dtype: str | None,
-    store_stats: bool,
-    eps: float,
-    is_aligned: bool = True,
-) -> KernelSpec:
-    return KernelSpec.make(
-        "layernorm_fwd",
-        N=N,
-        dtype=dtype,
-        weight_dtype=weight_dtype,
-        bias_dtype=bias_dtype,
-        store_stats=store_stats,
-        eps=float(eps),
-        vectorize=vectorizable(N, (dtype,), is_aligned),
-    )
-
-
-def layernorm_bwd_spec(
-    N: int,
-    dtype: str,
-    weight_dtype: str | None,
-    compute_dw: bool,
-    compute_db: bool,
-    is_aligned: bool = True,
-) -> KernelSpec:
-    return KernelSpec.make(
-        "layernorm_bwd",
-        N=N,
-        dtype=dtype,
-        weight_dtype=weight_dtype,
-        compute_dw=compute_dw and weight_dtype is not None,
-        compute_db=compute_db,
-        vectorize=vectorizable(N, (dtype,), is_aligned),
-    )
+# The specs, by the kernel table (see ops/rmsnorm.py).
+layernorm_fwd_spec = LAYERNORM_FWD.spec
+layernorm_bwd_spec = LAYERNORM_BWD.spec
 
 
 def layernorm_fwd(
@@ -65,22 +29,17 @@ def layernorm_fwd(
     mean, rstd = stats if store_stats else (None, None)
     if M == 0 or N == 0:
         return y, empty_row_stats(mean), empty_row_stats(rstd)
-    device = x.get_device()
     ptrs = data_ptrs(x, weight, bias, y)
-    is_aligned = aligned(*ptrs)
-    ptrs += data_ptrs(mean, rstd)
-    w_dtype = None if weight is None else weight.dtype
-    b_dtype = None if bias is None else bias.dtype
-    launch_rows(
-        ("layernorm_fwd", N, x.dtype, w_dtype, b_dtype, store_stats, eps, is_aligned, device),
-        lambda: layernorm_fwd_spec(
-            N, dtype_name(x), dtype_name(weight), dtype_name(bias), store_stats, eps, is_aligned
-        ),
-        device,
-        stream_of(device),
-        M,
-        *ptrs,
+    values = (
+        N,
+        DTYPE_NAMES[x.dtype],
+        dtype_name(weight),
+        dtype_name(bias),
+        store_stats,
+        eps,
+        aligned(*ptrs),
     )
+    launch_rows(LAYERNORM_FWD, values, x.get_device(), M, ptrs + data_ptrs(mean, rstd))
     return y, mean, rstd
 
 
@@ -102,13 +61,10 @@ def layernorm_bwd(
     dx = torch.empty_like(x)
     device = x.get_device()
     ptrs = data_ptrs(x, weight, dy, mean, rstd, dx)
-    is_aligned = aligned(*ptrs)
-    w_dtype = None if weight is None else weight.dtype
+    values = (N, DTYPE_NAMES[x.dtype], dtype_name(weight), compute_dw, compute_db, aligned(*ptrs))
     dw, db = launch_persistent(
-        ("layernorm_bwd", N, x.dtype, w_dtype, compute_dw, compute_db, is_aligned, device),
-        lambda: layernorm_bwd_spec(
-            N, dtype_name(x), dtype_name(weight), compute_dw, compute_db, is_aligned
-        ),
+        LAYERNORM_BWD,
+        values,
         device,
         M,
         N,

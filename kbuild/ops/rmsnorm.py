@@ -3,141 +3,40 @@
 Launch functions take contiguous (..., N) CUDA tensors, seen as (M, N) rows with
 M = numel // N (no reshapes: each costs microseconds at small shapes); the public API in
 kbuild/ops/api.py checks arguments and makes inputs contiguous before anything here runs.
-The *_spec functions are also what warmup manifests call, so a warmed cache holds exactly
-the kernels these launches ask for.
+Each launch gives the kernel table's parameter values in its order (kbuild/kernels/table.py)
+and the pointers in its argument order; the *_spec names are the table's spec functions,
+which warmup manifests call too, so a warmed cache holds exactly the kernels launched here.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..jit import get_launcher, loaded
-from ..spec import KernelSpec
-from .common import (
-    DTYPE_NAMES,
-    aligned,
-    data_ptrs,
-    dtype_name,
-    empty_row_stats,
-    row_count,
-    stream_of,
-)
-from .launch import launch_persistent, launch_rows, rows_grid, vectorizable
+from ..kernels.table import FUSED_ADD_RMSNORM_BWD, FUSED_ADD_RMSNORM_FWD, RMSNORM_BWD, RMSNORM_FWD
+from .common import DTYPE_NAMES, aligned, data_ptrs, dtype_name, empty_row_stats, row_count
+from .launch import launch_persistent, launch_rows
 
-
-def rmsnorm_fwd_spec(
-    N: int,
-    dtype: str,
-    weight_dtype: str | None,
-    store_rstd: bool,
-    eps: float,
-    is_aligned: bool = True,
-) -> KernelSpec:
-    return KernelSpec.make(
-        "rmsnorm_fwd",
-        N=N,
-        dtype=dtype,
-        weight_dtype=weight_dtype,
-        store_rstd=store_rstd,
-        eps=float(eps),
-        vectorize=vectorizable(N, (dtype,), is_aligned),
-    )
-
-
-def rmsnorm_bwd_spec(
-    N: int, dtype: str, weight_dtype: str | None, compute_dw: bool, is_aligned: bool = True
-) -> KernelSpec:
-    return KernelSpec.make(
-        "rmsnorm_bwd",
-        N=N,
-        dtype=dtype,
-        weight_dtype=weight_dtype,
-        compute_dw=compute_dw and weight_dtype is not None,
-        vectorize=vectorizable(N, (dtype,), is_aligned),
-    )
-
-
-def fused_add_rmsnorm_fwd_spec(
-    N: int,
-    dtype: str,
-    weight_dtype: str | None,
-    residual_dtype: str,
-    store_rstd: bool,
-    eps: float,
-    is_aligned: bool = True,
-) -> KernelSpec:
-    return KernelSpec.make(
-        "fused_add_rmsnorm_fwd",
-        N=N,
-        dtype=dtype,
-        weight_dtype=weight_dtype,
-        residual_dtype=residual_dtype,
-        store_rstd=store_rstd,
-        eps=float(eps),
-        vectorize=vectorizable(N, (dtype, residual_dtype), is_aligned),
-    )
-
-
-def fused_add_rmsnorm_bwd_spec(
-    N: int,
-    dtype: str,
-    weight_dtype: str | None,
-    residual_dtype: str,
-    has_dresidual_out: bool,
-    compute_dw: bool,
-    is_aligned: bool = True,
-) -> KernelSpec:
-    return KernelSpec.make(
-        "fused_add_rmsnorm_bwd",
-        N=N,
-        dtype=dtype,
-        weight_dtype=weight_dtype,
-        residual_dtype=residual_dtype,
-        has_dresidual_out=has_dresidual_out,
-        compute_dw=compute_dw and weight_dtype is not None,
-        vectorize=vectorizable(N, (dtype, residual_dtype), is_aligned),
-    )
+# The specs, by the kernel table (positional in its order: N, dtypes, flags, eps, vectorize);
+# warmup manifests call these with the shapes the tests and benchmarks use.
+rmsnorm_fwd_spec = RMSNORM_FWD.spec
+rmsnorm_bwd_spec = RMSNORM_BWD.spec
+fused_add_rmsnorm_fwd_spec = FUSED_ADD_RMSNORM_FWD.spec
+fused_add_rmsnorm_bwd_spec = FUSED_ADD_RMSNORM_BWD.spec
 
 
 def rmsnorm_fwd(
     x: torch.Tensor, weight: torch.Tensor | None, eps: float, store_rstd: bool
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """y = x * rstd * weight; rstd (M,) fp32 when `store_rstd` (for the backward pass).
-
-    The one launch path where host microseconds show (inference at small shapes), so it is
-    written flat: one dict lookup for the loaded kernel, no closures or lists on a hit.
-    """
+    """y = x * rstd * weight; rstd (M,) fp32 when `store_rstd` (for the backward pass)."""
     N = x.shape[-1]
     M = x.numel() // N if N else row_count(x)
     y = torch.empty_like(x)
     rstd = torch.empty(M, dtype=torch.float32, device=x.device) if store_rstd else None
     if M == 0 or N == 0:
         return y, empty_row_stats(rstd)
-    device = x.get_device()
-    xp, yp = x.data_ptr(), y.data_ptr()
-    wp = 0 if weight is None else weight.data_ptr()
-    is_aligned = not (xp | yp | wp) & 15
-    w_dtype = None if weight is None else weight.dtype
-    key = ("rmsnorm_fwd", N, x.dtype, w_dtype, store_rstd, eps, is_aligned, device)
-    launcher = loaded(key)
-    if launcher is None:
-        launcher = get_launcher(
-            key,
-            device,
-            lambda: rmsnorm_fwd_spec(
-                N, dtype_name(x), dtype_name(weight), store_rstd, eps, is_aligned
-            ),
-        )
-    grid = rows_grid(launcher, M)
-    stream = stream_of(device)
-    if weight is None and rstd is None:
-        launcher(grid, stream, xp, yp, M)
-    elif rstd is None:
-        launcher(grid, stream, xp, wp, yp, M)
-    elif weight is None:
-        launcher(grid, stream, xp, yp, rstd.data_ptr(), M)
-    else:
-        launcher(grid, stream, xp, wp, yp, rstd.data_ptr(), M)
+    ptrs = data_ptrs(x, weight, y)
+    values = (N, DTYPE_NAMES[x.dtype], dtype_name(weight), store_rstd, eps, aligned(*ptrs))
+    launch_rows(RMSNORM_FWD, values, x.get_device(), M, ptrs + data_ptrs(rstd))
     return y, rstd
 
 
@@ -168,28 +67,17 @@ def fused_add_rmsnorm_fwd(
     rstd = torch.empty(M, dtype=torch.float32, device=x.device) if store_rstd else None
     if M == 0 or N == 0:
         return y, residual_out, empty_row_stats(rstd)
-    device = x.get_device()
     ptrs = data_ptrs(x, residual, weight, y, residual_out)
-    is_aligned = aligned(*ptrs)
-    w_dtype = None if weight is None else weight.dtype
-    key = ("fused_add_rmsnorm_fwd", N, x.dtype, w_dtype, residual_dtype, store_rstd, eps)
-    launch_rows(
-        (*key, is_aligned, device),
-        lambda: fused_add_rmsnorm_fwd_spec(
-            N,
-            dtype_name(x),
-            dtype_name(weight),
-            DTYPE_NAMES[residual_dtype],
-            store_rstd,
-            eps,
-            is_aligned,
-        ),
-        device,
-        stream_of(device),
-        M,
-        *ptrs,
-        *data_ptrs(rstd),
+    values = (
+        N,
+        DTYPE_NAMES[x.dtype],
+        dtype_name(weight),
+        DTYPE_NAMES[residual_dtype],
+        store_rstd,
+        eps,
+        aligned(*ptrs),
     )
+    launch_rows(FUSED_ADD_RMSNORM_FWD, values, x.get_device(), M, ptrs + data_ptrs(rstd))
     return y, residual_out, rstd
 
 
@@ -214,26 +102,14 @@ def _backward(dy, dres, x, weight, rstd, need_dw: bool, fused: bool):
     device = dy.get_device()
     ptrs = data_ptrs(x, weight, dy, rstd, dres, dx)
     is_aligned = aligned(*ptrs)
-    w_dtype = None if weight is None else weight.dtype
-    has_dres = dres is not None
-
-    def spec() -> KernelSpec:
-        if not fused:
-            return rmsnorm_bwd_spec(N, dtype_name(x), dtype_name(weight), compute_dw, is_aligned)
-        return fused_add_rmsnorm_bwd_spec(
-            N, dtype_name(dy), dtype_name(weight), dtype_name(x), has_dres, compute_dw, is_aligned
-        )
-
-    key = (fused, N, dy.dtype, x.dtype, w_dtype, has_dres, compute_dw, is_aligned, device)
-    dw = launch_persistent(
-        ("fused_add_rmsnorm_bwd" if fused else "rmsnorm_bwd", *key),
-        spec,
-        device,
-        M,
-        N,
-        ptrs,
-        weight if compute_dw else None,
-    )
+    if fused:
+        kernel = FUSED_ADD_RMSNORM_BWD
+        values = (N, DTYPE_NAMES[dy.dtype], dtype_name(weight), DTYPE_NAMES[x.dtype])
+        values += (dres is not None, compute_dw, is_aligned)
+    else:
+        kernel = RMSNORM_BWD
+        values = (N, DTYPE_NAMES[x.dtype], dtype_name(weight), compute_dw, is_aligned)
+    dw = launch_persistent(kernel, values, device, M, N, ptrs, weight if compute_dw else None)
     return dx, dw
 
 

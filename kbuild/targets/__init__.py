@@ -103,11 +103,6 @@ class Target:
         return self._sm >= 80
 
     @property
-    def streaming_loads(self) -> bool:
-        """Whether loads can skip L1 allocation (`dsl.load_streaming`; NVIDIA)."""
-        return self.vendor == "nvidia"
-
-    @property
     def max_cluster(self) -> int:
         """Most blocks a kernel may group into one cluster sharing shared memory (thread
         block clusters, Hopper and later); 1 where there are none."""

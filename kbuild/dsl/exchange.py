@@ -1,0 +1,251 @@
+"""The exchange of row states between the blocks of a cluster (a row split over them): one
+`ClusterExchange` per kernel, made by `Kernel(..., exchange=mode)` and fixed from then on.
+
+It owns everything that has to agree for the exchange to be correct: the mode, the slot
+buffers and their halves, the mbarriers and their initialisation at cluster start, and the
+mapping from a row loop's phase to the half a use takes and the mbarrier parity it waits for.
+The kernels' row code asks it for those (kernels_common.RowTile.reduce, RowGroups).
+
+Modes:
+- "barrier": each block stores its state into slot `rank` of every block's buffer (remote
+  shared stores), then a cluster barrier (arrive, `meanwhile`, wait). The arrive releases
+  every earlier store of the thread, global ones included, at cluster scope, and the whole
+  cluster steps together.
+- "mbarrier": the states are sent with `st.async`, which counts their bytes against an
+  mbarrier in the receiving block (one per half of its buffer); a block waits only for its
+  own mbarrier, with no cluster barrier and no release of its other stores (sm_90 on).
+
+Why reusing the slots is safe (a call inside a row loop; `phase` is the loop's iteration
+count modulo 4, an i32 that RowGroups carries from `first_phase` through `next_phase`):
+
+- Cluster slots alternate between two halves (`half(phase)` = phase % 2) in both modes. A
+  fast block writing the next iteration's state never lands on a half a slow block still
+  reads: it would first need that block's state of the iteration between, which the slow
+  block sends only after reading.
+- The block's warp slots (dsl.row_reduce, rows of more than a warp): with a cluster barrier
+  each row, every thread of every block passes it after its reads of them and before the
+  next row's writes, so they need nothing more. With mbarriers nothing crosses the blocks'
+  threads like that: the warp slots alternate halves too (`block_slots`), so the next write
+  to a half comes a block barrier later (the next row's reduction), after every warp's reads
+  of it. Rows of one warp or less have no block barrier per row and must keep the cluster
+  barrier (plans.cluster_exchange refuses them the mbarrier mode).
+- mbarriers: the i-th use of a half waits for the mbarrier phase of parity i % 2, which is
+  `phase // 2`. Each row, thread 0 arrives on the half's mbarrier expecting the bytes of
+  every block's state; bytes that land before the arrival count too, so no ordering between
+  blocks is needed beyond the causality the halves already rely on. The slots just read are
+  written again by peers' `st.async` two rows on, and no proxy fence orders the two: every
+  thread has consumed its reads before its block's barrier of the next row, and a peer can
+  only send that later row after this block's state of the next row, sent after that
+  barrier. (Measured with and without fence.proxy.async here: no difference.)
+- The mbarriers are initialised before the block announces it has started (at cluster
+  start, then `fence.mbarrier_init`), and no block stores into another before every block
+  has started (Kernel.ensure_cluster_started).
+
+A change to this protocol needs a bench/repeat_check.py run on the GPU (reruns every tune
+variant, counts outputs that differ bit for bit).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from .control import if_then
+from .mbarrier import (
+    arrive_expect_tx,
+    fence_mbarrier_init,
+    mbarrier_init,
+    store_async,
+    wait_parity,
+    wait_parity_derived,
+)
+from .memory import get_llvm_ptr, load, store
+from .values import V, cast, const
+
+if TYPE_CHECKING:
+    from .kernel import Kernel
+
+Merge = Callable[[list[V], list[V]], list[V]]
+
+MODES = ("barrier", "mbarrier")
+HALVES = 2  # every buffer of the exchange is double: a use takes half phase % 2
+PHASES = 2 * HALVES  # a phase counts a loop's iterations modulo 4: half, then parity
+
+# phase -> (half, parity) as the mbarrier wait derives them inside its instruction sequence
+# (from the pair's 32-bit shared address $0 and the i32 phase $1), so nothing but the phase
+# stays live while the wait spins: the same mapping as `half`, and parity = phase // 2.
+_HALF_AND_PARITY = (
+    "and.b32 offset, $1, 1;\n"  # half = phase % 2
+    "shl.b32 offset, offset, 3;\n"  # its mbarrier, 8 bytes each
+    "add.u32 bar, $0, offset;\n"
+    "shr.u32 parity, $1, 1;\n"  # parity = phase // 2: the half's use count, modulo 2
+)
+
+
+class ClusterExchange:
+    """How the blocks of a cluster merge their block results of a row (see the module)."""
+
+    __slots__ = ("_k", "_mode")
+
+    def __init__(self, k: Kernel, mode: str = "barrier"):
+        if mode not in MODES:
+            raise ValueError(f"exchange must be 'barrier' or 'mbarrier', not {mode!r}")
+        if mode == "mbarrier" and k.cluster == 1:
+            raise ValueError("exchange='mbarrier' needs a kernel with clusters")
+        self._k, self._mode = k, mode
+
+    @property
+    def mode(self) -> str:
+        """The mode, "barrier" or "mbarrier" (fixed when the kernel is made)."""
+        return self._mode
+
+    def __repr__(self) -> str:
+        return f"ClusterExchange({self._mode!r}, cluster={self._k.cluster})"
+
+    # ------------------------------------------------------------------ phases
+
+    def first_phase(self) -> V:
+        """The phase of a row loop's first iteration (i32)."""
+        return const(0, "i32")
+
+    def next_phase(self, phase: V) -> V:
+        """The phase of the iteration after the one of `phase`."""
+        return (phase + 1) % PHASES
+
+    def half(self, phase: V | None) -> V:
+        """The half of a double buffer that the use of `phase` takes (i64): phase % 2; 0
+        outside a loop (no phase)."""
+        return const(0, "i64") if phase is None else cast(phase % HALVES, "i64")
+
+    def block_slots(self, reused: bool, phase: V | None) -> tuple[bool, V | None]:
+        """How dsl.row_reduce reuses the block's warp slots before this exchange: its
+        (`reused`, `phase`) arguments for a call that sits in a loop (`reused`) or not.
+        Without clusters a trailing block barrier; a cluster barrier orders the reuse by
+        itself; with mbarriers the slots alternate halves by `phase` (see the module)."""
+        if self._k.cluster == 1:
+            return reused, None
+        if self._mode == "mbarrier" and reused:
+            return False, phase
+        return False, None
+
+    # ------------------------------------------------------------------ the exchange
+
+    def reduce(
+        self,
+        state: list[V],
+        phase: V | None,
+        merge: Merge,
+        meanwhile: Callable[[], None] | None = None,
+        rows: int = 1,
+        row: V | None = None,
+        lane: V | None = None,
+    ) -> list[V]:
+        """Merge block results (the same in every thread of a row of a block) over the
+        cluster's blocks; every block gets the same bits. A block may hold `rows` rows:
+        thread `lane` of row `row` (default: the thread index; a block of one row).
+
+        Block r's first `cluster` threads of each row send the row's state into slot r of
+        every block's buffer (thread t into block t), then each thread merges its row's slots
+        in rank order. A call inside a loop passes its `phase`. `meanwhile()` runs while the
+        other blocks' states are awaited: work that does not need the result."""
+        k = self._k
+        if k.cluster == 1:
+            raise ValueError("a cluster exchange needs a kernel with clusters")
+        lane = k.thread_id() if lane is None else lane
+        slots = _Slots(self, len(state), phase, rows, row)
+        if self._mode == "mbarrier":
+            self._send_counted(state, phase, meanwhile, slots, lane)
+        else:
+            self._send_and_step(state, meanwhile, slots, lane)
+        return slots.merge(state, merge)
+
+    def _send_and_step(self, state, meanwhile, slots: _Slots, lane: V) -> None:
+        """The "barrier" mode: remote stores, then the cluster barrier around `meanwhile`."""
+        k = self._k
+        rank = k.cluster_rank()
+
+        def publish() -> None:  # thread t of a row writes into block t
+            for j, v in enumerate(state):
+                if isinstance(v, V):
+                    store(v, k.remote(slots.slot(rank, j), lane))
+
+        k.ensure_cluster_started()
+        if_then(lane < k.cluster, publish)
+        k.cluster_arrive()
+        if meanwhile is not None:
+            meanwhile()
+        k.cluster_wait()
+
+    def _send_counted(self, state, phase, meanwhile, slots: _Slots, lane: V) -> None:
+        """The "mbarrier" mode: `st.async` into each block, counted by the receiving half's
+        mbarrier; then arrive (expecting every block's bytes) and wait for this half's parity."""
+        k = self._k
+        cluster = k.cluster
+        live = [j for j, v in enumerate(state) if isinstance(v, V)]
+        bars_name = self._mbarriers()
+        bar = get_llvm_ptr(k.shared_address(bars_name), slots.which, "i64")
+        rank = k.cluster_rank()
+        k.ensure_cluster_started()
+        nbytes = cluster * slots.rows * len(live) * 4  # every row's state from every block
+
+        def publish() -> None:  # thread t of a row sends into block t
+            for j in live:
+                store_async(slots.slot(rank, j), state[j], bar, lane)
+
+        if_then(lane < cluster, publish)
+        if meanwhile is not None:
+            meanwhile()
+        if_then(k.thread_id() < 1, lambda: arrive_expect_tx(bar, nbytes))
+        if phase is None:
+            wait_parity(bar, 0)
+        else:  # bar and parity rederived from phase: nothing extra held across `meanwhile`
+            wait_parity_derived(k.shared_address(bars_name), phase, _HALF_AND_PARITY)
+
+    def _mbarriers(self) -> str:
+        """A fresh pair of mbarriers (one per half, one arrival a phase), initialised at
+        cluster start; returns the shared array's name."""
+        k = self._k
+        name = k.shared_array(HALVES, "i64")
+        with k.at_cluster_start():  # initialised before the block announces it has started
+
+            def init() -> None:
+                bars = k.shared_address(name)
+                for h in range(HALVES):
+                    mbarrier_init(get_llvm_ptr(bars, h, "i64"), 1)
+                fence_mbarrier_init()
+
+            if_then(k.thread_id() < 1, init)
+        return name
+
+
+class _Slots:
+    """One exchange's buffer in each block: [half][rank][row][value] f32, and the half this
+    use takes."""
+
+    def __init__(self, ex: ClusterExchange, n: int, phase: V | None, rows: int, row: V | None):
+        k = ex._k
+        self.n, self.rows, self.cluster = n, rows, k.cluster
+        size = k.cluster * rows * n
+        self.buffer = k.shared(HALVES * size)
+        self.which = ex.half(phase)
+        self.base = self.which * size
+        if rows > 1:
+            self.base = self.base + row * n
+
+    def slot(self, rank: V | int, j: int) -> V:
+        """Where block `rank` puts value j of this thread's row."""
+        return get_llvm_ptr(self.buffer, self.base + rank * (self.rows * self.n) + j, "f32")
+
+    def merge(self, state: list[V], merge: Merge) -> list[V]:
+        """Merge the cluster's states of this thread's row in rank order (uniform entries of
+        `state`, Python floats, were never sent: every block holds the same)."""
+
+        def block_state(r: int) -> list[V]:
+            return [
+                load(self.slot(r, j), "f32") if isinstance(v, V) else v for j, v in enumerate(state)
+            ]
+
+        total = block_state(0)
+        for r in range(1, self.cluster):
+            total = merge(total, block_state(r))
+        return total

@@ -1,0 +1,402 @@
+"""Launch plans of the norm kernels: every launch-shape decision of norm_forward.py and
+norm_backward.py, in plain Python (no MLIR), so the choices can be tested on a CPU.
+
+`plan_forward` and `plan_backward` return a frozen plan: the row's shape (config.RowConfig:
+threads per row, vectors, cluster, rows per block), the grid, staging, prefetching, where the
+backward's dw/db partials live, which parameters stay in registers, the resident blocks per
+multiprocessor asked of the register allocation, and how a cluster's blocks exchange row sums.
+Each rule sits with the measurement that chose it (H200, bf16; files in bench/results/,
+reasoning in bench/NOTES.md).
+
+Every plan field that a builder keyword can force names that keyword in its metadata
+(`override_keywords`): `threads_per_row` and `cluster` shape the row, `cluster_sync` sets the
+exchange, the others have the field's name. A field not given is chosen, in agreement with
+those given (an explicit `persistent=True` still lets the chooser stage rows); an override the
+shape or target cannot honour raises ValueError naming it, none is dropped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+from ..dtypes import ELEMENT_BYTES
+from ..targets import Target
+from .config import (
+    BACKWARD_ELEMS,
+    BACKWARD_SHAPES,
+    RMS_BACKWARD_SHAPES,
+    RowBudget,
+    RowConfig,
+    choose_row_config,
+)
+
+EXCHANGES = ("barrier", "mbarrier")  # dsl.exchange.MODES (which imports MLIR)
+RESIDENT = (None, False, "registers")  # resident_params: chooser, read per row, held
+SHARED_SLACK = 4 * 1024  # room kept for the row sums' slots and the like
+# Largest shared-memory partials, leaving room for the row sums' slots: 128 KB, or less where
+# the target allows less per block (99 KB on sm_86/89/120, 64 KB of LDS on most AMD GPUs).
+SHARED_PARTIALS_MAX = 128 * 1024
+
+
+def _field(*keywords: str):
+    """A plan field and the builder keywords that override it."""
+    return field(metadata={"keywords": keywords})
+
+
+@dataclass(frozen=True, kw_only=True)
+class NormForward:
+    """What a forward kernel computes (the launch shape is the plan's)."""
+
+    name: str
+    N: int
+    dtype: str  # x, y
+    weight_dtype: str | None = None
+    bias_dtype: str | None = None
+    residual_dtype: str | None = None  # fused add: the dtype residual_out is stored in
+    center: bool = False  # LayerNorm
+    store_stats: bool = False  # rstd (and mean, for LayerNorm)
+    eps: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class NormBackward:
+    """What a backward kernel computes. A weight gradient needs a weight (the kernel table
+    turns compute_dw off without one; a direct caller asking for it gets ValueError)."""
+
+    name: str
+    N: int
+    dtype: str  # dy, dx
+    x_dtype: str  # the normalised input (residual_out in the fused form)
+    weight_dtype: str | None = None
+    center: bool = False  # LayerNorm: subtract the mean
+    has_dres: bool = False  # fused form with a gradient flowing into residual_out
+    compute_dw: bool = False
+    compute_db: bool = False
+
+    def __post_init__(self) -> None:
+        if self.compute_dw and self.weight_dtype is None:
+            raise ValueError(f"{self.name}: compute_dw needs a weight (weight_dtype is None)")
+
+
+@dataclass(frozen=True)
+class ForwardPlan:
+    row: RowConfig = _field("threads_per_row", "cluster")
+    persistent: bool = _field("persistent")  # each block (cluster) walks row groups
+    stage: int = _field("stage")  # row groups copied into shared memory ahead (RowStage)
+    resident_params: str | bool = _field("resident_params")  # "registers": w, b held raw
+    blocks_per_sm: int | None = _field("blocks_per_sm")  # .minnctapersm; None: no cap
+    exchange: str | None = _field("cluster_sync")  # EXCHANGES; None without a cluster
+
+
+@dataclass(frozen=True)
+class BackwardPlan:
+    row: RowConfig = _field("threads_per_row", "cluster")
+    prefetch: bool = _field("prefetch")  # the next row's loads issued before this row's sum
+    prefetch_l2: bool = _field("prefetch_l2")  # one thread asks the next row into L2
+    shared_partials: bool = _field("shared_partials")  # dw/db partials in shared memory
+    stage: int = _field("stage")  # rows of x and dy copied into shared memory ahead
+    resident_params: str | bool = _field("resident_params")  # "registers": w held raw
+    blocks_per_sm: int | None = _field("blocks_per_sm")
+    exchange: str | None = _field("cluster_sync")
+
+
+def override_keywords(plan: type) -> tuple[str, ...]:
+    """The builder keywords that force fields of a plan class, in field order."""
+    return tuple(k for f in fields(plan) for k in f.metadata["keywords"])
+
+
+def plan_forward(
+    p: NormForward,
+    target: Target,
+    vectorize: bool,
+    *,
+    threads_per_row: int | None = None,
+    cluster: int | None = None,
+    persistent: bool | None = None,
+    stage: int | None = None,
+    resident_params: str | bool | None = None,
+    blocks_per_sm: int | None = None,
+    cluster_sync: str | None = None,
+) -> ForwardPlan:
+    """The forward's launch plan (None: the chooser's pick)."""
+    fused = p.residual_dtype is not None
+    row_dtype = p.residual_dtype if fused else p.dtype  # what the statistics are taken over
+    # Register words per row element at the peak: the row (packed when bf16; the fused form
+    # has x and residual in flight) plus fp32 parameters, whose loads are issued together.
+    # LayerNorm widens its packed row at each use too, but its moments cost more: at 0.5 a
+    # 65536 bf16 row takes 1024 threads and spills 288 bytes (440 before the one-pass
+    # moments: 31% of copy, against 66% chunked). (2-byte weights are left out: counting
+    # them pushes RMSNorm N = 65536 bf16 off the register path: 88% against 67% chunked.)
+    row_words = 1.0 if fused or row_dtype != "bf16" else 0.625 if p.center else 0.5
+    param_words = sum(0.5 for d in (p.weight_dtype, p.bias_dtype) if d == "f32")
+    budget = RowBudget(words_per_elem=row_words + param_words)
+    row = _row(p.N, wider(p.dtype, row_dtype), target, vectorize, budget, threads_per_row, cluster)
+    staged = [p.dtype] * (2 if fused else 1)  # x (and residual)
+    stage = _check_stage(stage, target, row, staged)
+    _check_resident(resident_params)
+    # LayerNorm rows of a whole 512-thread block or split over a cluster: a persistent grid
+    # that copies the next row group into shared memory while the current one is reduced and
+    # written (H200, bf16: N = 16384 86% -> 90% of copy, 65536 66% -> 82%;
+    # h200_tune_stage_depth.json). More groups ahead, or the forward of shorter rows (the
+    # block finishes its row soon enough), lose 3-11%.
+    long_row = row.cluster > 1 or row.block >= 512
+    picked_stage = int(p.center and not fused and long_row and can_stage(target, row, staged))
+    if persistent is None:  # the grid that staged rows or held parameters need
+        persistent = bool(picked_stage if stage is None else stage) or bool(resident_params)
+    persistent = bool(persistent)
+    if stage is None:
+        stage = picked_stage if persistent else 0
+    elif stage and not persistent:
+        raise ValueError("stage needs a persistent grid (persistent=False was given)")
+    params = [d for d in (p.weight_dtype, p.bias_dtype) if d is not None]
+    if resident_params is None:
+        # Rows split over a cluster read w and b slices of 32 KB per block in every row: the
+        # 4 blocks on an SM need 128 KB of them, which L1 does not keep next to the staged
+        # rows, so the row's normalisation waited on L2 (2 us of a 3.8 us row step, measured
+        # with bench/trace_rows.py). Held in registers (16-bit ones), raw, they cost 16 words
+        # a parameter, with 3 blocks per SM (H200, bf16, N = 65536, kernel alone: w and b
+        # 84% -> 90% of copy, w alone 90% -> 91%; at 4 blocks per SM w and b spill and w
+        # alone runs 86-87%: h200_tune_resident.json).
+        # Measured on 256-thread blocks; the 512-thread blocks of longer rows would drop to
+        # one per SM (unmeasured): those keep reading w and b.
+        held = persistent and stage and row.cluster > 1 and params and row.block <= 256
+        resident_params = "registers" if held and _all_16_bit(params) else False
+    elif resident_params:
+        if not (persistent and not row.chunked):
+            raise ValueError(
+                "resident_params='registers' needs a persistent grid and rows held in "
+                f"registers (persistent={persistent}, chunked rows: {row.chunked})"
+            )
+        if not params:
+            raise ValueError("resident_params='registers' needs a weight or bias to hold")
+    # Keep >= 1024 threads resident per SM (64 registers each) where the row needs no
+    # predicates; the merge of LayerNorm's moments would otherwise take 72-73 registers and
+    # halve the resident blocks at N = 8192-16384. Held parameters leave room for 768.
+    threads = 768 if resident_params else 1024
+    blocks_per_sm = _blocks_per_sm(blocks_per_sm, target, row, row.exact, threads)
+    # Row sums cross the cluster through mbarriers: no cluster barrier per row, which would
+    # also wait for the block's earlier stores to complete (H200, bf16, N = 65536: LayerNorm
+    # 80-83% -> 83-86% of copy, fused add + RMSNorm 92% -> 99%; h200_tune_mbarrier*.json,
+    # h200_tune_exchange*.json).
+    exchange = cluster_exchange(cluster_sync, row, "mbarrier", target.warp_size)
+    return ForwardPlan(row, persistent, stage, resident_params, blocks_per_sm, exchange)
+
+
+def plan_backward(
+    p: NormBackward,
+    target: Target,
+    vectorize: bool,
+    *,
+    threads_per_row: int | None = None,
+    cluster: int | None = None,
+    prefetch: bool | None = None,
+    prefetch_l2: bool | None = None,
+    shared_partials: bool | None = None,
+    stage: int | None = None,
+    resident_params: str | bool | None = None,
+    blocks_per_sm: int | None = None,
+    cluster_sync: str | None = None,
+) -> BackwardPlan:
+    """The backward's launch plan (None: the chooser's pick). Its grid is persistent."""
+    io = wider(p.dtype, p.x_dtype)
+    n_partials = int(p.compute_dw) + int(p.compute_db)
+    plain_rms = not p.center and not p.has_dres
+    _check_resident(resident_params)
+
+    def shape(partial_words: float, blocks: int | None) -> RowConfig:
+        words = (2.0 if io == "f32" else 1.0) + partial_words
+        shapes = RMS_BACKWARD_SHAPES if plain_rms else BACKWARD_SHAPES
+        budget = RowBudget(BACKWARD_ELEMS, words, tuple(range(1, 17)), shapes)
+        return _row(p.N, io, target, vectorize, budget, threads_per_row, blocks)
+
+    row = shape(float(n_partials), cluster)  # partials in registers
+    # Measured on an H200 (bench/results/h200_tune_shared_partials.json): shared partials win
+    # for the fused backward (97-103% of copy against 91-100%) and for every row split over a
+    # cluster (LayerNorm N = 65536: 65% against 50%); a LayerNorm row that fits one block runs
+    # best with register partials and prefetch, uncapped (88%).
+    wanted = p.has_dres or row.cluster > 1 if shared_partials is None else shared_partials
+    if wanted and not n_partials:
+        if shared_partials:
+            raise ValueError("shared_partials needs dw or db partials (this kernel has none)")
+        wanted = False
+    if wanted:  # a shape for the row alone, partials off registers
+        alone = shape(0.0, row.cluster)
+        size = n_partials * alone.slice * alone.rows_per_block * 4
+        most = min(SHARED_PARTIALS_MAX, target.shared_bytes_per_block - SHARED_SLACK)
+        wanted = not alone.chunked and size <= most
+        if shared_partials and not wanted:
+            raise ValueError(
+                f"shared_partials needs rows held in registers and at most {most} bytes of "
+                f"partials per block; these take {size} (chunked rows: {alone.chunked})"
+            )
+        row = alone if wanted else row
+    shared_partials = bool(wanted)
+    arrays = [p.x_dtype, p.dtype]  # staged: x and dy
+    stage = _check_stage(stage, target, row, arrays)
+    # Exact register-resident rows: ask for >= 1024 resident threads per SM (64 registers
+    # each), enough loads in flight. Predicated and chunked rows would spill under that cap.
+    # (LayerNorm with both partials in registers spills 144 bytes capped: it runs uncapped.)
+    capped = row.exact and (not p.center or shared_partials or not n_partials)
+    blocks_per_sm = _blocks_per_sm(blocks_per_sm, target, row, capped, 1024)
+    if stage is None and prefetch:
+        stage = 0  # the next row goes into registers, not shared memory
+    elif stage is None:
+        # Measured on an H200 (h200_tune_stage_backward.json, h200_tune_exchange_staging.json):
+        # staging lifts the fused backward's longest rows (N = 16384: 97% -> 99% of copy;
+        # 65536: 90% -> 95%) and LayerNorm rows split over a cluster of 512-thread blocks
+        # (N = 65536, with mbarrier exchanges: 70% -> 78%); it costs the plain RMSNorm
+        # backward and LayerNorm's smaller blocks 1-5%.
+        partial_bytes = n_partials * row.slice * row.rows_per_block * 4 if shared_partials else 0
+        long_fused = p.has_dres and (row.cluster > 1 or row.block >= 1024)
+        long_center = p.center and row.cluster > 1 and row.block >= 512
+        staged = (long_fused or long_center) and can_stage(target, row, arrays, partial_bytes)
+        stage = int(staged)
+    if prefetch is None:
+        # The prefetched row doubles the raw row's registers: under the 64-register cap that
+        # spills from two vectors per thread on (measured on an H200: 61-64% against 91-95%).
+        fits = blocks_per_sm is None or row.iters == 1
+        prefetch = fits and not stage and not row.chunked
+    elif prefetch and (stage or row.chunked):
+        raise ValueError(
+            "prefetch loads the next row into registers: not with staged rows (stage="
+            f"{stage}) nor chunked ones (chunked rows: {row.chunked})"
+        )
+    prefetch = bool(prefetch)
+    if prefetch_l2 is None:
+        # Slower in each backward measured but RMSNorm N = 16384 (85% -> 93% of copy, one
+        # pass, not repeated): h200_tune_l2_persistent.json, h200_tune_cluster_sizes.json.
+        prefetch_l2 = False
+    elif prefetch_l2 and not (target.l2_prefetch and _vectors_of_16(row, arrays)):
+        raise ValueError(f"prefetch_l2 needs 16-byte vectors on Hopper or later, not {target}")
+    prefetch_l2 = bool(prefetch_l2)
+    if resident_params is None:
+        # Rows split over a cluster: w is read for every row, and each row's sums wait for it
+        # (from L2 where the partials and staged rows leave L1 too little room). Held raw in
+        # registers instead (16-bit w: 8 words a thread at 512 threads). H200, bf16, N =
+        # 65536, kernel alone: LayerNorm 75% -> 79% of copy, RMSNorm 82% -> 86%
+        # (h200_tune_resident.json). bf16 rows only: they stay packed until used
+        # (dsl.rewiden); f16 rows already spill at the cap and would spill more. Not the fused
+        # form with a residual gradient: it gains 94% -> 96% but spills 4 bytes, and the
+        # bench kernels stay spill-free (tests/test_kernels_ir.py).
+        # Measured on 512-thread blocks; the 1024-thread blocks of some longer rows are not
+        # (RMSNorm at N = 262144 spills more with it).
+        w16 = p.weight_dtype is not None and _all_16_bit([p.weight_dtype])
+        split = row.cluster > 1 and row.block <= 512 and not row.chunked
+        held = w16 and io == "bf16" and split and not p.has_dres
+        resident_params = "registers" if held else False
+    elif resident_params:
+        if row.chunked:
+            raise ValueError("resident_params needs rows held in registers (this row is chunked)")
+        if p.weight_dtype is None:
+            raise ValueError("resident_params='registers' needs a weight to hold")
+    # Measured on an H200 (bf16; h200_tune_mbarrier*.json, h200_tune_exchange_staging.json):
+    # row sums through mbarriers lift RMSNorm N = 65536 from 75% to 84% of copy, LayerNorm
+    # 16384 from 79% to 82-83% and, with staged rows, LayerNorm 65536 from 70% to 78%; the
+    # fused backward's staged rows keep the cluster barrier (95% against 88%).
+    preferred = "barrier" if stage and p.has_dres else "mbarrier"
+    exchange = cluster_exchange(cluster_sync, row, preferred, target.warp_size)
+    choices = (prefetch, prefetch_l2, shared_partials, stage, resident_params, blocks_per_sm)
+    return BackwardPlan(row, *choices, exchange)
+
+
+def cluster_exchange(
+    cluster_sync: str | None, row: RowConfig, preferred: str, warp_size: int
+) -> str | None:
+    """How the row sums of a row split over a cluster cross it, the kernel's exchange mode
+    (dsl.exchange): `cluster_sync` if given (checked), else `preferred`; None without a
+    cluster.
+
+    The mbarrier exchange orders a block's reuse of its slots by the block barrier of the
+    next row's reduction (dsl.row_reduce), which rows of one warp or less do not have: those
+    keep the cluster barrier (only forced tuning shapes split such rows over a cluster)."""
+    if cluster_sync is not None and cluster_sync not in EXCHANGES:
+        raise ValueError(f"cluster_sync must be 'barrier' or 'mbarrier', not {cluster_sync!r}")
+    if cluster_sync is not None and row.cluster == 1:
+        raise ValueError(f"cluster_sync={cluster_sync!r} needs rows split over a cluster")
+    within_warp = row.threads_per_row <= warp_size
+    if cluster_sync == "mbarrier" and within_warp:
+        raise ValueError(
+            f"cluster_sync='mbarrier' needs rows of more than {warp_size} threads (a block "
+            f"barrier per row); these rows take {row.threads_per_row}"
+        )
+    if row.cluster == 1:
+        return None
+    if within_warp:
+        return "barrier"
+    return cluster_sync or preferred
+
+
+def can_stage(target: Target, row: RowConfig, dtypes: list[str], other_shared: int = 0) -> bool:
+    """Whether rows of these arrays can be staged one group ahead (RowStage, depth 1) on
+    `target`, next to `other_shared` bytes of shared memory the kernel already uses."""
+    if not (target.async_copy and row.exact and _vectors_of_16(row, dtypes)):
+        return False
+    staged = len(dtypes) * row.iters * 16 * row.block
+    return staged + other_shared + SHARED_SLACK <= target.shared_bytes_per_block
+
+
+def _row(N, dtype, target: Target, vectorize, budget, threads_per_row, cluster) -> RowConfig:
+    if cluster is not None and not 1 <= cluster <= target.max_cluster:
+        raise ValueError(
+            f"cluster must be from 1 to {target.max_cluster} blocks on {target.arch}, not {cluster}"
+        )
+    return choose_row_config(
+        N,
+        dtype,
+        target.warp_size,
+        vectorize,
+        budget,
+        max_cluster=target.max_cluster,
+        threads_per_row=threads_per_row,
+        cluster=cluster,
+    )
+
+
+def _check_stage(stage, target: Target, row: RowConfig, dtypes: list[str]) -> int | None:
+    """An explicit `stage` (True = 1), checked; None stays None (the chooser's)."""
+    if stage is None:
+        return None
+    if not isinstance(stage, int) or stage < 0:
+        raise ValueError(f"stage must be a number of row groups (0 = none), not {stage!r}")
+    if stage == 0:
+        return 0
+    if not target.async_copy:
+        raise ValueError(f"stage needs asynchronous copies (cp.async), which {target} lacks")
+    if not (row.exact and _vectors_of_16(row, dtypes)):
+        raise ValueError(
+            "stage needs rows held in registers, exactly, in 16-byte vectors; these rows "
+            f"take {row.vec}-element vectors (chunked: {row.chunked}, exact: {row.exact})"
+        )
+    return int(stage)
+
+
+def _check_resident(resident_params: str | bool | None) -> None:
+    if resident_params not in RESIDENT:
+        raise ValueError(
+            f"resident_params must be None, False or 'registers', not {resident_params!r}"
+        )
+
+
+def _blocks_per_sm(
+    given: int | None, target: Target, row: RowConfig, capped: bool, threads: int
+) -> int | None:
+    if given is None:
+        return max(1, threads // row.block) if capped else None
+    if not isinstance(given, int) or given < 1:
+        raise ValueError(f"blocks_per_sm must be a positive number of blocks, not {given!r}")
+    if target.occupancy_attribute(given) is None:
+        raise ValueError(f"blocks_per_sm needs a target with an occupancy hint, not {target}")
+    return given
+
+
+def _vectors_of_16(row: RowConfig, dtypes: list[str]) -> bool:
+    return all(row.vec * ELEMENT_BYTES[d] == 16 for d in dtypes)
+
+
+def _all_16_bit(dtypes: list[str]) -> bool:
+    return all(ELEMENT_BYTES[d] == 2 for d in dtypes)
+
+
+def wider(*dtypes: str | None) -> str:
+    """The widest of several I/O dtypes: it sets the vector width a row tile uses."""
+    return max((d for d in dtypes if d), key=lambda d: ELEMENT_BYTES[d])

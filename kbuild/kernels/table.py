@@ -1,0 +1,303 @@
+"""The kernel table: one description per kernel, everything else is derived from it.
+
+Each `KernelDef` names a kernel's builder, its compile-time parameters (types, defaults, and
+the rules that make two spellings of one kernel one spec) and its launch arguments in order
+(which ones exist for which parameters). From it come:
+
+- the spec: `RMSNORM_FWD.spec(N, dtype, ...)` (positional in table order, or by keyword),
+  what the cache keys on and what manifests list;
+- the registry: `REGISTRY[name]` -> "module:function" of the builder (imported on compile);
+- the in-memory key: the table's name and the parameter values as given, plus the device
+  (ops/launch.py `launcher_for`);
+- the argument order: `arg_names(spec)`, which the compiler checks each built kernel's
+  signature against and the launch path follows;
+- the manifests (kbuild/manifest.py call `.spec` with the shapes the tests and benchmarks use).
+
+Adding a kernel: one entry here and its builder (CLAUDE.md has a worked example). Pure Python:
+no MLIR, no torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from ..dtypes import ELEMENT_BYTES, FLOAT_DTYPES
+from ..spec import KernelSpec, Scalar
+
+_REQUIRED = object()
+_KINDS = {"int", "float", "bool", "dtype", "dtype?"}
+
+
+@dataclass(frozen=True)
+class Param:
+    """A compile-time parameter. `kind`: int, float, bool, dtype (a FLOAT_DTYPES name) or
+    dtype? (a name or None). `needs`: a bool that only means something with that parameter
+    set (compute_dw needs weight_dtype), so it is False without it. `vectors_of`: this bool
+    asks for 128-bit accesses of those dtype parameters' arrays, legal only for rows a whole
+    number of vectors long, so it is False for other N. `keyed`: False for a parameter left
+    out of the spec at its default (a parameter added after caches were warmed)."""
+
+    name: str
+    kind: str
+    default: Scalar | object = _REQUIRED
+    needs: str | None = None
+    vectors_of: tuple[str, ...] = ()
+    keyed: bool = True
+
+    def check(self, kernel: str, value: Scalar) -> Scalar:
+        ok = {
+            "int": isinstance(value, int) and not isinstance(value, bool),
+            "float": isinstance(value, (int, float)) and not isinstance(value, bool),
+            "bool": isinstance(value, bool),
+            "dtype": value in FLOAT_DTYPES,
+            "dtype?": value is None or value in FLOAT_DTYPES,
+        }[self.kind]
+        if not ok:
+            expected = {"dtype": f"one of {FLOAT_DTYPES}", "dtype?": f"None or {FLOAT_DTYPES}"}
+            raise TypeError(
+                f"{kernel}: {self.name} must be {expected.get(self.kind, self.kind)}, got {value!r}"
+            )
+        return float(value) if self.kind == "float" else value
+
+
+@dataclass(frozen=True)
+class Arg:
+    """A launch argument: a global pointer (a tensor's address) or an i64 scalar. It exists
+    when the parameter `when` names is set (truthy), or when `when` (a function of the spec's
+    parameters) says so; always when `when` is None."""
+
+    name: str
+    kind: str = "ptr"
+    when: str | Callable[[Mapping[str, Scalar]], bool] | None = None
+
+    def present(self, params: Mapping[str, Scalar]) -> bool:
+        if self.when is None:
+            return True
+        if isinstance(self.when, str):
+            return bool(params.get(self.when))
+        return self.when(params)
+
+
+@dataclass(frozen=True)
+class KernelDef:
+    name: str
+    builder: str  # "module:function", imported only when the kernel is compiled
+    params: tuple[Param, ...]
+    args: tuple[Arg, ...]
+    tunable: bool = False  # takes launch-plan overrides as extra keywords (kernels/plans.py)
+
+    def __post_init__(self) -> None:
+        names = [p.name for p in self.params]
+        if len(set(names)) != len(names) or any(p.kind not in _KINDS for p in self.params):
+            raise ValueError(f"{self.name}: parameters must be unique and of kinds {_KINDS}")
+
+    def spec(self, *values: Scalar, **named: Scalar) -> KernelSpec:
+        """The KernelSpec for these parameter values (positional in table order, or by
+        name); launch-plan overrides of a tunable kernel go by name after them."""
+        if len(values) > len(self.params):
+            raise TypeError(f"{self.name}: at most {len(self.params)} parameters, not {values}")
+        bound = dict(zip((p.name for p in self.params), values, strict=False))
+        own = {p.name for p in self.params}
+        for name, value in named.items():
+            if name in bound:
+                raise TypeError(f"{self.name}: {name} given twice")
+            if name not in own and not self.tunable:
+                raise TypeError(f"{self.name} has no parameter {name!r}; it takes {sorted(own)}")
+            bound[name] = value
+        for p in self.params:
+            if p.name not in bound:
+                if p.default is _REQUIRED:
+                    raise TypeError(f"{self.name}: missing parameter {p.name!r}")
+                bound[p.name] = p.default
+            bound[p.name] = p.check(self.name, bound[p.name])
+        for p in self.params:  # the rules, after every value is known
+            if p.needs is not None and bound[p.needs] is None:
+                bound[p.name] = False
+            if p.vectors_of and bound[p.name]:
+                widest = max(ELEMENT_BYTES[bound[d]] for d in p.vectors_of)
+                bound[p.name] = bound["N"] % (16 // widest) == 0
+            if not p.keyed and bound[p.name] == p.default:
+                del bound[p.name]
+        return KernelSpec.make(self.name, **bound)
+
+    def arg_names(self, spec: KernelSpec) -> list[str]:
+        """The launch arguments of `spec`'s kernel, in order."""
+        params = spec.kwargs
+        return [a.name for a in self.args if a.present(params)]
+
+    def check_signature(self, spec: KernelSpec, signature: list[tuple[str, str]]) -> None:
+        """A built kernel's (name, kind) arguments must be the table's, in its order."""
+        expected = [(a.name, a.kind) for a in self.args if a.present(spec.kwargs)]
+        if list(map(tuple, signature)) != expected:
+            raise ValueError(
+                f"{spec.short()}: the builder's arguments {signature} are not the kernel "
+                f"table's {expected} (kbuild/kernels/table.py)"
+            )
+
+
+_N, _DTYPE = Param("N", "int"), Param("dtype", "dtype")
+_WEIGHT = Param("weight_dtype", "dtype?")
+_EPS = Param("eps", "float")
+_TRACE = Arg("trace", when="trace")  # diagnostic builds (dsl.trace): timestamps first
+_M = Arg("M", "i64")
+
+
+def _vectorize(*dtypes: str) -> Param:
+    return Param("vectorize", "bool", True, vectors_of=dtypes)
+
+
+RMSNORM_FWD = KernelDef(
+    "rmsnorm_fwd",
+    "kbuild.kernels.rmsnorm:build_rmsnorm_module",
+    (_N, _DTYPE, _WEIGHT, Param("store_rstd", "bool"), _EPS, _vectorize("dtype")),
+    (
+        _TRACE,
+        Arg("x"),
+        Arg("weight", when="weight_dtype"),
+        Arg("y"),
+        Arg("rstd", when="store_rstd"),
+        _M,
+    ),
+    tunable=True,
+)
+FUSED_ADD_RMSNORM_FWD = KernelDef(
+    "fused_add_rmsnorm_fwd",
+    "kbuild.kernels.rmsnorm:build_fused_add_rmsnorm_module",
+    (
+        _N,
+        _DTYPE,
+        _WEIGHT,
+        Param("residual_dtype", "dtype"),
+        Param("store_rstd", "bool"),
+        _EPS,
+        _vectorize("dtype", "residual_dtype"),
+    ),
+    (
+        _TRACE,
+        Arg("x"),
+        Arg("residual"),
+        Arg("weight", when="weight_dtype"),
+        Arg("y"),
+        Arg("residual_out"),
+        Arg("rstd", when="store_rstd"),
+        _M,
+    ),
+    tunable=True,
+)
+LAYERNORM_FWD = KernelDef(
+    "layernorm_fwd",
+    "kbuild.kernels.layernorm:build_layernorm_module",
+    (
+        _N,
+        _DTYPE,
+        _WEIGHT,
+        Param("bias_dtype", "dtype?"),
+        Param("store_stats", "bool"),
+        _EPS,
+        _vectorize("dtype"),
+    ),
+    (
+        _TRACE,
+        Arg("x"),
+        Arg("weight", when="weight_dtype"),
+        Arg("bias", when="bias_dtype"),
+        Arg("y"),
+        Arg("mean", when="store_stats"),
+        Arg("rstd", when="store_stats"),
+        _M,
+    ),
+    tunable=True,
+)
+_COMPUTE_DW = Param("compute_dw", "bool", needs="weight_dtype")
+_PARTIALS = (Arg("dw_partial", when="compute_dw"), Arg("db_partial", when="compute_db"))
+RMSNORM_BWD = KernelDef(
+    "rmsnorm_bwd",
+    "kbuild.kernels.rmsnorm_bwd:build_rmsnorm_bwd_module",
+    (_N, _DTYPE, _WEIGHT, _COMPUTE_DW, _vectorize("dtype")),
+    (
+        _TRACE,
+        Arg("x"),
+        Arg("weight", when="weight_dtype"),
+        Arg("dy"),
+        Arg("rstd"),
+        Arg("dx"),
+        *_PARTIALS,
+        _M,
+    ),
+    tunable=True,
+)
+FUSED_ADD_RMSNORM_BWD = KernelDef(
+    "fused_add_rmsnorm_bwd",
+    "kbuild.kernels.rmsnorm_bwd:build_fused_add_rmsnorm_bwd_module",
+    (
+        _N,
+        _DTYPE,
+        _WEIGHT,
+        Param("residual_dtype", "dtype"),
+        Param("has_dresidual_out", "bool"),
+        _COMPUTE_DW,
+        _vectorize("dtype", "residual_dtype"),
+    ),
+    (
+        _TRACE,
+        Arg("x"),
+        Arg("weight", when="weight_dtype"),
+        Arg("dy"),
+        Arg("rstd"),
+        Arg("dresidual_out", when="has_dresidual_out"),
+        Arg("dx"),
+        *_PARTIALS,
+        _M,
+    ),
+    tunable=True,
+)
+LAYERNORM_BWD = KernelDef(
+    "layernorm_bwd",
+    "kbuild.kernels.layernorm:build_layernorm_bwd_module",
+    (_N, _DTYPE, _WEIGHT, _COMPUTE_DW, Param("compute_db", "bool"), _vectorize("dtype")),
+    (
+        _TRACE,
+        Arg("x"),
+        Arg("weight", when="weight_dtype"),
+        Arg("dy"),
+        Arg("mean"),
+        Arg("rstd"),
+        Arg("dx"),
+        *_PARTIALS,
+        _M,
+    ),
+    tunable=True,
+)
+COLUMN_SUM = KernelDef(
+    "column_sum",
+    "kbuild.kernels.reduce:build_column_sum_module",
+    # One-plane specs predate `planes`: keyed without it, so warmed caches keep hitting.
+    (_N, Param("out_dtype", "dtype"), Param("planes", "int", 1, keyed=False)),
+    (
+        Arg("partial"),
+        Arg("out"),
+        Arg("out1", when=lambda p: p.get("planes", 1) == 2),
+        Arg("R", "i64"),
+    ),
+)
+
+KERNELS: dict[str, KernelDef] = {
+    d.name: d
+    for d in (
+        RMSNORM_FWD,
+        FUSED_ADD_RMSNORM_FWD,
+        LAYERNORM_FWD,
+        RMSNORM_BWD,
+        FUSED_ADD_RMSNORM_BWD,
+        LAYERNORM_BWD,
+        COLUMN_SUM,
+    )
+}
+
+
+def kernel_def(name: str) -> KernelDef:
+    try:
+        return KERNELS[name]
+    except KeyError:
+        raise ValueError(f"unknown kernel {name!r}; known: {', '.join(sorted(KERNELS))}") from None
