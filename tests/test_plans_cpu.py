@@ -358,7 +358,7 @@ def test_overrides_a_shape_or_target_cannot_honour_raise(kernel, N, arch, overri
         ),
         (
             "layernorm_bwd",
-            dict(weight_dtype=None),
+            dict(weight_dtype=None, compute_dw=False),
             dict(resident_params="registers"),
             "needs a weight to hold",
         ),
