@@ -12,6 +12,8 @@ import torch
 
 from .ops import layernorm, rmsnorm
 
+_FP32_EPS = torch.finfo(torch.float32).eps  # kbuild computes in fp32 whatever the I/O dtype
+
 
 def _last_dim_only(cls: str, normalized_shape) -> None:
     shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
@@ -33,7 +35,9 @@ def _check_last_dim(module: torch.nn.Module, x: torch.Tensor) -> None:
 
 
 class RMSNorm(torch.nn.RMSNorm):
-    """torch.nn.RMSNorm computed by kbuild.rmsnorm (eps=None means finfo(x.dtype).eps)."""
+    """torch.nn.RMSNorm computed by kbuild.rmsnorm. eps=None means what it means in torch:
+    the machine epsilon of the computation type, fp32 for every input kbuild takes (so
+    finfo(float32).eps for bf16 and fp16 too, not the 16-bit type's own)."""
 
     def __init__(
         self, normalized_shape, eps=None, elementwise_affine=True, device=None, dtype=None
@@ -43,7 +47,7 @@ class RMSNorm(torch.nn.RMSNorm):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         _check_last_dim(self, x)
-        eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
+        eps = self.eps if self.eps is not None else _FP32_EPS
         return rmsnorm(x, self.weight, eps)
 
 

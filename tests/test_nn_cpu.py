@@ -71,15 +71,10 @@ def _compare_with_torch(theirs, ours, x, dy):
 @pytest.mark.parametrize("affine", [True, False], ids=["affine", "no_affine"])
 @pytest.mark.parametrize("eps", [None, 1e-4], ids=["eps_None", "eps_1e-4"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=_name)
-def test_rmsnorm_module_matches_torch(request, dtype, eps, affine):
-    """Catches kbuild.nn.RMSNorm reading eps=None otherwise than torch.nn.RMSNorm, an explicit
-    eps ignored or replaced, the weight ignored; forward and the gradients of x and weight."""
-    if eps is None and dtype != torch.float32:
-        # kbuild/nn.py takes finfo(x.dtype).eps (bf16: 7.8e-3, fp16: 9.8e-4); torch 2.13 takes
-        # finfo(float32).eps = 1.2e-7 for 16-bit inputs too. strict: passes once nn.py follows.
-        request.applymarker(
-            pytest.mark.xfail(strict=True, reason="kbuild.nn.RMSNorm(eps=None) on 16-bit x")
-        )
+def test_rmsnorm_module_matches_torch(dtype, eps, affine):
+    """Catches kbuild.nn.RMSNorm reading eps=None otherwise than torch.nn.RMSNorm (the machine
+    epsilon of the fp32 computation, also for 16-bit x: not finfo(bf16).eps = 7.8e-3), an
+    explicit eps ignored or replaced, the weight ignored; forward and gradients."""
     effective = TORCH_RMS_EPS if eps is None else eps
     theirs, ours = _pair("RMSNorm", dtype, eps=eps, elementwise_affine=affine)
     x, dy = randn(SHAPE, dtype, 0, scale=effective**0.5), randn(SHAPE, dtype, 2)
