@@ -10,6 +10,7 @@ and the binary is loaded into that device's context.
 
 from __future__ import annotations
 
+import shlex
 import threading
 from collections.abc import Callable, Hashable
 
@@ -29,7 +30,7 @@ class KernelNotCached(RuntimeError):
 
 
 def warmup_command(spec: KernelSpec, target: Target, cache_dir: str | None = None) -> str:
-    where = f" --cache-dir {cache_dir}" if cache_dir else ""
+    where = f" --cache-dir {shlex.quote(cache_dir)}" if cache_dir else ""  # pasteable
     return f"kbuild warmup --arch {target.arch}{where} --spec '{spec.canonical_json()}'"
 
 

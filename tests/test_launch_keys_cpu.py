@@ -195,3 +195,21 @@ def test_offline_miss_command_warms_the_cache_that_missed(where, tmp_cache, monk
     )
     assert cli.main(argv[1:]) == 0
     assert warmed == [([spec], "sm_90", root)]
+
+
+def test_offline_miss_command_quotes_a_cache_dir_with_spaces(tmp_path):
+    """A cache root with a space must come back as one shell word, or the pasted warmup
+    command warms a different directory."""
+    import shlex
+
+    from kbuild.jit import warmup_command
+    from kbuild.ops.rmsnorm import rmsnorm_fwd_spec
+    from kbuild.targets import target_for_arch
+
+    root = str(tmp_path / "my cache")
+    words = shlex.split(
+        warmup_command(
+            rmsnorm_fwd_spec(64, "f32", None, False, 1e-6), target_for_arch("sm_90"), root
+        )
+    )
+    assert words[words.index("--cache-dir") + 1] == root
