@@ -121,9 +121,11 @@ LAUNCHES = {
 
 
 def _assert_cheap(key) -> None:
-    """A flat tuple of str/int/float/bool/None/torch.dtype: hashed on every call, so no tensors,
-    devices or specs in it."""
-    assert type(key) is tuple and all(type(atom) in KEY_ATOMS for atom in key), key
+    """A tuple (kernel name, values, device) of str/int/float/bool/None/torch.dtype atoms:
+    hashed on every call, so no tensors, devices or specs in it."""
+    assert type(key) is tuple and len(key) == 3 and type(key[1]) is tuple, key
+    atoms = (key[0], *key[1], key[2])
+    assert all(type(atom) in KEY_ATOMS for atom in atoms), key
     hash(key)
 
 

