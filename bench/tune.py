@@ -23,7 +23,8 @@ from kbuild.manifest import BENCH_ELEMENTS, manifest  # noqa: E402
 from kbuild.ops.common import stream_of  # noqa: E402
 from kbuild.ops.launch import persistent_grid, rows_grid  # noqa: E402
 from kbuild.runtime.cuda import Launcher  # noqa: E402
-from kbuild.timing import TRACE_ITERATIONS, TRACE_WORDS, gbps, median_ms  # noqa: E402
+from kbuild.timing import gbps, median_ms  # noqa: E402
+from kbuild.trace_layout import TRACE_ITERATIONS, TRACE_WORDS  # noqa: E402
 
 # Row-sized arrays each kernel reads (the rest it writes); the byte count is the tensors of
 # M x N elements the kernel must move (row stats and parameters are noise at these sizes).

@@ -12,10 +12,6 @@ from collections.abc import Callable
 
 import torch
 
-# The trace layout lives in kbuild/trace_layout.py (fingerprinted: kernels are built from
-# it); these names stay importable here for bench/tune.py.
-from .trace_layout import TRACE_ITERATIONS, TRACE_POINTS, TRACE_WORDS  # noqa: F401
-
 
 def median_ms(fn: Callable[[], object], reps: int = 50, warmup_ms: float = 200.0) -> float:
     """Median device time of one call of `fn`, CUDA events around each call.

@@ -17,7 +17,7 @@ from .memory import (
     store,
     wait_async,
 )
-from .reduce import add, cluster_reduce, group_reduce, row_reduce
+from .reduce import add, group_reduce, row_reduce
 from .values import (
     V,
     cast,
@@ -45,7 +45,6 @@ __all__ = [
     "cast",
     "commit_async",
     "copy_async",
-    "cluster_reduce",
     "const",
     "element_bytes",
     "get_llvm_ptr",

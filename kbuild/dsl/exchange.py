@@ -136,13 +136,11 @@ class ClusterExchange:
         phase: V | None,
         merge: Merge,
         meanwhile: Callable[[], None] | None = None,
-        rows: int = 1,
-        row: V | None = None,
         lane: V | None = None,
     ) -> list[V]:
-        """Merge block results (the same in every thread of a row of a block) over the
-        cluster's blocks; every block gets the same bits. A block may hold `rows` rows:
-        thread `lane` of row `row` (default: the thread index; a block of one row).
+        """Merge block results (the same in every thread of the block's one row) over the
+        cluster's blocks; every block gets the same bits. `lane`: this thread's index in the
+        row (default: the thread index).
 
         Block r's first `cluster` threads of each row send the row's state into slot r of
         every block's buffer (thread t into block t), then each thread merges its row's slots
@@ -152,7 +150,7 @@ class ClusterExchange:
         if k.cluster == 1:
             raise ValueError("a cluster exchange needs a kernel with clusters")
         lane = k.thread_id() if lane is None else lane
-        slots = _Slots(self, len(state), phase, rows, row)
+        slots = _Slots(self, len(state), phase)
         if self._mode == "mbarrier":
             self._send_counted(state, phase, meanwhile, slots, lane)
         else:
@@ -186,7 +184,7 @@ class ClusterExchange:
         bar = get_llvm_ptr(k.shared_address(bars_name), slots.which, "i64")
         rank = k.cluster_rank()
         k.ensure_cluster_started()
-        nbytes = cluster * slots.rows * len(live) * 4  # every row's state from every block
+        nbytes = cluster * len(live) * 4  # the row's state from every block
 
         def publish() -> None:  # thread t of a row sends into block t
             for j in live:
@@ -219,22 +217,20 @@ class ClusterExchange:
 
 
 class _Slots:
-    """One exchange's buffer in each block: [half][rank][row][value] f32, and the half this
-    use takes."""
+    """One exchange's buffer in each block: [half][rank][value] f32, and the half this use
+    takes."""
 
-    def __init__(self, ex: ClusterExchange, n: int, phase: V | None, rows: int, row: V | None):
+    def __init__(self, ex: ClusterExchange, n: int, phase: V | None):
         k = ex._k
-        self.n, self.rows, self.cluster = n, rows, k.cluster
-        size = k.cluster * rows * n
+        self.n, self.cluster = n, k.cluster
+        size = k.cluster * n
         self.buffer = k.shared(HALVES * size)
         self.which = ex.half(phase)
         self.base = self.which * size
-        if rows > 1:
-            self.base = self.base + row * n
 
     def slot(self, rank: V | int, j: int) -> V:
-        """Where block `rank` puts value j of this thread's row."""
-        return get_llvm_ptr(self.buffer, self.base + rank * (self.rows * self.n) + j, "f32")
+        """Where block `rank` puts value j of the row's state."""
+        return get_llvm_ptr(self.buffer, self.base + rank * self.n + j, "f32")
 
     def merge(self, state: list[V], merge: Merge) -> list[V]:
         """Merge the cluster's states of this thread's row in rank order (uniform entries of

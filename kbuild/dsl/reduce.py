@@ -16,8 +16,6 @@ stored, and the merge folds it at build time.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from mlir.dialects import gpu
 
 from .control import if_then
@@ -105,21 +103,3 @@ def row_reduce(
     if reused:
         k.barrier()
     return total
-
-
-def cluster_reduce(
-    k: Kernel,
-    state: list[V],
-    phase: V | None = None,
-    merge: Merge = add,
-    meanwhile: Callable[[], None] | None = None,
-    rows: int = 1,
-    row: V | None = None,
-    lane: V | None = None,
-) -> list[V]:
-    """Merge block results (the same in every thread of a row of a block) over a cluster's
-    blocks, through the kernel's exchange (`k.exchange`, a dsl.exchange.ClusterExchange: a
-    cluster barrier or `st.async` + mbarriers, with the ordering argument for reusing its
-    slots). A call inside a loop passes `phase` (RowGroups); `meanwhile()` runs while the
-    other blocks' states are awaited. See ClusterExchange.reduce."""
-    return k.exchange.reduce(state, phase, merge, meanwhile, rows, row, lane)

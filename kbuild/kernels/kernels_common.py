@@ -178,8 +178,7 @@ class RowTile:
         if trace is not None:
             trace.mark("block")
         if clustered:
-            rows = c.rows_per_block
-            out = exchange.reduce(out, phase, merge, meanwhile, rows, self.row_in_block, self.lane)
+            out = exchange.reduce(out, phase, merge, meanwhile, self.lane)
             if trace is not None:
                 trace.mark("cluster")
             return out
