@@ -23,6 +23,20 @@ from .targets import Target, target_for_capability
 _loaded = MemoryCache()
 _loading = threading.Lock()
 loaded = _loaded.get  # the hot path's one lookup: launcher for a key, or None
+_forget_hooks: list[Callable[[], None]] = []
+
+
+def on_forget(hook: Callable[[], None]) -> None:
+    """Call `hook` whenever `forget_loaded` runs (the C++ hot path drops its records)."""
+    _forget_hooks.append(hook)
+
+
+def forget_loaded() -> None:
+    """Forget every loaded kernel here and in the C++ hot path's records, so the next call of
+    each loads it again from the disk tier. For tests; not while other threads launch."""
+    _loaded.clear()
+    for hook in _forget_hooks:
+        hook()
 
 
 class KernelNotCached(RuntimeError):

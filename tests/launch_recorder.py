@@ -84,4 +84,6 @@ def pretend_cuda(monkeypatch) -> None:
     """Every tensor says is_cuda (also the gradients autograd makes), and the current device is
     -1, the index CPU tensors report, so the API takes its CUDA route without a device guard."""
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    # The Python launch path: the C++ one dispatches by the real device (see test_native_cpu).
+    monkeypatch.setattr(importlib.import_module("kbuild.ops.api"), "_native", None)
     monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: -1, raising=False)

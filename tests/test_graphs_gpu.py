@@ -82,7 +82,7 @@ def test_first_call_inside_a_capture_loads_and_replays() -> None:
     x = rand((M, N), BF16, 5)
     w = rand((N,), BF16, 6)
     kbuild.rmsnorm(x, w, 1e-6)  # torch's own lazy set-up (allocator, handles) outside
-    jit._loaded.clear()  # every kbuild module unloaded from the memory tier
+    jit.forget_loaded()  # every kbuild module unloaded from the memory tier
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         y = kbuild.rmsnorm(x, w, 1e-6)

@@ -48,7 +48,7 @@ KERNELS = {
 def memory_tier():
     """kbuild's per-process tier of loaded kernels, emptied so a test sees only its own loads
     (forgetting a kernel only costs a reload from the disk cache)."""
-    jit._loaded.clear()
+    jit.forget_loaded()
     return jit._loaded
 
 

@@ -1,22 +1,17 @@
 """The public functions: argument checks, CPU fallback, and the route to the kernels.
 
-Eager calls that need no gradient launch the forward kernel directly (the fewest host
-microseconds); eager training goes through the autograd Functions; under torch.compile the
-custom ops (kbuild::*) are called so the graph has no breaks. All three run the same kernels.
+CUDA tensors go to the kbuild::* operators: eagerly through the C++ extension's entry points
+(kbuild/native: forward, autograd and backward in C++), under torch.compile as the operators
+themselves, so the graph has no breaks. Where the extension is unavailable, eager calls take
+the Python launch path (autograd Functions, or the forward launch directly when no gradient is
+needed). All routes run the same kernels. Eager CPU tensors run the torch reference.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .autograd import (
-    FusedAddRMSNormFunction,
-    LayerNormFunction,
-    RMSNormFunction,
-    fused_add_rmsnorm_fwd_op,
-    layernorm_fwd_op,
-    rmsnorm_fwd_op,
-)
+from .autograd import FusedAddRMSNormFunction, LayerNormFunction, RMSNormFunction
 from .common import (
     check_eps,
     check_input,
@@ -25,8 +20,12 @@ from .common import (
     contiguous,
     device_guard,
 )
+from .custom_ops import NATIVE, fused_add_rmsnorm_fwd_op, layernorm_fwd_op, rmsnorm_fwd_op
 from .layernorm import layernorm_fwd, layernorm_reference
 from .rmsnorm import fused_add_rmsnorm_fwd, rmsnorm_fwd, rmsnorm_reference
+
+# The C++ entry points, or None for the Python path (tests of that path set it to None).
+_native = NATIVE
 
 
 def _needs_grad(*tensors: torch.Tensor | None) -> bool:
@@ -42,6 +41,10 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1e
     CUDA tensors run the kbuild kernels; CPU tensors run the plain torch reference (same
     math), so code using kbuild runs anywhere.
     """
+    if _native is not None and not torch.compiler.is_compiling():
+        y = _native.rmsnorm(x, weight, eps)  # the common CUDA case, whole, in C++
+        if y is not None:
+            return y
     check_input("x", x)
     weight = check_param("weight", weight, x)
     eps = check_eps(eps)
@@ -55,6 +58,8 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1e
     )
     if torch.compiler.is_compiling():
         return rmsnorm_fwd_op(x, weight, eps, needs_grad)[0]
+    if _native is not None:
+        return _native.rmsnorm_fwd(x, weight, eps, needs_grad)[0]
     if needs_grad:
         return RMSNormFunction.apply(x, weight, eps)
     if x.get_device() == torch._C._cuda_getDevice():  # the guard costs ~2 us: only if needed
@@ -79,6 +84,10 @@ def fused_add_rmsnorm(
     stored values. Returns (out, residual_out) when `prenorm`, else out. Gradients flow to x,
     residual and weight; d(x) and d(residual) are the same values, computed once.
     """
+    if _native is not None and not torch.compiler.is_compiling():
+        out = _native.fused_add_rmsnorm(x, residual, weight, eps, prenorm, residual_in_fp32)
+        if out is not None:
+            return out
     check_input("x", x)
     check_like("residual", residual, x)
     weight = check_param("weight", weight, x)
@@ -91,6 +100,10 @@ def fused_add_rmsnorm(
         x, residual = contiguous(x), contiguous(residual)
     if not x.is_cuda or torch.compiler.is_compiling():
         out, residual_out, _ = fused_add_rmsnorm_fwd_op(
+            x, residual, weight, eps, residual_dtype, needs_grad
+        )
+    elif _native is not None:
+        out, residual_out, _ = _native.fused_add_rmsnorm_fwd(
             x, residual, weight, eps, residual_dtype, needs_grad
         )
     elif needs_grad:
@@ -116,6 +129,10 @@ def layernorm(
     centred row (exact for rows with a large mean). Differentiable in x, weight and bias
     (saved for backward: x, weight, bias and one fp32 mean and rstd per row).
     """
+    if _native is not None and not torch.compiler.is_compiling():
+        y = _native.layernorm(x, weight, bias, eps)
+        if y is not None:
+            return y
     check_input("x", x)
     weight = check_param("weight", weight, x)
     bias = check_param("bias", bias, x)
@@ -128,6 +145,8 @@ def layernorm(
     needs_grad = _needs_grad(x, weight, bias)
     if torch.compiler.is_compiling():
         return layernorm_fwd_op(x, weight, bias, eps, needs_grad)[0]
+    if _native is not None:
+        return _native.layernorm_fwd(x, weight, bias, eps, needs_grad)[0]
     if needs_grad:
         return LayerNormFunction.apply(x, weight, bias, eps)
     with device_guard(x):

@@ -1,0 +1,97 @@
+"""The C++ hot path's one call into Python: from what a call needs to a kernel's launch record.
+
+The extension (kbuild/native/kbuild_native.cpp) keys its kernels by (kernel, N, dtype,
+weight dtype, aux dtype, flags, eps, aligned, device). On a miss it calls `resolve` with those
+fields; this turns them into the kernel table's parameter values, exactly as the Python launch
+functions of ops/rmsnorm.py and ops/layernorm.py do (a CPU test holds the two to the same
+specs and launches), loads the kernel through `launcher_for` (the memory and disk tiers), and
+returns what a launch needs: the driver function handle, block, shared memory, grid shape and
+the argument slots in the table's order.
+"""
+
+from __future__ import annotations
+
+from ..kernels.table import (
+    COLUMN_SUM,
+    FUSED_ADD_RMSNORM_BWD,
+    FUSED_ADD_RMSNORM_FWD,
+    LAYERNORM_BWD,
+    LAYERNORM_FWD,
+    RMSNORM_BWD,
+    RMSNORM_FWD,
+)
+from ..spec import Scalar
+from .launch import launcher_for
+
+# The extension's kernel codes, in order (its `kernel_names`; a test compares them).
+KERNELS = {
+    d.name: d
+    for d in (
+        RMSNORM_FWD,
+        FUSED_ADD_RMSNORM_FWD,
+        LAYERNORM_FWD,
+        RMSNORM_BWD,
+        FUSED_ADD_RMSNORM_BWD,
+        LAYERNORM_BWD,
+        COLUMN_SUM,
+    )
+}
+# Flag bits of a key, and the argument slots (the extension's `slot_names`, in its order).
+STATS, DW, DB, DRES = 1, 2, 4, 8
+SLOT_NAMES = (
+    "x", "weight", "bias", "residual", "y", "residual_out", "mean", "rstd", "dy",
+    "dresidual_out", "dx", "dw_partial", "db_partial", "M", "partial", "out", "out1", "R",
+)  # fmt: skip
+SLOTS = {name: i for i, name in enumerate(SLOT_NAMES)}
+
+
+def values(
+    kernel: str,
+    N: int,
+    dtype: str,
+    weight: str | None,
+    aux: str | None,
+    flags: int,
+    eps: float,
+    aligned: bool,
+) -> tuple[Scalar, ...]:
+    """The kernel table's parameter values (its order) for a key's fields. `aux` is the bias
+    dtype (layernorm_fwd) or the residual dtype (fused forms); for column_sum, `flags` is the
+    number of planes."""
+    if kernel == "rmsnorm_fwd":
+        return (N, dtype, weight, bool(flags & STATS), eps, aligned)
+    if kernel in ("fused_add_rmsnorm_fwd", "layernorm_fwd"):
+        return (N, dtype, weight, aux, bool(flags & STATS), eps, aligned)
+    if kernel == "rmsnorm_bwd":
+        return (N, dtype, weight, bool(flags & DW), aligned)
+    if kernel == "fused_add_rmsnorm_bwd":
+        return (N, dtype, weight, aux, bool(flags & DRES), bool(flags & DW), aligned)
+    if kernel == "layernorm_bwd":
+        return (N, dtype, weight, bool(flags & DW), bool(flags & DB), aligned)
+    if kernel == "column_sum":
+        return (N, dtype, flags)
+    raise ValueError(f"kbuild native: unknown kernel {kernel!r}")
+
+
+def launch_record(launcher, name: str) -> tuple:
+    """What the extension keeps of a loaded kernel (see Record in kbuild_native.cpp)."""
+    missing = [name for name in launcher.names if name not in SLOTS]
+    if missing:  # e.g. a trace build: the hot path launches production kernels only
+        raise ValueError(f"kbuild native: no argument slot for {missing} of {launcher.names}")
+    return (
+        launcher.function_handle,
+        launcher.block,
+        launcher.dynamic_shared,
+        launcher.cluster,
+        launcher.rows_per_block,
+        launcher.resident_clusters,
+        launcher.meta.get("grid") == "persistent",
+        int(launcher.meta.get("columns_per_block", 1)),
+        [SLOTS[name] for name in launcher.names],
+        name,
+    )
+
+
+def resolve(kernel, device, N, dtype, weight, aux, flags, eps, aligned) -> tuple:
+    kdef, vals = KERNELS[kernel], values(kernel, N, dtype, weight, aux, flags, eps, aligned)
+    return launch_record(launcher_for(kdef, device, vals), kdef.spec(*vals).short())

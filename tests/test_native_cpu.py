@@ -1,0 +1,377 @@
+"""The C++ hot path (kbuild/native) checked on CPU: it asks for the kernels the Python launch
+path asks for, launches them the same way, and resolves each kernel once.
+
+The extension's CUDA kernels are called directly (not through the dispatcher) on CPU tensors,
+with a launch hook that records each launch instead of calling the driver, and with the fake
+memory tier of launch_recorder behind the resolver. The Python launch functions run on the
+same inputs against the same fake tier. Both must request the same specs, in the same order,
+with the same grids and the same arguments (each pointer named by the tensor it belongs to).
+Catches: a key field the C++ side drops or mixes up (eps, a dtype, the aligned bit: a wrong
+kernel or a stale record), a slot written to the wrong argument, a wrong persistent grid or
+workspace, a column sum of the wrong planes, a record resolved on every call.
+
+Also here: the extension builds (CPU CI compiles it), its tables match resolve.py's, errors
+from the resolver keep their Python type, and the autograd it registers is what runs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kbuild as kbuild_ref
+from kbuild.kernels.table import kernel_def
+from kbuild.ops import api, custom_ops, resolve
+
+from .launch_recorder import Tier, install, layernorm, rmsnorm
+from .launch_recorder import zeros as _t
+
+NATIVE = custom_ops.NATIVE
+pytestmark = pytest.mark.skipif(NATIVE is None, reason="the C++ extension is unavailable")
+
+
+class Recorder:
+    """A fake tier whose launchers carry what resolve.launch_record reads, and a log of every
+    launch from either path as (spec, grid, args)."""
+
+    def __init__(self, monkeypatch):
+        self.tier = Tier()
+        self.launches: list = []
+        self.by_name: dict = {}
+        install(monkeypatch, self.get_launcher, self.tier.loaded)
+
+    def get_launcher(self, key, device, make_spec):
+        launcher = self.tier.get_launcher(key, device, make_spec)
+        spec = launcher.spec
+        launcher.names = kernel_def(spec.kernel).arg_names(spec)
+        launcher.function_handle, launcher.block, launcher.dynamic_shared = 0, 128, 0
+        launcher.meta = {
+            "columns_per_block": 32,
+            "grid": "persistent" if "bwd" in spec.kernel else "rows",
+            "spec": {"kernel": spec.short()},
+        }
+        launches = self.launches
+
+        def call(launcher, grid, stream, *args):
+            launches.append((launcher.spec, grid, list(args)))
+
+        launcher.__class__ = type("Logged", (type(launcher),), {"__call__": call})
+        self.by_name[spec.short()] = spec
+        return launcher
+
+    def hook(self, name, grid, args):
+        self.launches.append((self.by_name[name], grid, list(args)))
+
+
+@pytest.fixture
+def recorder(monkeypatch):
+    rec = Recorder(monkeypatch)
+    NATIVE.clear_records()
+    NATIVE.set_launch_hook(rec.hook)
+    yield rec
+    NATIVE.set_launch_hook(None)
+    NATIVE.clear_records()
+
+
+def _labelled(launches, tensors):
+    """Each launch with its pointer arguments named by the input tensor they point into
+    ("new" for an output the call allocated); integers below 2**20 (M, R) kept as they are."""
+    named = {t.data_ptr(): name for name, t in tensors.items() if t is not None}
+    out = []
+    for spec, grid, args in launches:
+        labels = [a if a < 1 << 20 else named.get(a, "new") for a in args]
+        out.append((spec, grid, labels))
+    return out
+
+
+def _both(recorder, python_call, native_call, tensors):
+    """Run the Python path, then the native one; return both launch logs, labelled."""
+    python_call()
+    python_log = _labelled(recorder.launches, tensors)
+    recorder.launches.clear()
+    native_call()
+    return python_log, _labelled(recorder.launches, tensors)
+
+
+def _inputs(M, N, dtype, wdtype, misaligned=()):
+    return {
+        name: _t((M, N), dtype, name in misaligned) for name in ("x", "residual", "dy", "dres")
+    } | {
+        "weight": None if wdtype is None else _t((N,), wdtype, "weight" in misaligned),
+        "bias": None if wdtype is None else _t((N,), wdtype),
+        "rstd": torch.zeros(M),
+        "mean": torch.zeros(M),
+    }
+
+
+CASES = [
+    # M, N, dtype, weight dtype, misaligned inputs
+    (3, 64, "bf16", "bf16", ()),
+    (7, 96, "f16", "f32", ()),
+    (5, 64, "f32", None, ()),
+    (9, 40, "bf16", "bf16", ("x",)),  # misaligned x: no vector accesses
+    (2, 1000, "bf16", "f32", ("weight",)),
+]
+
+
+@pytest.mark.parametrize("M, N, dtype, wdtype, off", CASES)
+@pytest.mark.parametrize("store", [True, False])
+@pytest.mark.parametrize("eps", [1e-6, 1e-2])
+def test_forward_launches_match_python(recorder, M, N, dtype, wdtype, off, store, eps):
+    t = _inputs(M, N, dtype, wdtype, off)
+    x, r, w, b = t["x"], t["residual"], t["weight"], t["bias"]
+    for py_call, native_call in (
+        (
+            lambda: rmsnorm.rmsnorm_fwd(x, w, eps, store),
+            lambda: NATIVE.rmsnorm_fwd_cuda(x, w, eps, store),
+        ),
+        (
+            lambda: layernorm.layernorm_fwd(x, w, b, eps, store),
+            lambda: NATIVE.layernorm_fwd_cuda(x, w, b, eps, store),
+        ),
+        (
+            lambda: rmsnorm.fused_add_rmsnorm_fwd(x, r, w, eps, torch.float32, store),
+            lambda: NATIVE.fused_add_rmsnorm_fwd_cuda(x, r, w, eps, torch.float32, store),
+        ),
+    ):
+        python_log, native_log = _both(recorder, py_call, native_call, t)
+        assert native_log == python_log
+        assert len(native_log) == 1
+        recorder.launches.clear()
+
+
+@pytest.mark.parametrize("M, N, dtype, wdtype, off", CASES)
+@pytest.mark.parametrize("need_dw", [True, False])
+def test_backward_launches_match_python(recorder, M, N, dtype, wdtype, off, need_dw):
+    t = _inputs(M, N, dtype, wdtype, off)
+    x, dy, w, b, rstd, mean = t["x"], t["dy"], t["weight"], t["bias"], t["rstd"], t["mean"]
+    calls = [
+        (
+            lambda: rmsnorm.rmsnorm_bwd(dy, x, w, rstd, need_dw),
+            lambda: NATIVE.rmsnorm_bwd_cuda(dy, x, w, rstd, True, need_dw),
+        ),
+        (
+            lambda: rmsnorm.fused_add_rmsnorm_bwd(dy, t["dres"], x, w, rstd, need_dw),
+            lambda: NATIVE.fused_add_rmsnorm_bwd_cuda(dy, t["dres"], x, w, rstd, need_dw),
+        ),
+        (
+            lambda: rmsnorm.fused_add_rmsnorm_bwd(dy, None, x, w, rstd, need_dw),
+            lambda: NATIVE.fused_add_rmsnorm_bwd_cuda(dy, None, x, w, rstd, need_dw),
+        ),
+    ]
+    for need_db in (True, False):
+        calls.append(
+            (
+                lambda need_db=need_db: layernorm.layernorm_bwd(
+                    dy, x, w, mean, rstd, need_dw, b, need_db
+                ),
+                lambda need_db=need_db: NATIVE.layernorm_bwd_cuda(
+                    dy, x, w, b, mean, rstd, True, need_dw, need_db
+                ),
+            )
+        )
+    for py_call, native_call in calls:
+        python_log, native_log = _both(recorder, py_call, native_call, t)
+        assert native_log == python_log
+        wanted = w is not None and need_dw
+        assert [spec.kernel for spec, _, _ in native_log][1:] == ["column_sum"] * (
+            len(native_log) - 1
+        )
+        assert len(native_log) >= 1 + wanted
+        recorder.launches.clear()
+
+
+def test_mixed_dtype_parameters_sum_in_two_launches(recorder):
+    """dw in fp32 and db in bf16 cannot share a column-sum launch: one each, planes=1."""
+    M, N = 6, 64
+    x, dy = _t((M, N), "bf16"), _t((M, N), "bf16")
+    w, b = _t((N,), "f32"), _t((N,), "bf16")
+    stats = torch.zeros(M)
+    dx, dw, db = NATIVE.layernorm_bwd_cuda(dy, x, w, b, stats, stats, True, True, True)
+    sums = [spec for spec, _, _ in recorder.launches if spec.kernel == "column_sum"]
+    assert [(s.kwargs["out_dtype"], s.kwargs.get("planes", 1)) for s in sums] == [
+        ("f32", 1),
+        ("bf16", 1),
+    ]
+    assert (dw.dtype, db.dtype, dx.dtype) == (torch.float32, torch.bfloat16, torch.bfloat16)
+
+
+def test_each_kernel_is_resolved_once(recorder, monkeypatch):
+    """Repeated calls of one shape hit the extension's records; eps or N changes miss."""
+    seen = []
+
+    def counting(*fields):
+        seen.append(fields[0])
+        return resolve.resolve(*fields)
+
+    NATIVE.set_resolver(counting)
+    try:
+        x, w = _t((4, 64), "bf16"), _t((64,), "bf16")
+        for _ in range(5):
+            NATIVE.rmsnorm_fwd_cuda(x, w, 1e-6, True)
+        assert seen == ["rmsnorm_fwd"]
+        NATIVE.rmsnorm_fwd_cuda(x, w, 1e-5, True)
+        NATIVE.rmsnorm_fwd_cuda(_t((4, 128), "bf16"), _t((128,), "bf16"), 1e-5, True)
+        assert seen == ["rmsnorm_fwd"] * 3
+        for _ in range(3):
+            NATIVE.rmsnorm_bwd_cuda(x, x, w, torch.zeros(4), True, True)
+        assert seen[3:] == ["rmsnorm_bwd", "column_sum"]
+        assert NATIVE.record_count() == 5
+    finally:
+        NATIVE.set_resolver(resolve.resolve)
+
+
+def test_resolver_errors_keep_their_type(recorder):
+    """An offline miss raised in the resolver reaches the caller as itself, not as a
+    RuntimeError with the text flattened (the message names the warmup command)."""
+
+    class Missing(LookupError):
+        pass
+
+    def failing(*fields):
+        raise Missing(f"kernel {fields[0]} is not in the cache")
+
+    NATIVE.set_resolver(failing)
+    try:
+        with pytest.raises(Missing, match="kernel rmsnorm_fwd is not in the cache"):
+            NATIVE.rmsnorm_fwd_cuda(_t((4, 64), "bf16"), None, 1e-6, False)
+    finally:
+        NATIVE.set_resolver(resolve.resolve)
+
+
+def test_empty_inputs_launch_nothing(recorder):
+    x = _t((0, 64), "bf16")
+    y, rstd = NATIVE.rmsnorm_fwd_cuda(x, None, 1e-6, True)
+    assert y.shape == (0, 64) and rstd.shape == (0,)
+    dx, dw = NATIVE.rmsnorm_bwd_cuda(x, x, _t((64,), "f32"), rstd, True, True)
+    assert torch.equal(dw, torch.zeros(64)) and dw.dtype == torch.float32
+    y, mean, rstd = NATIVE.layernorm_fwd_cuda(_t((3, 0), "bf16"), None, None, 1e-5, True)
+    assert rstd.isnan().all() and mean.shape == (3,)
+    assert recorder.launches == []
+
+
+def test_bad_statistics_are_refused(recorder):
+    """A backward given the empty stats of a forward run without storing them is refused
+    with the fix in the message, never launched over a buffer too small."""
+    x = _t((4, 64), "bf16")
+    with pytest.raises(ValueError, match="store_rstd=True"):
+        NATIVE.rmsnorm_bwd_cuda(x, x, None, torch.zeros(0), True, False)
+    assert recorder.launches == []
+
+
+def test_tables_match_resolve():
+    assert list(NATIVE.slot_names) == list(resolve.SLOT_NAMES)
+    assert list(NATIVE.kernel_names) == list(resolve.KERNELS)
+
+
+def test_every_table_argument_has_a_slot():
+    """A kernel the extension launches has every argument in a slot (trace builds aside)."""
+    for kernel in resolve.KERNELS.values():
+        names = {a.name for a in kernel.args} - {"trace"}
+        assert names <= set(resolve.SLOTS), kernel.name
+
+
+def test_public_api_routes_cuda_through_the_extension():
+    assert api._native is NATIVE
+
+
+def test_autograd_is_the_extensions():
+    """The forward ops' Autograd kernel is the C++ one (no Python autograd registered), and
+    it computes the gradients the reference does on CPU."""
+    assert not torch._C._dispatch_has_kernel_for_dispatch_key("kbuild::rmsnorm_bwd", "Autograd")
+    assert torch._C._dispatch_has_kernel_for_dispatch_key("kbuild::rmsnorm_fwd", "Autograd")
+    x = torch.randn(3, 16, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(16, dtype=torch.float64, requires_grad=True)
+    y, _ = torch.ops.kbuild.rmsnorm_fwd(x.float(), w.float(), 1e-6, True)
+    ref = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + 1e-6) * w
+    dy = torch.randn(3, 16, dtype=torch.float64)
+    got = torch.autograd.grad(y, [x, w], dy.float())
+    want = torch.autograd.grad(ref, [x, w], dy)
+    for g, r in zip(got, want, strict=True):
+        torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-5)
+
+
+# --- the public entries: the common case whole in C++, everything else declined ------------
+
+
+@pytest.fixture
+def hooked(recorder):
+    """The entries take CPU tensors (running the CPU kernels) while the launch hook is set."""
+    return recorder
+
+
+def test_entries_compute_what_the_python_path_does(hooked, monkeypatch):
+    """Forward values, the statistics stored exactly when a gradient is needed, and the
+    gradients, through the C++ entries and autograd, against the public Python path."""
+    monkeypatch.setattr(api, "_native", None)  # kbuild_ref.*: the Python path (reference)
+    x = torch.randn(5, 48, requires_grad=True)
+    r = torch.randn(5, 48, requires_grad=True)
+    w = torch.nn.Parameter(torch.randn(48))
+    b = torch.randn(48, requires_grad=True)
+    dy = torch.randn(5, 48)
+    cases = [
+        (lambda: NATIVE.rmsnorm(x, w, 1e-2), lambda: kbuild_ref.rmsnorm(x, w, 1e-2), [x, w]),
+        (
+            lambda: NATIVE.layernorm(x, w, b, 1e-2),
+            lambda: kbuild_ref.layernorm(x, w, b, 1e-2),
+            [x, w, b],
+        ),
+        (
+            lambda: NATIVE.fused_add_rmsnorm(x, r, w, 1e-2, False, True),
+            lambda: kbuild_ref.fused_add_rmsnorm(x, r, w, 1e-2, False, True),
+            [x, r, w],
+        ),
+    ]
+    for native_call, python_call, inputs in cases:
+        got, want = native_call(), python_call()
+        torch.testing.assert_close(got, want)
+        for g, e in zip(
+            torch.autograd.grad(got, inputs, dy), torch.autograd.grad(want, inputs, dy), strict=True
+        ):
+            torch.testing.assert_close(g, e)
+    out, res = NATIVE.fused_add_rmsnorm(x, r, w, 1e-2, True, True)
+    assert res.dtype == torch.float32
+    torch.testing.assert_close(res, x.detach() + r.detach())
+    with torch.no_grad():
+        assert NATIVE.rmsnorm(x, w, 1e-2).grad_fn is None
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        pytest.param(lambda x, w: (x, w, 1), id="int eps"),
+        pytest.param(lambda x, w: (x, w, -1.0), id="negative eps"),
+        pytest.param(lambda x, w: (x, w, float("inf")), id="inf eps"),
+        pytest.param(lambda x, w: (x, w[:-1], 1e-6), id="short weight"),
+        pytest.param(lambda x, w: (x, w.double(), 1e-6), id="f64 weight"),
+        pytest.param(lambda x, w: (x, torch.randn(96)[::2], 1e-6), id="strided weight"),
+        pytest.param(lambda x, w: (x.double(), None, 1e-6), id="f64 x"),
+        pytest.param(lambda x, w: (x[0, 0], None, 1e-6), id="scalar x"),
+        pytest.param(lambda x, w: (x.numpy(), None, 1e-6), id="not a tensor"),
+        pytest.param(
+            lambda x, w: (torch.masked.as_masked_tensor(x, x > 0), None, 1e-6), id="tensor subclass"
+        ),
+    ],
+)
+def test_entries_decline_all_but_the_common_case(hooked, args):
+    """Declined (None): the Python path then raises its messages or takes the subclass."""
+    x, w = torch.randn(4, 48), torch.randn(48)
+    assert NATIVE.rmsnorm(*args(x, w)) is None
+    a = args(x, w)
+    assert NATIVE.layernorm(a[0], a[1], None, a[2]) is None
+
+
+def test_fused_entry_declines_bad_flags_and_residuals(hooked):
+    x, w = torch.randn(4, 48), torch.randn(48)
+    assert NATIVE.fused_add_rmsnorm(x, x, w, 1e-6, 1, False) is None
+    assert NATIVE.fused_add_rmsnorm(x, x, w, 1e-6, True, None) is None
+    assert NATIVE.fused_add_rmsnorm(x, x[:2], w, 1e-6, True, False) is None
+    assert NATIVE.fused_add_rmsnorm(x, x.half(), w, 1e-6, True, False) is None
+    assert NATIVE.fused_add_rmsnorm(x, x, w, 1e-6, True, False) is not None
+
+
+def test_entries_decline_cpu_tensors_without_the_hook():
+    x = torch.randn(4, 48)
+    assert NATIVE.rmsnorm(x, None, 1e-6) is None
+    assert NATIVE.layernorm(x, None, None, 1e-6) is None
+    assert NATIVE.fused_add_rmsnorm(x, x, None, 1e-6, True, False) is None
