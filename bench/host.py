@@ -31,23 +31,31 @@ SHAPES = ((4, 4096), (1, 4096))
 F = torch.nn.functional
 
 
-def us_per_call(fn, calls: int = CALLS) -> float:
-    """Median over 5 rounds of `calls` calls then one synchronize (the host runs ahead)."""
-    for _ in range(50):
+def timed_batch(fn, calls: int) -> float:
+    """us per call over `calls` calls issued back to back, then one synchronize."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
         fn()
     torch.cuda.synchronize()
-    rounds = []
-    for _ in range(5):
-        start = time.perf_counter()
-        for _ in range(calls):
+    return 1e6 * (time.perf_counter() - start) / calls
+
+
+def interleaved(entries: dict, rounds: int = 7, calls: int = CALLS // 4) -> dict:
+    """{label: median us per call}: every entry timed once per round, rounds interleaved, so
+    a slow spell of the machine (its host timings drift by 20-40%) falls on all of them."""
+    for fn in entries.values():
+        for _ in range(50):
             fn()
-        torch.cuda.synchronize()
-        rounds.append(1e6 * (time.perf_counter() - start) / calls)
-    return sorted(rounds)[2]
+    samples = {label: [] for label in entries}
+    for _ in range(rounds):
+        for label, fn in entries.items():
+            samples[label].append(timed_batch(fn, calls))
+    return {label: sorted(v)[len(v) // 2] for label, v in samples.items()}
 
 
-def replay_us(fn, calls: int = 500) -> float:
-    """fn captured in a CUDA graph (warmed on a side stream, as torch documents), replayed."""
+def captured(fn):
+    """fn captured in a CUDA graph (warmed on a side stream, as torch documents): its replay."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -57,7 +65,7 @@ def replay_us(fn, calls: int = 500) -> float:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
-    return us_per_call(graph.replay, calls)
+    return graph.replay
 
 
 def calls(M: int, N: int):
@@ -95,32 +103,58 @@ def calls(M: int, N: int):
     }
 
 
+def on_route(fn, route: str, entry):
+    """fn run with kbuild's C++ entry points set to `entry` (None: the Python launch path)."""
+    if route == "torch" or entry is native_default:  # the default route: not wrapped
+        return fn
+
+    def call():
+        api._native = entry
+        try:
+            return fn()
+        finally:
+            api._native = native_default
+
+    return call
+
+
+def no_grad(fn, route: str, entry):
+    routed = on_route(fn, route, entry)
+
+    def call():
+        with torch.no_grad():
+            return routed()
+
+    return call
+
+
+native_default = api._native
+
+
 def main() -> None:
     out_dir = sys.argv[1] if len(sys.argv) > 1 else "."
     os.makedirs(out_dir, exist_ok=True)
-    native = api._native
+    native = native_default
     result = {
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "native": native is not None,
         "calls": CALLS,
-        "timing": "wall us per call, calls back to back then one synchronize, median of 5",
+        "timing": "wall us per call: 500 calls back to back then one synchronize; median of 7"
+        " rounds, every entry once per round (interleaved)",
     }
-    routes = [("kbuild", native), ("kbuild_python", None), ("torch", None)]
     for M, N in SHAPES:
         table = {}
         for op, by_route in calls(M, N).items():
-            row = {}
-            for route, entry in routes:
-                api._native = entry
+            entries = {}
+            for route, entry in (("kbuild", native), ("kbuild_python", None), ("torch", None)):
                 fwd, fwd_bwd = by_route["torch" if route == "torch" else "kbuild"]
-                with torch.no_grad():
-                    row[f"{route} fwd"] = us_per_call(fwd)
-                row[f"{route} fwd+bwd"] = us_per_call(fwd_bwd)
+                entries[f"{route} fwd"] = no_grad(fwd, route, entry)
+                entries[f"{route} fwd+bwd"] = on_route(fwd_bwd, route, entry)
                 if route != "kbuild_python":
-                    row[f"{route} fwd+bwd graph replay"] = replay_us(fwd_bwd)
-            api._native = native
-            for kind in ("fwd", "fwd+bwd"):
+                    entries[f"{route} fwd+bwd graph replay"] = captured(fwd_bwd)
+            row = interleaved(entries)
+            for kind in ("fwd", "fwd+bwd", "fwd+bwd graph replay"):
                 row[f"ratio {kind} kbuild/torch"] = row[f"kbuild {kind}"] / row[f"torch {kind}"]
             table[op] = {k: round(v, 3) for k, v in row.items()}
             print(f"({M}, {N}) {op}: " + ", ".join(f"{k} {v:.1f}" for k, v in row.items()))
