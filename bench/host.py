@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import kbuild  # noqa: E402
 from kbuild.ops import api  # noqa: E402
 
-CALLS = 2000
+CALLS = 1200
 SHAPES = ((4, 4096), (1, 4096))
 F = torch.nn.functional
 

@@ -1,0 +1,152 @@
+"""Training steps of Hugging Face models, stock beside kbuild.nn.swap_norms, as users run them.
+
+    KBUILD_CACHE_DIR=.kbuild-aot KBUILD_OFFLINE=1 python bench/models.py OUT_DIR [NAME ...]
+
+Models are built from configs (random weights, no download) in bf16 on one GPU; a step is
+forward, cross-entropy loss, backward and a fused AdamW update. For each model and mode
+(eager, torch.compile default, optionally reduce-overhead) the stock model and its swapped
+copy (same initial weights, same batches) each run WARMUP steps, then STEPS timed steps
+(ms per step: the median of CUDA-event times per step). The loss of every step is recorded:
+both curves start from the same weights, so they agree to bf16 noise. Graph breaks are
+counted with torch._dynamo.explain on the stock and the swapped model. Writes
+OUT_DIR/models.json.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import kbuild.nn  # noqa: E402
+
+WARMUP, STEPS = 3, 10
+
+
+def _configs():
+    from transformers import GPT2Config, LlamaConfig
+
+    llama = dict(vocab_size=32000, rms_norm_eps=1e-6, max_position_embeddings=1024)
+    return {
+        # name: (config, batch, sequence length, modes)
+        "gpt2-124m": (
+            GPT2Config(n_embd=768, n_layer=12, n_head=12, n_positions=1024),
+            8, 1024, ("eager", "compile"),
+        ),
+        "gpt2-355m": (
+            GPT2Config(n_embd=1024, n_layer=24, n_head=16, n_positions=1024),
+            4, 1024, ("eager",),
+        ),
+        "llama-2048": (
+            LlamaConfig(hidden_size=2048, intermediate_size=5632, num_hidden_layers=8,
+                        num_attention_heads=16, num_key_value_heads=16, **llama),
+            4, 1024, ("eager", "compile"),
+        ),
+        "llama-4096": (
+            LlamaConfig(hidden_size=4096, intermediate_size=11008, num_hidden_layers=4,
+                        num_attention_heads=32, num_key_value_heads=32, **llama),
+            4, 1024, ("eager",),
+        ),
+    }  # fmt: skip
+
+
+def _build(config):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    config.use_cache = False
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    return model.to(device="cuda", dtype=torch.bfloat16).train()
+
+
+def _batches(vocab: int, batch: int, seq: int, count: int):
+    g = torch.Generator(device="cuda").manual_seed(1)
+    return [
+        torch.randint(0, vocab, (batch, seq), device="cuda", generator=g) for _ in range(count)
+    ]
+
+
+def _train(model, batches, mode: str):
+    """(ms per step for the timed steps, loss of every step)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    forward = model
+    if mode != "eager":
+        forward = torch.compile(model, mode="reduce-overhead" if mode == "reduce-overhead" else None)
+
+    def step(ids):
+        loss = forward(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    losses, times = [], []
+    for i, ids in enumerate(batches):
+        if mode == "reduce-overhead":
+            torch.compiler.cudagraph_mark_step_begin()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        losses.append(step(ids))
+        end.record()
+        if i >= WARMUP:
+            times.append((start, end))
+    torch.cuda.synchronize()
+    ms = sorted(s.elapsed_time(e) for s, e in times)
+    return ms[len(ms) // 2], [round(float(v), 5) for v in losses]
+
+
+def _graph_breaks(model, ids) -> int:
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(model)(input_ids=ids, labels=ids)
+    torch._dynamo.reset()
+    return explained.graph_break_count
+
+
+def main() -> None:
+    out_dir = sys.argv[1] if len(sys.argv) > 1 else "."
+    wanted = set(sys.argv[2:])
+    os.makedirs(out_dir, exist_ok=True)
+    result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "models": {}}
+    for name, (config, batch, seq, modes) in _configs().items():
+        if wanted and name not in wanted:
+            continue
+        stock = _build(config)
+        swapped = copy.deepcopy(stock)
+        names = kbuild.nn.swap_norms(swapped)
+        batches = _batches(config.vocab_size, batch, seq, WARMUP + STEPS)
+        entry = {"batch": [batch, seq], "swapped": len(names), "modes": {}}
+        entry["graph_breaks"] = {
+            "stock": _graph_breaks(stock, batches[0]),
+            "kbuild": _graph_breaks(swapped, batches[0]),
+        }
+        for mode in modes:
+            row = {}
+            for label, model in (("stock", stock), ("kbuild", swapped)):
+                t0 = time.perf_counter()
+                ms, losses = _train(copy.deepcopy(model), batches, mode)
+                row[label] = {"ms_per_step": round(ms, 3), "losses": losses,
+                              "wall_s": round(time.perf_counter() - t0, 1)}  # fmt: skip
+                torch._dynamo.reset()
+            row["speedup"] = round(row["stock"]["ms_per_step"] / row["kbuild"]["ms_per_step"], 3)
+            diffs = [abs(a - b) for a, b in zip(row["stock"]["losses"], row["kbuild"]["losses"])]
+            row["max_loss_diff"] = round(max(diffs), 5)
+            entry["modes"][mode] = row
+            print(f"{name} {mode}: stock {row['stock']['ms_per_step']:.2f} ms, kbuild "
+                  f"{row['kbuild']['ms_per_step']:.2f} ms, x{row['speedup']:.3f}, "
+                  f"loss diff {row['max_loss_diff']:.4f}", flush=True)  # fmt: skip
+        print(f"{name}: swapped {len(names)} norms, graph breaks {entry['graph_breaks']}")
+        result["models"][name] = entry
+        with open(os.path.join(out_dir, "models.json"), "w") as f:
+            json.dump(result, f, indent=1)
+        del stock, swapped
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
