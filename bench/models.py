@@ -77,7 +77,7 @@ def _train(model, batches, mode: str):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     forward = model
     if mode != "eager":
-        forward = torch.compile(model, mode="reduce-overhead" if mode == "reduce-overhead" else None)
+        forward = torch.compile(model, mode=None if mode == "compile" else mode)
 
     def step(ids):
         loss = forward(input_ids=ids, labels=ids).loss
@@ -134,7 +134,8 @@ def main() -> None:
                               "wall_s": round(time.perf_counter() - t0, 1)}  # fmt: skip
                 torch._dynamo.reset()
             row["speedup"] = round(row["stock"]["ms_per_step"] / row["kbuild"]["ms_per_step"], 3)
-            diffs = [abs(a - b) for a, b in zip(row["stock"]["losses"], row["kbuild"]["losses"])]
+            pairs = zip(row["stock"]["losses"], row["kbuild"]["losses"], strict=True)
+            diffs = [abs(a - b) for a, b in pairs]
             row["max_loss_diff"] = round(max(diffs), 5)
             entry["modes"][mode] = row
             print(f"{name} {mode}: stock {row['stock']['ms_per_step']:.2f} ms, kbuild "

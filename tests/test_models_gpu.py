@@ -74,9 +74,11 @@ def test_swap_norms_swaps_every_norm_and_keeps_the_model(kind):
     assert abs(out_ours.loss.item() - out_stock.loss.item()) < 1e-2
     out_stock.loss.backward()
     out_ours.loss.backward()
-    for (name, p), (_, q) in zip(stock.named_parameters(), swapped.named_parameters()):
+    pairs = zip(stock.named_parameters(), swapped.named_parameters(), strict=True)
+    for (name, p), (_, q) in pairs:
         if p.grad is not None:
-            err = (p.grad.float() - q.grad.float()).norm() / p.grad.float().norm().clamp_min(1e-12)
+            g, h = p.grad.float(), q.grad.float()
+            err = (g - h).norm() / g.norm().clamp_min(1e-12)
             assert err < 0.05, (name, err.item())
 
 

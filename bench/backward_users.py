@@ -1,0 +1,50 @@
+"""The backward passes timed as users run them: torch.autograd.grad, calls queued back to back
+with CUDA events around each (host time included where it shows), beside the kernels' own
+device time (profiler), kbuild and torch eager, bf16, M * N = 64 Mi.
+
+    KBUILD_CACHE_DIR=.kbuild-aot KBUILD_OFFLINE=1 python bench/backward_users.py [out.json]
+
+The cases (shapes, bytes) are those of bench_rmsnorm_bwd.py and bench_layernorm.py; in the
+results, "event_ms" / "event_of_copy" is the users' timing, "ms" / "of_copy" the device time.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench import bench_layernorm, bench_rmsnorm_bwd  # noqa: E402
+from bench.harness import measure_copy, run_cases, write_results  # noqa: E402
+
+IMPLS = ("kbuild", "eager")
+
+
+def cases():
+    out = []
+    for module in (bench_rmsnorm_bwd, bench_layernorm):
+        for case in module.cases():
+            if case.op.endswith("_bwd"):
+                case.impls = {k: v for k, v in case.impls.items() if k in IMPLS}
+                out.append(case)
+    return out
+
+
+def main() -> None:
+    path = sys.argv[1] if len(sys.argv) > 1 else "bench/results/backward_users.json"
+    copy = measure_copy()
+    done = run_cases(cases(), copy, device_time=True)
+    for case in done:
+        for r in case.results.values():
+            if "event_ms" in r:
+                r["event_of_copy"] = round(case.nbytes / r["event_ms"] / 1e6 / copy, 4)
+    write_results(path, done, copy)
+    for case in done:
+        k = case.results.get("kbuild", {})
+        print(f"{case.op:24s} {case.shape}: autograd.grad back to back "
+              f"{k.get('event_of_copy', 0):.1%}, kernels {k.get('of_copy', 0):.1%}")
+
+
+if __name__ == "__main__":
+    main()
