@@ -375,3 +375,22 @@ def test_entries_decline_cpu_tensors_without_the_hook():
     assert NATIVE.rmsnorm(x, None, 1e-6) is None
     assert NATIVE.layernorm(x, None, None, 1e-6) is None
     assert NATIVE.fused_add_rmsnorm(x, x, None, 1e-6, True, False) is None
+
+
+@pytest.mark.parametrize("op", ["rmsnorm", "layernorm", "fused_add_rmsnorm"])
+def test_backward_materialises_no_zeros(op):
+    """The statistics outputs (rstd, mean) never get gradients: autograd must not make zero
+    tensors for them (on the GPU each is an allocation and a fill kernel per backward)."""
+    x = torch.randn(4, 32, requires_grad=True)
+    w = torch.randn(32, requires_grad=True)
+    if op == "rmsnorm":
+        y = torch.ops.kbuild.rmsnorm_fwd(x, w, 1e-6, True)[0]
+    elif op == "layernorm":
+        y = torch.ops.kbuild.layernorm_fwd(x, w, w, 1e-5, True)[0]
+    else:
+        y = torch.ops.kbuild.fused_add_rmsnorm_fwd(x, x, w, 1e-6, torch.float32, True)[0]
+    dy = torch.randn(4, 32)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        torch.autograd.grad(y, [x, w], dy)
+    names = {e.name for e in prof.events()}
+    assert not names & {"aten::zeros", "aten::zeros_like", "aten::zero_"}, names

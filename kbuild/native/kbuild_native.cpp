@@ -582,9 +582,13 @@ struct RMSNormFunction : torch::autograd::Function<RMSNormFunction> {
     auto [y, rstd] = fwd.call(x, w, eps, store_rstd);
     ctx->save_for_backward({x, w.value_or(Tensor()), rstd});
     ctx->mark_non_differentiable({rstd});
+    // No zeros made for the statistics' (never defined) gradients: each would cost an
+    // allocation and a fill kernel per backward.
+    ctx->set_materialize_grads(false);
     return {y, rstd};
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    if (!grads[0].defined()) return variable_list(4);  // y unused: no gradient flows
     auto saved = ctx->get_saved_variables();
     bool need_dx = ctx->needs_input_grad(0);
     bool need_dw = saved[1].defined() && ctx->needs_input_grad(1);  // edges: x, [weight]
@@ -619,6 +623,7 @@ struct FusedAddRMSNormFunction : torch::autograd::Function<FusedAddRMSNormFuncti
     return {y, residual_out, rstd};
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    if (!grads[0].defined() && !grads[1].defined()) return variable_list(6);
     auto saved = ctx->get_saved_variables();
     Tensor dy = grads[0];
     if (!dy.defined()) {
@@ -657,9 +662,11 @@ struct LayerNormFunction : torch::autograd::Function<LayerNormFunction> {
     auto [y, mean, rstd] = fwd.call(x, w, b, eps, store_stats);
     ctx->save_for_backward({x, w.value_or(Tensor()), b.value_or(Tensor()), mean, rstd});
     ctx->mark_non_differentiable({mean, rstd});
+    ctx->set_materialize_grads(false);  // as in RMSNormFunction
     return {y, mean, rstd};
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    if (!grads[0].defined()) return variable_list(5);
     auto s = ctx->get_saved_variables();
     bool need_dx = ctx->needs_input_grad(0);
     // Edges exist for given tensors only: x, [weight], [bias].
