@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 
 import torch
 
@@ -25,20 +24,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import kbuild  # noqa: E402
 from kbuild.ops import api  # noqa: E402
+from kbuild.timing import host_us_per_call  # noqa: E402
 
 CALLS = 1200
 SHAPES = ((4, 4096), (1, 4096))
 F = torch.nn.functional
-
-
-def timed_batch(fn, calls: int) -> float:
-    """us per call over `calls` calls issued back to back, then one synchronize."""
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    torch.cuda.synchronize()
-    return 1e6 * (time.perf_counter() - start) / calls
 
 
 def interleaved(entries: dict, rounds: int = 7, calls: int = CALLS // 4) -> dict:
@@ -50,7 +40,7 @@ def interleaved(entries: dict, rounds: int = 7, calls: int = CALLS // 4) -> dict
     samples = {label: [] for label in entries}
     for _ in range(rounds):
         for label, fn in entries.items():
-            samples[label].append(timed_batch(fn, calls))
+            samples[label].append(host_us_per_call(fn, calls, warmup=0))
     return {label: sorted(v)[len(v) // 2] for label, v in samples.items()}
 
 

@@ -48,9 +48,9 @@ def gbps(nbytes: int, ms: float) -> float:
     return nbytes / ms / 1e6
 
 
-def host_us_per_call(fn: Callable[[], object], calls: int = 2000) -> float:
+def host_us_per_call(fn: Callable[[], object], calls: int = 2000, warmup: int = 50) -> float:
     """Host microseconds per call of a tiny launch: many calls, one synchronize."""
-    for _ in range(50):
+    for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
     start = time.perf_counter()

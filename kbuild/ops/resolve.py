@@ -11,31 +11,16 @@ the argument slots in the table's order.
 
 from __future__ import annotations
 
-from ..kernels.table import (
-    COLUMN_SUM,
-    FUSED_ADD_RMSNORM_BWD,
-    FUSED_ADD_RMSNORM_FWD,
-    LAYERNORM_BWD,
-    LAYERNORM_FWD,
-    RMSNORM_BWD,
-    RMSNORM_FWD,
-)
+from ..kernels.table import KERNELS as TABLE
 from ..spec import Scalar
 from .launch import launcher_for
 
 # The extension's kernel codes, in order (its `kernel_names`; a test compares them).
-KERNELS = {
-    d.name: d
-    for d in (
-        RMSNORM_FWD,
-        FUSED_ADD_RMSNORM_FWD,
-        LAYERNORM_FWD,
-        RMSNORM_BWD,
-        FUSED_ADD_RMSNORM_BWD,
-        LAYERNORM_BWD,
-        COLUMN_SUM,
-    )
-}
+NATIVE_KERNELS = (
+    "rmsnorm_fwd", "fused_add_rmsnorm_fwd", "layernorm_fwd", "rmsnorm_bwd",
+    "fused_add_rmsnorm_bwd", "layernorm_bwd", "column_sum",
+)  # fmt: skip
+KERNELS = {name: TABLE[name] for name in NATIVE_KERNELS}
 # Flag bits of a key, and the argument slots (the extension's `slot_names`, in its order).
 STATS, DW, DB, DRES = 1, 2, 4, 8
 SLOT_NAMES = (
