@@ -6,6 +6,11 @@ KBUILD_OFFLINE=1           never compile: load kernels from the disk cache only;
                            when the MLIR bindings are not installed.
 KBUILD_PTXAS               path of the ptxas to assemble cubins with (default: PATH, CUDA_HOME)
 KBUILD_MEMORY_CACHE_SIZE   loaded kernels kept per process (default 4096)
+KBUILD_NATIVE=0            do not build or load the C++ hot path (kbuild/native): the Python
+                           launch path runs (same kernels, more host time per call)
+KBUILD_NATIVE_DIR          where the C++ extension is built and kept (default
+                           $XDG_CACHE_HOME/kbuild/native, else ~/.cache/kbuild/native)
+CXX                        the C++ compiler that builds it (default g++)
 
 Only KBUILD_PTXAS changes generated code, and the ptxas version is part of every cache key.
 """
