@@ -1,6 +1,7 @@
 """Training steps of Hugging Face models, stock beside kbuild.nn.swap_norms, as users run them.
 
-    KBUILD_CACHE_DIR=.kbuild-aot KBUILD_OFFLINE=1 python bench/models.py OUT_DIR [NAME ...]
+    KBUILD_CACHE_DIR=.kbuild-aot KBUILD_OFFLINE=1 python bench/models.py OUT_DIR
+        [--models gpt2-124m,...] [--modes eager,compile,reduce-overhead] [--no-explain]
 
 Models are built from configs (random weights, no download) in bf16 on one GPU; a step is
 forward, cross-entropy loss, backward and a fused AdamW update. For each model and mode
@@ -14,6 +15,7 @@ OUT_DIR/models.json.
 
 from __future__ import annotations
 
+import argparse
 import copy
 import json
 import os
@@ -33,14 +35,15 @@ def _configs():
     from transformers import GPT2Config, LlamaConfig
 
     llama = dict(vocab_size=32000, rms_norm_eps=1e-6, max_position_embeddings=1024)
+    gpt2 = dict(n_positions=1024, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # curves
     return {
         # name: (config, batch, sequence length, modes)
         "gpt2-124m": (
-            GPT2Config(n_embd=768, n_layer=12, n_head=12, n_positions=1024),
+            GPT2Config(n_embd=768, n_layer=12, n_head=12, **gpt2),
             8, 1024, ("eager", "compile"),
         ),
         "gpt2-355m": (
-            GPT2Config(n_embd=1024, n_layer=24, n_head=16, n_positions=1024),
+            GPT2Config(n_embd=1024, n_layer=24, n_head=16, **gpt2),
             4, 1024, ("eager",),
         ),
         "llama-2048": (
@@ -67,9 +70,7 @@ def _build(config):
 
 def _batches(vocab: int, batch: int, seq: int, count: int):
     g = torch.Generator(device="cuda").manual_seed(1)
-    return [
-        torch.randint(0, vocab, (batch, seq), device="cuda", generator=g) for _ in range(count)
-    ]
+    return [torch.randint(0, vocab, (batch, seq), device="cuda", generator=g) for _ in range(count)]
 
 
 def _train(model, batches, mode: str):
@@ -109,22 +110,29 @@ def _graph_breaks(model, ids) -> int:
 
 
 def main() -> None:
-    out_dir = sys.argv[1] if len(sys.argv) > 1 else "."
-    wanted = set(sys.argv[2:])
-    os.makedirs(out_dir, exist_ok=True)
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out_dir")
+    parser.add_argument("--models", default="", help="comma-separated names (default: all)")
+    parser.add_argument("--modes", default="", help="comma-separated; default: each model's")
+    parser.add_argument("--no-explain", action="store_true", help="skip graph-break counts")
+    args = parser.parse_args()
+    os.makedirs(args.out_dir, exist_ok=True)
+    path = os.path.join(args.out_dir, "models.json")
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "models": {}}
     for name, (config, batch, seq, modes) in _configs().items():
-        if wanted and name not in wanted:
+        if args.models and name not in args.models.split(","):
             continue
+        modes = args.modes.split(",") if args.modes else modes
         stock = _build(config)
         swapped = copy.deepcopy(stock)
         names = kbuild.nn.swap_norms(swapped)
         batches = _batches(config.vocab_size, batch, seq, WARMUP + STEPS)
         entry = {"batch": [batch, seq], "swapped": len(names), "modes": {}}
-        entry["graph_breaks"] = {
-            "stock": _graph_breaks(stock, batches[0]),
-            "kbuild": _graph_breaks(swapped, batches[0]),
-        }
+        if not args.no_explain:
+            entry["graph_breaks"] = {
+                "stock": _graph_breaks(stock, batches[0]),
+                "kbuild": _graph_breaks(swapped, batches[0]),
+            }
         for mode in modes:
             row = {}
             for label, model in (("stock", stock), ("kbuild", swapped)):
@@ -141,9 +149,9 @@ def main() -> None:
             print(f"{name} {mode}: stock {row['stock']['ms_per_step']:.2f} ms, kbuild "
                   f"{row['kbuild']['ms_per_step']:.2f} ms, x{row['speedup']:.3f}, "
                   f"loss diff {row['max_loss_diff']:.4f}", flush=True)  # fmt: skip
-        print(f"{name}: swapped {len(names)} norms, graph breaks {entry['graph_breaks']}")
+        print(f"{name}: swapped {len(names)} norms, graph breaks {entry.get('graph_breaks')}")
         result["models"][name] = entry
-        with open(os.path.join(out_dir, "models.json"), "w") as f:
+        with open(path, "w") as f:
             json.dump(result, f, indent=1)
         del stock, swapped
         torch.cuda.empty_cache()
