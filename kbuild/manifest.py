@@ -9,7 +9,24 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
+from .kernels.table import (
+    COLUMN_SUM,
+    FUSED_ADD_RMSNORM_BWD,
+    FUSED_ADD_RMSNORM_FWD,
+    LAYERNORM_BWD,
+    LAYERNORM_FWD,
+    RMSNORM_BWD,
+    RMSNORM_FWD,
+)
 from .spec import KernelSpec
+
+# The table's spec functions (the ops' *_spec names are the same functions); importing them
+# from the table keeps warmup free of torch and of the C++ extension's build.
+column_sum_spec = COLUMN_SUM.spec
+rmsnorm_fwd_spec, rmsnorm_bwd_spec = RMSNORM_FWD.spec, RMSNORM_BWD.spec
+fused_add_rmsnorm_fwd_spec = FUSED_ADD_RMSNORM_FWD.spec
+fused_add_rmsnorm_bwd_spec = FUSED_ADD_RMSNORM_BWD.spec
+layernorm_fwd_spec, layernorm_bwd_spec = LAYERNORM_FWD.spec, LAYERNORM_BWD.spec
 
 DTYPES = ("f32", "f16", "bf16")
 TEST_N = (1, 7, 127, 768, 1000, 4096, 5120, 8192, 12288, 16384, 65536)
@@ -37,8 +54,6 @@ def residual_dtypes(dtype: str) -> tuple[str, ...]:
 
 def _rmsnorm_family(N: int, dtype: str, w: str | None, bench: bool = False) -> Iterator[KernelSpec]:
     """Every kernel one RMSNorm training step (and its inference call) launches."""
-    from .ops.launch import column_sum_spec
-    from .ops.rmsnorm import rmsnorm_bwd_spec, rmsnorm_fwd_spec
 
     yield rmsnorm_fwd_spec(N, dtype, w, False, 1e-6)
     yield rmsnorm_fwd_spec(N, dtype, w, True, 1e-6)
@@ -50,8 +65,6 @@ def _rmsnorm_family(N: int, dtype: str, w: str | None, bench: bool = False) -> I
 
 
 def _fused_family(N: int, dtype: str, w: str | None, residual: str) -> Iterator[KernelSpec]:
-    from .ops.launch import column_sum_spec
-    from .ops.rmsnorm import fused_add_rmsnorm_bwd_spec, fused_add_rmsnorm_fwd_spec
 
     for store_rstd in (False, True):
         yield fused_add_rmsnorm_fwd_spec(N, dtype, w, residual, store_rstd, 1e-6)
@@ -70,8 +83,6 @@ def affine_dtypes(dtype: str) -> tuple[tuple[str | None, str | None], ...]:
 def _layernorm_family(
     N: int, dtype: str, w: str | None, b: str | None, bench: bool = False
 ) -> Iterator[KernelSpec]:
-    from .ops.launch import column_sum_spec
-    from .ops.layernorm import layernorm_bwd_spec, layernorm_fwd_spec
 
     for store_stats in (False, True):
         yield layernorm_fwd_spec(N, dtype, w, b, store_stats, 1e-5)
@@ -85,7 +96,6 @@ def _layernorm_family(
 
 
 def _tests() -> Iterator[KernelSpec]:
-    from .ops.rmsnorm import rmsnorm_fwd_spec
 
     for N in TEST_N:
         for dtype in DTYPES:
@@ -118,8 +128,6 @@ def _tune() -> Iterator[KernelSpec]:
     Earlier sweeps (the exchange x staging, rows per block of a cluster, clusters of 16,
     reloading staged rows, staging depth, ...) and what they showed:
     bench/results/README.md."""
-    from .ops.layernorm import layernorm_bwd_spec, layernorm_fwd_spec
-    from .ops.rmsnorm import fused_add_rmsnorm_bwd_spec, rmsnorm_bwd_spec
 
     held = dict(resident_params="registers")
     staged = dict(persistent=True, stage=1)  # the chooser's pick, spelled out
