@@ -32,6 +32,11 @@ def _warm_one(spec_json: str, arch: str, root: str) -> tuple[str, dict, bool, fl
 
 def _describe(label: str, meta: dict, built: bool, ms: float) -> str:
     state = f"compiled {meta['compile_ms']['total']:7.1f} ms" if built else f"cached   {ms:7.1f} ms"
+    if "vgprs" in meta:  # AMD: registers by kind, LDS, and scratch (its spill signal)
+        return (
+            f"{state}  vgprs {meta['vgprs']:>3}  sgprs {meta['sgprs']:>3}  lds "
+            f"{meta['lds_bytes']:>6}  scratch {meta['scratch_bytes']:>4}  {label}"
+        )
     spills = meta.get("spill_stores", 0) + meta.get("spill_loads", 0)
     return f"{state}  regs {meta.get('registers', '?'):>3}  spills {spills:>3}  {label}"
 
@@ -66,8 +71,14 @@ def _check_arch(arch: str) -> None:
         target = target_for_arch(arch)
     except ValueError as err:
         raise SystemExit(f"kbuild: --arch: {err}") from None
-    if target.vendor != "nvidia":
-        raise SystemExit(f"kbuild: --arch {arch}: AMD binaries are not produced yet (NVIDIA only)")
+    if target.vendor == "amd":
+        import importlib.util
+
+        if importlib.util.find_spec("llvmlite") is None:
+            raise SystemExit(
+                f"kbuild: --arch {arch}: AMD code objects need the amd extra "
+                "(pip install 'kbuild[amd]': llvmlite and an ld.lld)"
+            )
 
 
 def _cmd_warmup(args) -> int:

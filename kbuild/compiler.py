@@ -37,6 +37,10 @@ def toolchain(target_vendor: str = "nvidia") -> dict[str, str]:
         from .targets.nvidia import ptxas_version
 
         tools["ptxas"] = ptxas_version()
+    else:
+        from .targets.amd import toolchain_versions
+
+        tools.update(toolchain_versions())
     return tools
 
 
@@ -61,12 +65,16 @@ def build(spec: KernelSpec, target: Target):
 def lower(spec: KernelSpec, target: Target) -> str:
     """The kernel lowered through the target's pipeline, as MLIR text (no binary).
 
-    For AMD this is the ROCDL/LLVM-dialect module: CI lowers every kernel this way to prove no
-    NVIDIA-only construct is in kernel code.
+    For AMD this is the ROCDL/LLVM-dialect module that `targets/amd.py` turns into a code
+    object; CI lowers every kernel this way to prove no NVIDIA-only construct is in kernel
+    code.
     """
+    return _lowered(build(spec, target), spec, target)
+
+
+def _lowered(kernel, spec: KernelSpec, target: Target) -> str:
     from mlir import passmanager
 
-    kernel = build(spec, target)
     pipeline = target.pipeline.replace(", gpu-module-to-binary{format=isa}", "")
     with kernel.context:
         try:
@@ -76,23 +84,34 @@ def lower(spec: KernelSpec, target: Target) -> str:
         return str(kernel.module)
 
 
+def _assemble_amd(kernel, spec: KernelSpec, target: Target) -> tuple[bytes, dict, float]:
+    """(HSACO, its resources, when lowering ended): ROCDL -> LLVM IR -> llvmlite -> ld.lld,
+    then the code object is checked against the kernel's signature."""
+    from .targets import amd
+
+    lowered = _lowered(kernel, spec, target)
+    try:
+        ir_text = amd.module_to_llvm_ir(lowered)
+    except Exception as err:
+        raise CompileError(f"translating {spec.short()} for {target} failed: {err}") from err
+    lowered_at = time.perf_counter()
+    try:
+        binary = amd.llvm_ir_to_hsaco(ir_text, target.arch)
+        amd.check_code_object(binary, target.arch, kernel.name, kernel.signature())
+    except amd.AmdToolchainMissing as err:
+        raise CompileError(str(err)) from err
+    except (RuntimeError, ValueError) as err:
+        raise CompileError(f"assembling {spec.short()} for {target} failed: {err}") from err
+    return binary, amd.kernel_resources(binary, kernel.name), lowered_at
+
+
 def compile_kernel(spec: KernelSpec, target: Target) -> Artifact:
     """Build, verify, lower and assemble one kernel; metadata records how it went."""
-    if target.vendor != "nvidia":
-        raise CompileError(
-            f"binaries for {target.arch} are not produced yet: AMD kernels lower through ROCDL "
-            "(kbuild.compiler.lower) but HSACO emission is a later step"
-        )
     from .targets.nvidia import module_to_ptx, ptx_to_cubin, ptxas_path
 
     start = time.perf_counter()
     kernel = build(spec, target)
     built = time.perf_counter()
-    try:
-        ptx = module_to_ptx(kernel.module, target)
-    except Exception as err:
-        raise CompileError(f"lowering {spec.short()} for {target} failed: {err}") from err
-    lowered = time.perf_counter()
     meta = {
         "spec": spec.to_json(),
         "target": target.arch,
@@ -101,12 +120,22 @@ def compile_kernel(spec: KernelSpec, target: Target) -> Artifact:
         "signature": kernel.signature(),
         **kernel.meta,
     }
-    if ptxas_path() is not None:
-        binary, resources = ptx_to_cubin(ptx, target.arch)
-        fmt = "cubin"
+    if target.vendor == "amd":
+        binary, resources, lowered = _assemble_amd(kernel, spec, target)
+        fmt = "hsaco"
         meta.update(resources)
     else:
-        binary, fmt = ptx + b"\0", "ptx"
+        try:
+            ptx = module_to_ptx(kernel.module, target)
+        except Exception as err:
+            raise CompileError(f"lowering {spec.short()} for {target} failed: {err}") from err
+        lowered = time.perf_counter()
+        if ptxas_path() is not None:
+            binary, resources = ptx_to_cubin(ptx, target.arch)
+            fmt = "cubin"
+            meta.update(resources)
+        else:
+            binary, fmt = ptx + b"\0", "ptx"
     done = time.perf_counter()
     meta["compile_ms"] = {
         "build": round(1e3 * (built - start), 2),

@@ -77,7 +77,21 @@ def build_into(cache: DiskCache, spec: KernelSpec, target: Target) -> tuple[Arti
     )
 
 
+def on_rocm() -> bool:
+    """Whether torch drives AMD GPUs here (its "cuda" devices are HIP devices)."""
+    import torch
+
+    return torch.version.hip is not None
+
+
 def device_target(device_index: int) -> Target:
+    if on_rocm():
+        import torch
+
+        from .runtime.hip import arch_of
+        from .targets import target_for_arch
+
+        return target_for_arch(arch_of(torch.cuda.get_device_properties(device_index).gcnArchName))
     from .runtime.cuda import device_attribute
 
     major = device_attribute(device_index, "COMPUTE_CAPABILITY_MAJOR")
@@ -85,16 +99,28 @@ def device_target(device_index: int) -> Target:
     return target_for_capability(major, minor)
 
 
+def _load(artifact: Artifact, device_index: int):
+    """The vendor runtime's prepared launcher for a binary on a device."""
+    if on_rocm():
+        import torch
+
+        from .runtime.hip import Launcher as HipLauncher
+
+        units = torch.cuda.get_device_properties(device_index).multi_processor_count
+        return HipLauncher(artifact, device_index, units)
+    from .runtime.cuda import Launcher
+
+    return Launcher(artifact, device_index)
+
+
 def get_launcher(key: Hashable, device_index: int, make_spec: Callable[[], KernelSpec]):
     """The prepared launcher for `key` on `device_index` (loading it on first use)."""
     launcher = _loaded.get(key)
     if launcher is None:
-        from .runtime.cuda import Launcher
-
         with _loading:  # two threads missing at once load the module once
             launcher = _loaded.get(key)
             if launcher is None:
                 artifact = artifact_for(make_spec(), device_target(device_index))
-                launcher = Launcher(artifact, device_index)
+                launcher = _load(artifact, device_index)
                 _loaded.put(key, launcher)
     return launcher

@@ -234,8 +234,18 @@ def test_unknown_arch_names_the_valid_ones():
         assert arch in str(info.value)
 
 
-def test_compile_kernel_for_amd_is_a_clear_compile_error():
-    with pytest.raises(compiler.CompileError, match=r"gfx942.*not produced yet.*lower"):
+def test_compile_kernel_for_amd_without_its_toolchain_is_a_clear_compile_error(monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_llvmlite(name, *args, **kwargs):
+        if name.startswith("llvmlite"):
+            raise ImportError("no llvmlite here")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_llvmlite)
+    with pytest.raises(compiler.CompileError, match=r"pip install 'kbuild\[amd\]'"):
         compiler.compile_kernel(BF16_4096, GFX942)
 
 

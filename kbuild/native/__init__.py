@@ -144,6 +144,16 @@ def load():
     The kbuild::* operator schemas must be defined first (kbuild/ops/custom_ops.py)."""
     if os.environ.get(DISABLE_ENV, "") == "0":
         return None
+    import torch
+
+    if torch.version.hip is not None:  # its launches are CUDA driver calls
+        warnings.warn(
+            "kbuild: the C++ hot path is CUDA-only so far; on ROCm kbuild uses its Python "
+            "launch path (runtime/hip.py)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return None
     try:
         return _import(build())
     except (NativeUnavailable, OSError, ImportError) as exc:

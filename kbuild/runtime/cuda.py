@@ -11,14 +11,9 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import struct
-import threading
-from typing import Any
 
 from ..artifact import Artifact
-
-# Every argument gets an 8-byte slot; one struct.pack_into fills them all per launch.
-_FORMATS = {"ptr": "Q", "i64": "q", "f32": "f4x"}
+from .prepared import PreparedLaunch, launch_prototype
 
 
 @functools.cache
@@ -45,16 +40,13 @@ def _primary_context(device_index: int):
     return context
 
 
-_ONE, _NULL = ctypes.c_uint(1), ctypes.c_void_p(0)
 _INVALID_CONTEXT = 201  # CUDA_ERROR_INVALID_CONTEXT
 
 
 @functools.cache
 def _libcuda_launch():
     _driver()  # cuInit
-    launch = ctypes.CDLL("libcuda.so.1").cuLaunchKernel
-    launch.restype = ctypes.c_int
-    return launch
+    return launch_prototype(ctypes.CDLL("libcuda.so.1").cuLaunchKernel)
 
 
 def device_attribute(device_index: int, name: str) -> int:
@@ -86,7 +78,7 @@ def _max_active_clusters(
     return count
 
 
-class Launcher:
+class Launcher(PreparedLaunch):
     """A kernel loaded on one device, with its argument storage prepared."""
 
     def __init__(self, artifact: Artifact, device_index: int):
@@ -137,60 +129,25 @@ class Launcher:
         finally:
             driver.cuCtxPopCurrent()
         self._context = context
-        kinds = [kind for _, kind in artifact.meta["signature"]]
-        self._nargs = len(kinds)
-        self._pack = struct.Struct("<" + "".join(_FORMATS[k] for k in kinds)).pack_into
-        self._storage = ctypes.create_string_buffer(8 * max(1, len(kinds)))
-        base = ctypes.addressof(self._storage)
-        self._params = (ctypes.c_void_p * max(1, len(kinds)))(
-            *[base + 8 * i for i in range(len(kinds))]
+        super().__init__(
+            [kind for _, kind in artifact.meta["signature"]],
+            self.names,
+            int(self._function),
+            self.block,
+            self.dynamic_shared,
+            _libcuda_launch(),
+            retry=self._bind_context,
+            fail=self._raise,
         )
-        self._params_address = ctypes.addressof(self._params)
-        # The launch itself goes through ctypes on libcuda with every argument prebuilt as a
-        # ctypes object: measured 5.9 us a launch on the H200 machine against 6.7 us through
-        # cuda-bindings, which converts and checks each handle on every call.
-        self._launch = _libcuda_launch()
-        self.function_handle = int(self._function)  # the CUfunction, for the C++ hot path
-        self._c_function = ctypes.c_void_p(self.function_handle)
-        self._c_block = ctypes.c_uint(self.block)
-        self._c_shared = ctypes.c_uint(self.dynamic_shared)
-        self._c_params = ctypes.c_void_p(self._params_address)
-        self._grid, self._c_grid = 0, ctypes.c_uint(0)
-        self._stream, self._c_stream = 0, ctypes.c_void_p(0)
-        self._lock = threading.Lock()
 
-    def __call__(self, grid: int, stream: int, *args: Any) -> None:
-        """Launch on `grid` blocks with the kernel's arguments in signature order."""
-        if len(args) != self._nargs:
-            raise TypeError(f"kernel takes {', '.join(self.names)}; got {len(args)} arguments")
-        with self._lock:  # the storage is shared: one launch fills it at a time
-            self._pack(self._storage, 0, *args)
-            if grid != self._grid:  # grid and stream rarely change: reuse their ctypes
-                self._grid, self._c_grid = grid, ctypes.c_uint(grid)
-            if stream != self._stream:
-                self._stream, self._c_stream = stream, ctypes.c_void_p(stream)
-            err = self._launch_now()
-            if err == _INVALID_CONTEXT:
-                # A thread that has not touched CUDA yet (autograd's backward threads, user
-                # threads) has no current context: bind the device's primary one, retry once.
-                _check(_driver(), _driver().cuCtxSetCurrent(self._context)[0], "cuCtxSetCurrent")
-                err = self._launch_now()
-        if err:
-            driver = _driver()
-            _check(driver, driver.CUresult(err), f"launching {self.meta['spec']['kernel']}")
+    def _bind_context(self, err: int) -> bool:
+        """A thread that has not touched CUDA yet (autograd's backward threads, user threads)
+        has no current context: bind the device's primary one, and launch again."""
+        if err != _INVALID_CONTEXT:
+            return False
+        _check(_driver(), _driver().cuCtxSetCurrent(self._context)[0], "cuCtxSetCurrent")
+        return True
 
-    def _launch_now(self) -> int:
-        one = _ONE
-        return self._launch(
-            self._c_function,
-            self._c_grid,
-            one,
-            one,
-            self._c_block,
-            one,
-            one,
-            self._c_shared,
-            self._c_stream,
-            self._c_params,
-            _NULL,
-        )
+    def _raise(self, err: int) -> None:
+        driver = _driver()
+        _check(driver, driver.CUresult(err), f"launching {self.meta['spec']['kernel']}")
