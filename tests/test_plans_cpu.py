@@ -170,7 +170,7 @@ rmsnorm_fwd        1  bf16  gfx942  1t 1x1 r128 min8
 rmsnorm_fwd     1000  bf16  gfx942  32t 4x8 r4
 rmsnorm_fwd     4096  bf16  gfx942  128t 4x8 min8
 rmsnorm_fwd    16384  bf16  gfx942  512t 4x8 min2
-rmsnorm_fwd    65536  bf16  gfx942  1024t 8x8 min1
+rmsnorm_fwd    65536  bf16  gfx942  512t 4x8 chunked
 fused_fwd          1  bf16  gfx942  1t 1x1 r128 min8
 fused_fwd       1000  bf16  gfx942  32t 4x8 r4
 fused_fwd       4096  bf16  gfx942  128t 4x8 min8

@@ -123,9 +123,11 @@ def choose_row_config(
     max_cluster: int = 1,
     threads_per_row: int | None = None,
     cluster: int | None = None,
+    register_scale: float = 1.0,
 ) -> RowConfig:
     """Threads, vector width and rows per block for rows of N elements of `dtype`, within
-    what `budget` lets a thread hold.
+    what `budget` lets a thread hold, times `register_scale` (for forward rows, the target's
+    `forward_register_scale`).
 
     `threads_per_row` forces the row's thread count (a tuning override; rows that then do
     not fit are chunked). Rows that would be chunked are split over a cluster of up to
@@ -133,15 +135,25 @@ def choose_row_config(
     per row (a tuning override, 1 = none). A cluster's blocks hold one row each.
     """
     if cluster is None:
-        one = _single_block(N, dtype, warp_size, vectorize, budget, threads_per_row)
+        one = _single_block(N, dtype, warp_size, vectorize, budget, threads_per_row, register_scale)
         if not one.chunked or max_cluster == 1:
             return one
         cluster = cluster_size(N, dtype, vectorize, max_cluster)
     if cluster == 1:
-        return _single_block(N, dtype, warp_size, vectorize, budget, threads_per_row)
+        return _single_block(
+            N, dtype, warp_size, vectorize, budget, threads_per_row, register_scale
+        )
     if N % (cluster * vector_width(N, dtype, vectorize)):
         raise ValueError(f"a cluster of {cluster} cannot split rows of {N} into vectors")
-    one = _single_block(N // cluster, dtype, warp_size, vectorize, budget, threads_per_row)
+    one = _single_block(
+        N // cluster,
+        dtype,
+        warp_size,
+        vectorize,
+        budget,
+        threads_per_row,
+        register_scale,
+    )
     if one.threads_per_row < cluster:  # a block's first `cluster` threads share its sums
         raise ValueError(
             f"a cluster of {cluster} needs blocks of at least {cluster} threads; rows of {N} "
@@ -157,6 +169,7 @@ def _single_block(
     vectorize: bool,
     budget: RowBudget,
     threads_per_row: int | None,
+    register_scale: float = 1.0,
 ) -> RowConfig:
     """choose_row_config for one block per row."""
     vec = vector_width(N, dtype, vectorize)
@@ -166,7 +179,7 @@ def _single_block(
         words_per_elem = 0.5 if dtype == "bf16" else 1.0
 
     def fits(tpr: int, iters: int) -> bool:
-        limit = max_elems if tpr <= MAX_THREADS // 2 else max_elems // 2
+        limit = (max_elems if tpr <= MAX_THREADS // 2 else max_elems // 2) * register_scale
         return tpr <= MAX_THREADS and iters * vec * words_per_elem <= limit
 
     if threads_per_row is not None:

@@ -130,7 +130,16 @@ def plan_forward(
     row_words = 1.0 if fused or row_dtype != "bf16" else 0.625 if p.center else 0.5
     param_words = sum(0.5 for d in (p.weight_dtype, p.bias_dtype) if d == "f32")
     budget = RowBudget(words_per_elem=row_words + param_words)
-    row = _row(p.N, wider(p.dtype, row_dtype), target, vectorize, budget, threads_per_row, cluster)
+    row = _row(
+        p.N,
+        wider(p.dtype, row_dtype),
+        target,
+        vectorize,
+        budget,
+        threads_per_row,
+        cluster,
+        target.forward_register_scale,
+    )
     staged = [p.dtype] * (2 if fused else 1)  # x (and residual)
     stage = _check_stage(stage, target, row, staged)
     _check_resident(resident_params)
@@ -335,7 +344,9 @@ def can_stage(target: Target, row: RowConfig, dtypes: list[str], other_shared: i
     return staged + other_shared + SHARED_SLACK <= target.shared_bytes_per_block
 
 
-def _row(N, dtype, target: Target, vectorize, budget, threads_per_row, cluster) -> RowConfig:
+def _row(
+    N, dtype, target: Target, vectorize, budget, threads_per_row, cluster, register_scale=1.0
+) -> RowConfig:
     if cluster is not None and not 1 <= cluster <= target.max_cluster:
         raise ValueError(
             f"cluster must be from 1 to {target.max_cluster} blocks on {target.arch}, not {cluster}"
@@ -349,6 +360,7 @@ def _row(N, dtype, target: Target, vectorize, budget, threads_per_row, cluster) 
         max_cluster=target.max_cluster,
         threads_per_row=threads_per_row,
         cluster=cluster,
+        register_scale=register_scale,
     )
 
 

@@ -101,8 +101,10 @@ def build() -> Path:
     with FileLock(str(path.parent / "build.lock")):
         if path.exists():  # another process built it while we waited
             return path
-        print(f"kbuild: building the native extension for torch {torch.__version__} (once)",
-              file=sys.stderr)
+        print(
+            f"kbuild: building the native extension for torch {torch.__version__} (once)",
+            file=sys.stderr,
+        )
         with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
             out = Path(tmp) / path.name
             command = [

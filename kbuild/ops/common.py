@@ -44,11 +44,18 @@ def check_param(name: str, p: object, x: torch.Tensor) -> torch.Tensor | None:
     """A per-feature parameter (weight, bias): None, or (N,) of x's dtype or fp32 on x's device."""
     if p is None:
         return None
-    if (  # the common CUDA case, by the cheapest reads (device objects cost ~1 us)
-        p.__class__ is torch.nn.Parameter or p.__class__ is torch.Tensor
-    ) and p.dim() == 1 and p.shape[0] == x.shape[-1] and (
-        p.dtype is x.dtype or p.dtype is torch.float32
-    ) and x.is_cuda and p.is_cuda and p.get_device() == x.get_device() and p.is_contiguous():
+    if (
+        (  # the common CUDA case, by the cheapest reads (device objects cost ~1 us)
+            p.__class__ is torch.nn.Parameter or p.__class__ is torch.Tensor
+        )
+        and p.dim() == 1
+        and p.shape[0] == x.shape[-1]
+        and (p.dtype is x.dtype or p.dtype is torch.float32)
+        and x.is_cuda
+        and p.is_cuda
+        and p.get_device() == x.get_device()
+        and p.is_contiguous()
+    ):
         return p
     if not isinstance(p, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor or None, got {type(p).__name__}")

@@ -211,9 +211,7 @@ else:  # the Python launch path, registered as the same operators
         need_dw = ctx.needs_input_grad[2] and weight is not None
         if dy is None:
             dy = torch.zeros_like(residual_out, dtype=ctx.out_dtype)
-        dsum, dw = fused_add_rmsnorm_bwd_op(
-            dy, dresidual_out, residual_out, weight, rstd, need_dw
-        )
+        dsum, dw = fused_add_rmsnorm_bwd_op(dy, dresidual_out, residual_out, weight, rstd, need_dw)
         # added = x + residual: one gradient, written once, serves both inputs.
         dx = dsum if ctx.needs_input_grad[0] else None
         dres = dsum if ctx.needs_input_grad[1] else None
