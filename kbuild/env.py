@@ -11,6 +11,9 @@ KBUILD_NATIVE=0            do not build or load the C++ hot path (kbuild/native)
 KBUILD_NATIVE_DIR          where the C++ extension is built and kept (default
                            $XDG_CACHE_HOME/kbuild/native, else ~/.cache/kbuild/native)
 CXX                        the C++ compiler that builds it (default g++)
+KBUILD_LLD                 the ld.lld that links AMD code objects (default: ROCm's, then the
+                           ziglang wheel's, then PATH); its version is in the cache key
+KBUILD_LIBAMDHIP           the HIP runtime library to load on ROCm (default libamdhip64.so)
 
 Only KBUILD_PTXAS changes generated code, and the ptxas version is part of every cache key.
 """
