@@ -227,3 +227,35 @@ def test_every_manifest_kernel_builds_for_amd(tmp_path, arch):
         assert artifact is not None and artifact.format == "hsaco", spec.short()
         if spec in bench:
             assert artifact.meta["scratch_bytes"] == 0, (spec.short(), artifact.meta["vgprs"])
+
+
+# --- choosing the AMD path under a ROCm torch ----------------------------------------------
+
+
+class _Props:
+    gcnArchName = "gfx942:sramecc+:xnack-"
+    multi_processor_count = 304
+
+
+def test_rocm_torch_gets_the_amd_target_and_the_hip_launcher(monkeypatch):
+    import torch
+
+    from kbuild import jit
+
+    monkeypatch.setattr(torch.version, "hip", "6.2.0", raising=False)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: _Props())
+    assert jit.device_target(0) == target_for_arch("gfx942")
+    made = []
+    monkeypatch.setattr(hip, "Launcher", lambda art, dev, units: made.append((dev, units)))
+    jit._load(Artifact(binary=b"", format="hsaco", entry="k", meta={}), 3)
+    assert made == [(3, 304)]
+
+
+def test_rocm_torch_declines_the_cuda_hot_path(monkeypatch):
+    import torch
+
+    from kbuild import native
+
+    monkeypatch.setattr(torch.version, "hip", "6.2.0", raising=False)
+    with pytest.warns(RuntimeWarning, match="CUDA-only so far"):
+        assert native.load.__wrapped__() is None
