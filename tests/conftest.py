@@ -17,9 +17,16 @@ def _cuda_device_count() -> int:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Skip `gpu` tests without CUDA and `multi_gpu` tests with fewer than two devices."""
+    """Skip `gpu` tests without CUDA and `multi_gpu` tests with fewer than two devices;
+    `rocm` tests without a ROCm torch and an AMD GPU."""
     needs = {}
     for item in items:
+        if item.get_closest_marker("rocm"):
+            import torch
+
+            if torch.version.hip is None or not torch.cuda.is_available():
+                item.add_marker(pytest.mark.skip(reason="needs a ROCm torch and an AMD GPU"))
+            continue
         if item.get_closest_marker("multi_gpu"):
             needs[item] = 2
         elif item.get_closest_marker("gpu"):

@@ -291,6 +291,11 @@ Key make_key(Kind kind, int64_t N, int8_t dtype, int8_t weight, int8_t aux, uint
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+// The device a kernel's guard makes current: t's, for CUDA tensors (CPU tests: none).
+optional<c10::Device> cuda_device(const Tensor& t) {
+  return t.is_cuda() ? optional<c10::Device>(t.device()) : std::nullopt;
+}
+
 // (M, N) rows of a contiguous (..., N) tensor; M also when N is 0.
 std::pair<int64_t, int64_t> rows_of(const Tensor& t) {
   int64_t N = t.size(-1);
@@ -394,7 +399,7 @@ std::tuple<Tensor, Tensor> rmsnorm_fwd_cuda(const Tensor& x_, const optional<Ten
   auto [M, N] = rows_of(x);
   check_param("weight", w_, x, N);
   Tensor w = optional_param(w_);
-  c10::OptionalDeviceGuard guard(x.is_cuda() ? optional<c10::Device>(x.device()) : std::nullopt);
+  c10::OptionalDeviceGuard guard(cuda_device(x));
   Tensor y = at::empty(x.sizes(), x.options());  // x is contiguous: cheaper than empty_like
   Tensor rstd = stats(M, x, store_rstd);
   if (M == 0 || N == 0) return {y, rstd.fill_(NAN)};
@@ -420,7 +425,7 @@ std::tuple<Tensor, Tensor, Tensor> fused_add_rmsnorm_fwd_cuda(
   check_cuda_like("residual", residual, x);
   check_param("weight", w_, x, N);
   Tensor w = optional_param(w_);
-  c10::OptionalDeviceGuard guard(x.is_cuda() ? optional<c10::Device>(x.device()) : std::nullopt);
+  c10::OptionalDeviceGuard guard(cuda_device(x));
   Tensor y = at::empty(x.sizes(), x.options());  // x is contiguous: cheaper than empty_like
   Tensor residual_out = at::empty(x.sizes(), x.options().dtype(residual_dtype));
   Tensor rstd = stats(M, x, store_rstd);
@@ -445,7 +450,7 @@ std::tuple<Tensor, Tensor, Tensor> layernorm_fwd_cuda(const Tensor& x_,
   check_param("weight", w_, x, N);
   check_param("bias", b_, x, N);
   Tensor w = optional_param(w_), b = optional_param(b_);
-  c10::OptionalDeviceGuard guard(x.is_cuda() ? optional<c10::Device>(x.device()) : std::nullopt);
+  c10::OptionalDeviceGuard guard(cuda_device(x));
   Tensor y = at::empty(x.sizes(), x.options());  // x is contiguous: cheaper than empty_like
   Tensor mean = stats(M, x, store_stats), rstd = stats(M, x, store_stats);
   if (M == 0 || N == 0) return {y, mean.fill_(NAN), rstd.fill_(NAN)};
@@ -475,8 +480,7 @@ std::tuple<Tensor, Tensor> rmsnorm_bwd_cuda(const Tensor& dy_, const Tensor& x,
   check_rows("rmsnorm_bwd", rstd, M, "store_rstd");
   Tensor w = optional_param(w_);
   bool compute_dw = need_dw && w.defined();
-  c10::OptionalDeviceGuard guard(dy.is_cuda() ? optional<c10::Device>(dy.device())
-                                              : std::nullopt);
+  c10::OptionalDeviceGuard guard(cuda_device(dy));
   Tensor dx = at::empty(dy.sizes(), dy.options());
   uint64_t s[NUM_SLOTS] = {};
   s[X] = ptr(x), s[WEIGHT] = w.defined() ? ptr(w) : 0, s[DY] = ptr(dy), s[RSTD] = ptr(rstd);
@@ -500,8 +504,7 @@ std::tuple<Tensor, Tensor> fused_add_rmsnorm_bwd_cuda(const Tensor& dy_,
   Tensor dres = dres_.has_value() ? dres_->contiguous() : Tensor();
   Tensor w = optional_param(w_);
   bool compute_dw = need_dw && w.defined();
-  c10::OptionalDeviceGuard guard(dy.is_cuda() ? optional<c10::Device>(dy.device())
-                                              : std::nullopt);
+  c10::OptionalDeviceGuard guard(cuda_device(dy));
   Tensor dx = at::empty(dy.sizes(), dy.options());
   uint64_t s[NUM_SLOTS] = {};
   s[X] = ptr(residual_out), s[WEIGHT] = w.defined() ? ptr(w) : 0, s[DY] = ptr(dy);
@@ -523,8 +526,7 @@ std::tuple<Tensor, Tensor, Tensor> layernorm_bwd_cuda(
   check_rows("layernorm_bwd", rstd, M, "store_stats");
   Tensor w = optional_param(w_), b = optional_param(b_);
   bool compute_dw = need_dw && w.defined(), compute_db = need_db && b.defined();
-  c10::OptionalDeviceGuard guard(dy.is_cuda() ? optional<c10::Device>(dy.device())
-                                              : std::nullopt);
+  c10::OptionalDeviceGuard guard(cuda_device(dy));
   Tensor dx = at::empty(x.sizes(), x.options());
   uint64_t s[NUM_SLOTS] = {};
   s[X] = ptr(x), s[WEIGHT] = w.defined() ? ptr(w) : 0, s[DY] = ptr(dy), s[MEAN] = ptr(mean);
