@@ -20,7 +20,9 @@ from kbuild.cache.keys import fingerprint_tree, source_files
 PACKAGE = Path(kbuild.__file__).parent
 # Third-party packages code-generating modules may import: those whose versions the
 # toolchain key records (kbuild.compiler.toolchain: the MLIR bindings and LLVM tools).
-TOOLCHAIN_PACKAGES = {"mlir"}
+# Packages whose versions the toolchain key records (compiler.toolchain): mlir for every
+# target, llvmlite (and its LLVM) for AMD code objects.
+TOOLCHAIN_PACKAGES = {"mlir", "llvmlite"}
 
 
 def _fingerprinted() -> dict[str, Path]:
