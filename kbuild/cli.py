@@ -55,7 +55,23 @@ def warmup(specs: list[KernelSpec], arch: str, root: str, jobs: int) -> list[tup
 
 
 def _specs_from(args) -> list[KernelSpec]:
+    from .manifest import for_width
+    from .record import read_specs
+
     specs = [s for name in args.manifest or [] for s in manifest(name)]
+    for path in args.from_file or []:
+        try:
+            specs += read_specs(path)
+        except (OSError, ValueError) as err:
+            raise SystemExit(f"kbuild warmup: --from {path}: {err}") from None
+    if args.hidden is not None:
+        ops = tuple(filter(None, args.ops.split(",")))
+        try:
+            specs += for_width(
+                args.hidden, args.dtype, args.weight_dtype, ops, residual_fp32=args.residual_fp32
+            )
+        except (ValueError, TypeError) as err:
+            raise SystemExit(f"kbuild warmup: --hidden: {err}") from None
     for text in args.spec or []:
         try:
             specs.append(KernelSpec.from_json(json.loads(text)))
@@ -85,7 +101,10 @@ def _cmd_warmup(args) -> int:
     _check_arch(args.arch)
     specs = _specs_from(args)
     if not specs:
-        print("nothing to warm: give --manifest NAME or --spec JSON", file=sys.stderr)
+        print(
+            "nothing to warm: give --manifest NAME, --spec JSON, --from FILE or --hidden N",
+            file=sys.stderr,
+        )
         return 2
     root = args.cache_dir or str(default_cache_dir())
     start = time.perf_counter()
@@ -139,6 +158,18 @@ def main(argv: list[str] | None = None) -> int:
         if name == "warmup":
             p.add_argument("--manifest", action="append", choices=sorted(MANIFESTS))
             p.add_argument("--spec", action="append", help="a spec as JSON (see warmup hints)")
+            p.add_argument(
+                "--from",
+                dest="from_file",
+                action="append",
+                metavar="FILE",
+                help="specs recorded with KBUILD_RECORD=FILE (JSON lines)",
+            )
+            p.add_argument("--hidden", type=int, help="every kernel of a model of this width")
+            p.add_argument("--dtype", default="bf16", choices=("bf16", "f16", "f32"))
+            p.add_argument("--weight-dtype", choices=("bf16", "f16", "f32"))
+            p.add_argument("--ops", default="rmsnorm,fused_add_rmsnorm,layernorm")
+            p.add_argument("--residual-fp32", action="store_true")
     p = sub.add_parser("cache", help="inspect or clear the disk cache")
     p.add_argument("action", choices=("list", "path", "clear"))
     p.add_argument("--cache-dir")

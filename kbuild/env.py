@@ -6,6 +6,9 @@ KBUILD_OFFLINE=1           never compile: load kernels from the disk cache only;
                            when the MLIR bindings are not installed.
 KBUILD_PTXAS               path of the ptxas to assemble cubins with (default: PATH, CUDA_HOME)
 KBUILD_MEMORY_CACHE_SIZE   loaded kernels kept per process (default 4096)
+KBUILD_RECORD=FILE         append every kernel spec this process asks for to FILE (JSON lines,
+                           deduplicated across processes; offline misses too, before they
+                           raise); `kbuild warmup --from FILE --arch ...` compiles them
 KBUILD_NATIVE=0            do not build or load the C++ hot path (kbuild/native): the Python
                            launch path runs (same kernels, more host time per call)
 KBUILD_NATIVE_DIR          where the C++ extension is built and kept (default

@@ -17,6 +17,7 @@ from collections.abc import Callable, Hashable
 from . import env
 from .artifact import Artifact
 from .cache import DiskCache, MemoryCache, default_cache_dir, entry_key, toolchain_key
+from .record import record
 from .spec import KernelSpec
 from .targets import Target, target_for_capability
 
@@ -120,7 +121,9 @@ def get_launcher(key: Hashable, device_index: int, make_spec: Callable[[], Kerne
         with _loading:  # two threads missing at once load the module once
             launcher = _loaded.get(key)
             if launcher is None:
-                artifact = artifact_for(make_spec(), device_target(device_index))
+                spec = make_spec()
+                record(spec)  # KBUILD_RECORD: before the cache is asked, so misses show too
+                artifact = artifact_for(spec, device_target(device_index))
                 launcher = _load(artifact, device_index)
                 _loaded.put(key, launcher)
     return launcher

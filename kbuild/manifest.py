@@ -52,11 +52,12 @@ def residual_dtypes(dtype: str) -> tuple[str, ...]:
     return (dtype, "f32") if dtype != "f32" else ("f32",)
 
 
-def _rmsnorm_family(N: int, dtype: str, w: str | None, bench: bool = False) -> Iterator[KernelSpec]:
+def _rmsnorm_family(
+    N: int, dtype: str, w: str | None, bench: bool = False, eps: float = 1e-6
+) -> Iterator[KernelSpec]:
     """Every kernel one RMSNorm training step (and its inference call) launches."""
-
-    yield rmsnorm_fwd_spec(N, dtype, w, False, 1e-6)
-    yield rmsnorm_fwd_spec(N, dtype, w, True, 1e-6)
+    yield rmsnorm_fwd_spec(N, dtype, w, False, eps)
+    yield rmsnorm_fwd_spec(N, dtype, w, True, eps)
     yield rmsnorm_bwd_spec(N, dtype, w, True)
     if w is not None:
         yield column_sum_spec(N, w)
@@ -64,10 +65,11 @@ def _rmsnorm_family(N: int, dtype: str, w: str | None, bench: bool = False) -> I
             yield rmsnorm_bwd_spec(N, dtype, w, False)  # frozen weight
 
 
-def _fused_family(N: int, dtype: str, w: str | None, residual: str) -> Iterator[KernelSpec]:
-
+def _fused_family(
+    N: int, dtype: str, w: str | None, residual: str, eps: float = 1e-6
+) -> Iterator[KernelSpec]:
     for store_rstd in (False, True):
-        yield fused_add_rmsnorm_fwd_spec(N, dtype, w, residual, store_rstd, 1e-6)
+        yield fused_add_rmsnorm_fwd_spec(N, dtype, w, residual, store_rstd, eps)
     for has_dres in (False, True):
         yield fused_add_rmsnorm_bwd_spec(N, dtype, w, residual, has_dres, True)
     if w is not None:
@@ -81,11 +83,10 @@ def affine_dtypes(dtype: str) -> tuple[tuple[str | None, str | None], ...]:
 
 
 def _layernorm_family(
-    N: int, dtype: str, w: str | None, b: str | None, bench: bool = False
+    N: int, dtype: str, w: str | None, b: str | None, bench: bool = False, eps: float = 1e-5
 ) -> Iterator[KernelSpec]:
-
     for store_stats in (False, True):
-        yield layernorm_fwd_spec(N, dtype, w, b, store_stats, 1e-5)
+        yield layernorm_fwd_spec(N, dtype, w, b, store_stats, eps)
     yield layernorm_bwd_spec(N, dtype, w, w is not None, b is not None)
     params = [d for d in (w, b) if d is not None]
     if len(params) == 2 and w == b:
@@ -93,6 +94,37 @@ def _layernorm_family(
     else:
         for param in params:
             yield column_sum_spec(N, param)
+
+
+WIDTH_OPS = ("rmsnorm", "fused_add_rmsnorm", "layernorm")
+
+
+def for_width(
+    hidden: int,
+    dtype: str,
+    weight_dtype: str | None = None,
+    ops: tuple[str, ...] = WIDTH_OPS,
+    rms_eps: float = 1e-6,
+    ln_eps: float = 1e-5,
+    residual_fp32: bool = False,
+) -> list[KernelSpec]:
+    """Every kernel a training and an inference step of a model of width `hidden` launch
+    through `ops`: forwards with and without saved statistics, backwards (a frozen weight
+    too), the dw/db reductions. `weight_dtype` defaults to `dtype`; LayerNorm's bias has the
+    weight's dtype; `residual_fp32` adds the fused form's fp32 residual stream."""
+    unknown = set(ops) - set(WIDTH_OPS)
+    if unknown:
+        raise ValueError(f"ops must be among {WIDTH_OPS}; got {sorted(unknown)}")
+    w = weight_dtype or dtype
+    specs: list[KernelSpec] = []
+    if "rmsnorm" in ops:
+        specs += _rmsnorm_family(hidden, dtype, w, eps=rms_eps)
+    if "fused_add_rmsnorm" in ops:
+        for residual in (dtype, "f32") if residual_fp32 else (dtype,):
+            specs += _fused_family(hidden, dtype, w, residual, eps=rms_eps)
+    if "layernorm" in ops:
+        specs += _layernorm_family(hidden, dtype, w, w, eps=ln_eps)
+    return list(dict.fromkeys(specs))
 
 
 def _tests() -> Iterator[KernelSpec]:

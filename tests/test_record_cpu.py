@@ -1,0 +1,141 @@
+"""KBUILD_RECORD and the warmup sources built on it (`--from FILE`, `--hidden N`), on CPU.
+
+A CPU run of the API cannot ask for CUDA kernels, so recording is driven through the memory
+tier (jit.get_launcher, where every request of the launch path arrives) and, for widths,
+through a training step replayed with tensors posing as CUDA (launch_recorder). What this
+catches: a miss not recorded (above all an offline one, which raises), a file with
+duplicates or torn lines when processes record at once, a recorded spec that warms a
+different kernel, and a width warmup that leaves out a kernel a training step launches.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import kbuild
+from kbuild import cli, jit, record
+from kbuild.kernels.table import LAYERNORM_FWD, RMSNORM_BWD, RMSNORM_FWD
+from kbuild.manifest import for_width
+from kbuild.targets import target_for_arch
+
+from .launch_recorder import Tier, install, pretend_cuda
+
+SPECS = [RMSNORM_FWD.spec(N, "bf16", "bf16", True, 1e-6) for N in (64, 128, 768)]
+
+
+@pytest.fixture
+def record_file(tmp_path, monkeypatch):
+    path = tmp_path / "record.jsonl"
+    monkeypatch.setenv(record.RECORD_ENV, str(path))
+    monkeypatch.setattr(record, "_seen", set())
+    return path
+
+
+def test_an_offline_miss_is_recorded_before_it_raises(record_file, monkeypatch):
+    def missing(spec, target):
+        raise jit.KernelNotCached(f"{spec.short()} is not cached")
+
+    monkeypatch.setattr(jit, "artifact_for", missing)
+    monkeypatch.setattr(jit, "device_target", lambda device: target_for_arch("sm_90"))
+    monkeypatch.setattr(jit, "_loaded", jit.MemoryCache())
+    monkeypatch.setattr(jit, "loaded", jit._loaded.get)
+    for spec in (*SPECS, SPECS[0]):  # the repeat is written once
+        with pytest.raises(jit.KernelNotCached):
+            jit.get_launcher(("k", spec.canonical_json(), 0), 0, lambda spec=spec: spec)
+    lines = record_file.read_text().splitlines()
+    assert lines == [s.canonical_json() for s in SPECS]
+    assert record.read_specs(str(record_file)) == SPECS
+
+
+WRITER = """
+import sys
+from kbuild import record
+from kbuild.kernels.table import RMSNORM_FWD
+mine = int(sys.argv[1])
+for N in (64, 128, 768, 1000 + mine):
+    for _ in range(3):
+        record.record(RMSNORM_FWD.spec(N, "bf16", "bf16", True, 1e-6))
+"""
+
+
+def test_processes_recording_at_once_write_each_spec_once(record_file, subprocess_env):
+    env = {**subprocess_env, record.RECORD_ENV: str(record_file)}
+    procs = [subprocess.Popen([sys.executable, "-c", WRITER, str(k)], env=env) for k in range(6)]
+    assert all(p.wait(timeout=120) == 0 for p in procs)
+    lines = record_file.read_text().splitlines()
+    assert len(lines) == len(set(lines)) == 3 + 6  # shared three, one of each process
+    Ns = sorted(json.loads(line)["params"]["N"] for line in lines)
+    assert Ns == [64, 128, 768, *range(1000, 1006)]
+
+
+def test_a_bad_line_names_file_and_line(tmp_path):
+    path = tmp_path / "r.jsonl"
+    path.write_text(SPECS[0].canonical_json() + "\n\n{not json\n")
+    with pytest.raises(ValueError, match=r"r.jsonl:3: not a kernel spec"):
+        record.read_specs(str(path))
+
+
+def test_warmup_from_a_record_compiles_exactly_what_it_holds(tmp_path, capsys):
+    path = tmp_path / "r.jsonl"
+    wanted = [SPECS[0], RMSNORM_BWD.spec(64, "bf16", "bf16", True)]
+    path.write_text("".join(s.canonical_json() + "\n" for s in (*wanted, wanted[0])))
+    assert (
+        cli.main(["warmup", "--from", str(path), "--cache-dir", str(tmp_path / "c"), "-j", "1"])
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert out.count(" compiled ") == 2 and "2 kernels for sm_90" in out
+    assert "rmsnorm_bwd(N=64" in out and "rmsnorm_fwd(N=64" in out
+
+
+def test_warmup_from_a_missing_file_is_a_clear_error(tmp_path):
+    with pytest.raises(SystemExit, match="--from .*nope.jsonl"):
+        cli.main(["warmup", "--from", str(tmp_path / "nope.jsonl")])
+
+
+# --- --hidden: every kernel of a training and an inference step at a width ------------------
+
+
+def _steps(N, dtype, wdtype):
+    """A training step and an inference call of every op at width N, as a model makes them."""
+    t = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}
+    x = torch.randn(6, N, dtype=t[dtype], requires_grad=True)
+    r = torch.randn(6, N, dtype=t[dtype], requires_grad=True)
+    w = torch.randn(N, dtype=t[wdtype], requires_grad=True)
+    b = torch.randn(N, dtype=t[wdtype], requires_grad=True)
+    out, res = kbuild.fused_add_rmsnorm(x, r, w)
+    loss = kbuild.rmsnorm(x, w).sum() + kbuild.layernorm(x, w, b).sum() + (out + res).sum()
+    loss.backward()
+    with torch.no_grad():
+        kbuild.rmsnorm(x, w), kbuild.layernorm(x, w, b), kbuild.fused_add_rmsnorm(x, r, w)
+    w.requires_grad_(False)  # a frozen weight (fine-tuning): the backward without dw
+    kbuild.rmsnorm(x, w).sum().backward()
+
+
+@pytest.mark.parametrize("N, dtype, wdtype", [(768, "bf16", None), (4096, "f16", "f32")])
+def test_width_warmup_covers_a_training_step(monkeypatch, N, dtype, wdtype):
+    tier = Tier()
+    install(monkeypatch, tier.get_launcher, tier.loaded)
+    pretend_cuda(monkeypatch)
+    _steps(N, dtype, wdtype or dtype)
+    asked = set(tier.specs)
+    warmed = set(for_width(N, dtype, wdtype))
+    assert asked <= warmed, sorted(s.short() for s in asked - warmed)
+    assert {s.kernel for s in asked} == {s.kernel for s in warmed}  # nothing warmed in vain
+
+
+def test_width_warmup_on_the_command_line(capsys, tmp_path, monkeypatch):
+    seen = []
+    monkeypatch.setattr(cli, "warmup", lambda specs, arch, root, jobs: seen.extend(specs))
+    argv = ["warmup", "--hidden", "2048", "--dtype", "bf16", "--weight-dtype", "f32"]
+    assert cli.main([*argv, "--ops", "layernorm", "--cache-dir", str(tmp_path)]) == 0
+    assert seen == for_width(2048, "bf16", "f32", ("layernorm",))
+    assert {s.kernel for s in seen} == {"layernorm_fwd", "layernorm_bwd", "column_sum"}
+    assert LAYERNORM_FWD.spec(2048, "bf16", "f32", "f32", True, 1e-5) in seen
+    with pytest.raises(SystemExit, match="ops must be among"):
+        cli.main(["warmup", "--hidden", "64", "--ops", "softmax"])
