@@ -113,6 +113,28 @@ def _cmd_warmup(args) -> int:
     return 0
 
 
+def _cache_info(cache: DiskCache) -> int:
+    """Entries and bytes, per arch and kernel family, and the toolchains present."""
+    from collections import Counter
+
+    from .cache.keys import toolchain_key as key_of
+
+    entries, size = 0, 0
+    by_arch, by_kernel, toolchains = Counter(), Counter(), Counter()
+    for directory, meta in cache.entries():
+        entries += 1
+        size += sum(f.stat().st_size for f in directory.iterdir() if f.is_file())
+        by_arch[meta["meta"].get("target", "?")] += 1
+        by_kernel[meta["meta"].get("spec", {}).get("kernel", "?")] += 1
+        toolchains[(key_of(meta["toolchain"]), json.dumps(meta["toolchain"], sort_keys=True))] += 1
+    print(f"{cache.root}: {entries} entries, {size / 1e6:.1f} MB")
+    for title, counts in (("arch", by_arch), ("kernel", by_kernel)):
+        print(f"  by {title}: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
+    for (key, tools), count in sorted(toolchains.items()):
+        print(f"  toolchain {key}: {count} entries  {tools}")
+    return 0
+
+
 def _cmd_demo(args) -> int:
     _check_arch(args.arch)
     root = args.cache_dir or str(default_cache_dir())
@@ -131,6 +153,25 @@ def _cmd_demo(args) -> int:
 def _cmd_cache(args) -> int:
     root = args.cache_dir or str(default_cache_dir())
     cache = DiskCache(root)
+    if args.action in ("export", "import"):
+        from .cache.bundle import BundleError, export_bundle, import_bundle
+
+        if not args.file:
+            print(f"kbuild cache {args.action}: give the bundle FILE", file=sys.stderr)
+            return 2
+        if args.action == "export":
+            count = export_bundle(DiskCache(root, read_only=True), args.file, args.arch)
+            print(f"exported {count} entries from {root} to {args.file}")
+            return 0
+        try:
+            added, present = import_bundle(cache, args.file)
+        except (BundleError, OSError) as err:
+            print(f"kbuild cache import: refused: {err}", file=sys.stderr)
+            return 1
+        print(f"imported {added} entries into {root} ({present} already there)")
+        return 0
+    if args.action == "info":
+        return _cache_info(cache)
     if args.action == "path":
         print(root)
     elif args.action == "clear":
@@ -170,8 +211,15 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument("--weight-dtype", choices=("bf16", "f16", "f32"))
             p.add_argument("--ops", default="rmsnorm,fused_add_rmsnorm,layernorm")
             p.add_argument("--residual-fp32", action="store_true")
-    p = sub.add_parser("cache", help="inspect or clear the disk cache")
-    p.add_argument("action", choices=("list", "path", "clear"))
+    p = sub.add_parser(
+        "cache",
+        help="inspect, clear, export or import the disk cache",
+        description="e.g. kbuild cache export warm.tar.gz --arch sm_90; "
+        "kbuild cache import warm.tar.gz",
+    )
+    p.add_argument("action", choices=("list", "path", "clear", "info", "export", "import"))
+    p.add_argument("file", nargs="?", help="the bundle (export, import)")
+    p.add_argument("--arch", help="export only entries for this arch")
     p.add_argument("--cache-dir")
     args = parser.parse_args(argv)
     return {"warmup": _cmd_warmup, "demo": _cmd_demo, "cache": _cmd_cache}[args.command](args)

@@ -209,6 +209,29 @@ class DiskCache:
                     os.unlink(temp)
         return directory
 
+    def put_files(
+        self, entry_key: str, toolchain_key: str, binary_name: str, binary: bytes, meta: bytes
+    ) -> Path:
+        """Store an entry from its files as they are (a bundle's, already verified), with
+        put's atomicity: binary first, meta.json last, each renamed into place."""
+        if self.read_only:
+            raise RuntimeError(f"{self!r} is read-only; put_files() is not allowed")
+        if not re.fullmatch(rf"{_BINARY}\.[a-z0-9]{{1,16}}", binary_name):
+            raise ValueError(f"not a cache binary name: {binary_name!r}")
+        directory = self._dir(entry_key, toolchain_key)
+        directory.mkdir(parents=True, exist_ok=True)
+        temps = []
+        try:
+            temps.append(_write_temp(directory, binary))
+            temps.append(_write_temp(directory, meta))
+            os.replace(temps[0], directory / binary_name)
+            os.replace(temps[1], directory / _META)
+        finally:
+            for temp in temps:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(temp)
+        return directory
+
     def lock(self, entry_key: str, toolchain_key: str) -> AbstractContextManager[Any]:
         """An inter-process lock so concurrent processes compile one entry once."""
         if self.read_only:
