@@ -118,16 +118,18 @@ def _cache_info(cache: DiskCache) -> int:
     from collections import Counter
 
     from .cache.keys import toolchain_key as key_of
+    from .cache.prune import Entry, is_stale
 
-    entries, size = 0, 0
+    entries, size, stale = 0, 0, 0
     by_arch, by_kernel, toolchains = Counter(), Counter(), Counter()
     for directory, meta in cache.entries():
         entries += 1
+        stale += is_stale(Entry(directory, meta, 0, 0.0))
         size += sum(f.stat().st_size for f in directory.iterdir() if f.is_file())
         by_arch[meta["meta"].get("target", "?")] += 1
         by_kernel[meta["meta"].get("spec", {}).get("kernel", "?")] += 1
         toolchains[(key_of(meta["toolchain"]), json.dumps(meta["toolchain"], sort_keys=True))] += 1
-    print(f"{cache.root}: {entries} entries, {size / 1e6:.1f} MB")
+    print(f"{cache.root}: {entries} entries, {size / 1e6:.1f} MB, {stale} stale")
     for title, counts in (("arch", by_arch), ("kernel", by_kernel)):
         print(f"  by {title}: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
     for (key, tools), count in sorted(toolchains.items()):
@@ -172,6 +174,22 @@ def _cmd_cache(args) -> int:
         return 0
     if args.action == "info":
         return _cache_info(cache)
+    if args.action == "prune":
+        from .cache.prune import parse_age, parse_size, prune
+
+        if args.max_size is None and args.older_than is None and not args.stale:
+            print("kbuild cache prune: give --max-size, --older-than or --stale", file=sys.stderr)
+            return 2
+        try:
+            size = None if args.max_size is None else parse_size(args.max_size)
+            age = None if args.older_than is None else parse_age(args.older_than)
+        except ValueError as err:
+            print(f"kbuild cache prune: {err}", file=sys.stderr)
+            return 2
+        removed = prune(cache, size, age, args.stale)
+        freed = sum(e.size for e in removed)
+        print(f"removed {len(removed)} entries ({freed / 1e6:.1f} MB) from {root}")
+        return 0
     if args.action == "path":
         print(root)
     elif args.action == "clear":
@@ -217,9 +235,12 @@ def main(argv: list[str] | None = None) -> int:
         description="e.g. kbuild cache export warm.tar.gz --arch sm_90; "
         "kbuild cache import warm.tar.gz",
     )
-    p.add_argument("action", choices=("list", "path", "clear", "info", "export", "import"))
+    p.add_argument("action", choices=("list", "path", "clear", "info", "export", "import", "prune"))
     p.add_argument("file", nargs="?", help="the bundle (export, import)")
     p.add_argument("--arch", help="export only entries for this arch")
+    p.add_argument("--max-size", help="prune: least recently used first, down to e.g. 2G")
+    p.add_argument("--older-than", help="prune: entries not used for e.g. 30d")
+    p.add_argument("--stale", action="store_true", help="prune: entries of other kbuild sources")
     p.add_argument("--cache-dir")
     args = parser.parse_args(argv)
     return {"warmup": _cmd_warmup, "demo": _cmd_demo, "cache": _cmd_cache}[args.command](args)

@@ -16,6 +16,7 @@ entry is replaced. No pickle: the binary is bytes and everything else is JSON.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import os
@@ -195,6 +196,7 @@ class DiskCache:
             "meta": artifact.meta,
         }
         text = json.dumps(meta, sort_keys=True, indent=1).encode("utf-8")
+        _ensure_root(self.root)
         directory.mkdir(parents=True, exist_ok=True)
         temps = []
         try:
@@ -219,6 +221,7 @@ class DiskCache:
         if not re.fullmatch(rf"{_BINARY}\.[a-z0-9]{{1,16}}", binary_name):
             raise ValueError(f"not a cache binary name: {binary_name!r}")
         directory = self._dir(entry_key, toolchain_key)
+        _ensure_root(self.root)
         directory.mkdir(parents=True, exist_ok=True)
         temps = []
         try:
@@ -237,6 +240,7 @@ class DiskCache:
         if self.read_only:
             return contextlib.nullcontext()
         entry_dir = self._entry_dir(entry_key)
+        _ensure_root(self.root)
         entry_dir.mkdir(parents=True, exist_ok=True)
         lock_path = entry_dir / f"{_check_key('toolchain_key', toolchain_key)}.lock"
         return FileLock(lock_path, timeout=LOCK_TIMEOUT_S)
@@ -296,6 +300,27 @@ class DiskCache:
                     shard.rmdir()
 
 
+@functools.cache
+def _file_mode() -> int:
+    """0666 less the process umask, read without changing it (os.umask would, for every
+    thread at once): entries are written as the user's other files are."""
+    with contextlib.suppress(OSError, ValueError):
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return 0o666 & ~int(line.split()[1], 8)
+    return 0o644
+
+
+def _ensure_root(root: Path) -> None:
+    """A new cache root is created readable and writable by its owner only (0700): other
+    users must not be able to plant binaries this process would load."""
+    if not root.is_dir():
+        root.parent.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(root, 0o700)
+
+
 def _write_temp(directory: Path, data: bytes) -> str:
     """Write `data` to a new temp file in `directory` (same filesystem, so rename is atomic).
 
@@ -305,8 +330,8 @@ def _write_temp(directory: Path, data: bytes) -> str:
     fd, temp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=".part")
     try:
         with os.fdopen(fd, "wb") as f:
-            # mkstemp creates 0600; a cache shared between users needs the usual 0644.
-            os.fchmod(f.fileno(), 0o644)
+            # mkstemp creates 0600; entries take the umask's mode, as other files do.
+            os.fchmod(f.fileno(), _file_mode())
             f.write(data)
     except BaseException:
         os.unlink(temp)
