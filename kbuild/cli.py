@@ -1,8 +1,12 @@
 """`kbuild` command line: warmup (ahead-of-time compile), demo (the main job), cache.
 
 kbuild warmup --arch sm_90 --manifest tests --cache-dir .kbuild-aot
+kbuild warmup --arch gfx942 --hidden 4096 --dtype bf16     # every kernel of a model width
+kbuild warmup --arch sm_90 --from run.jsonl                 # what KBUILD_RECORD=run.jsonl saw
 kbuild demo                       # compile the standard set; with a GPU also run and time it
-kbuild cache list | path | clear
+kbuild cache list | path | clear | info | export FILE | import FILE | prune --max-size 2G
+
+Errors go to stderr with a non-zero status; output piped into `head` ends quietly.
 """
 
 from __future__ import annotations
@@ -210,7 +214,18 @@ def main(argv: list[str] | None = None) -> int:
         ("warmup", "compile kernels into the disk cache (no GPU needed)"),
         ("demo", "compile the standard kernels and, with a GPU, check and time them"),
     ):
-        p = sub.add_parser(name, help=helptext)
+        examples = {
+            "warmup": "examples:\n  kbuild warmup --arch sm_90 --manifest tests --cache-dir DIR\n"
+            "  kbuild warmup --arch gfx942 --hidden 4096 --dtype bf16 --weight-dtype f32\n"
+            "  KBUILD_RECORD=run.jsonl python train.py; kbuild warmup --from run.jsonl",
+            "demo": "example:\n  kbuild demo --arch sm_90 --cache-dir DIR",
+        }
+        p = sub.add_parser(
+            name,
+            help=helptext,
+            epilog=examples[name],
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
         p.add_argument("--arch", default="sm_90", help="target arch (default sm_90)")
         p.add_argument("--cache-dir", help="cache root (default $KBUILD_CACHE_DIR or ~/.cache)")
         p.add_argument("-j", "--jobs", type=int, default=os.cpu_count() or 1)
@@ -232,8 +247,10 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser(
         "cache",
         help="inspect, clear, export or import the disk cache",
-        description="e.g. kbuild cache export warm.tar.gz --arch sm_90; "
-        "kbuild cache import warm.tar.gz",
+        epilog="examples:\n  kbuild cache info\n  kbuild cache export warm.tar.gz --arch sm_90\n"
+        "  kbuild cache import warm.tar.gz --cache-dir DIR\n"
+        "  kbuild cache prune --max-size 2G --older-than 30d --stale",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("action", choices=("list", "path", "clear", "info", "export", "import", "prune"))
     p.add_argument("file", nargs="?", help="the bundle (export, import)")
@@ -243,7 +260,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stale", action="store_true", help="prune: entries of other kbuild sources")
     p.add_argument("--cache-dir")
     args = parser.parse_args(argv)
-    return {"warmup": _cmd_warmup, "demo": _cmd_demo, "cache": _cmd_cache}[args.command](args)
+    command = {"warmup": _cmd_warmup, "demo": _cmd_demo, "cache": _cmd_cache}[args.command]
+    try:
+        return command(args)
+    except BrokenPipeError:  # `kbuild cache list | head`: the reader left; end quietly
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141
 
 
 if __name__ == "__main__":

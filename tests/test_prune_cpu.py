@@ -131,3 +131,35 @@ def test_cli_prune_and_info(tmp_path, capsys):
     assert cli.main(["cache", "prune", "--max-size", "1", "--cache-dir", str(tmp_path)]) == 0
     assert "removed 3 entries" in capsys.readouterr().out
     assert cli.main(["cache", "prune", "--cache-dir", str(tmp_path)]) == 2
+
+
+# --- the CLI as a Unix tool ------------------------------------------------------------------
+
+
+def test_cli_piped_into_head_ends_quietly(tmp_path, subprocess_env):
+    _fill(tmp_path, count=40, size=10)
+    command = f"{sys.executable} -m kbuild cache list --cache-dir {tmp_path} | head -1"
+    result = subprocess.run(
+        command, shell=True, env=subprocess_env, capture_output=True, text=True, timeout=60
+    )
+    assert result.stdout.count("\n") == 1
+    assert "Traceback" not in result.stderr and "BrokenPipe" not in result.stderr
+
+
+@pytest.mark.parametrize("command", ["warmup", "demo", "cache"])
+def test_every_command_has_an_example_in_its_help(command, capsys):
+    with pytest.raises(SystemExit) as done:
+        cli.main([command, "--help"])
+    assert done.value.code == 0
+    assert f"kbuild {command}" in capsys.readouterr().out.split("example")[1]
+
+
+def test_errors_go_to_stderr_with_a_status(tmp_path, subprocess_env):
+    result = subprocess.run(
+        [sys.executable, "-m", "kbuild", "warmup", "--arch", "sm_91"],
+        env=subprocess_env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode != 0 and "sm_91" in result.stderr and result.stdout == ""
