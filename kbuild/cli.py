@@ -51,10 +51,18 @@ def warmup(specs: list[KernelSpec], arch: str, root: str, jobs: int) -> list[tup
     results = []
     args = [(s.canonical_json(), arch, root) for s in specs]
     width = len(str(len(specs)))
-    with ProcessPoolExecutor(max_workers=max(1, jobs)) as pool:
+
+    def report(i: int, result: tuple) -> None:
+        print(f"[{i:>{width}}/{len(specs)}] {arch}  {_describe(*result)}", flush=True)
+        results.append(result)
+
+    if jobs <= 1:  # in this process: nothing outlives it if it is killed
+        for i, arg in enumerate(args, 1):
+            report(i, _warm_one(*arg))
+        return results
+    with ProcessPoolExecutor(max_workers=jobs) as pool:
         for i, result in enumerate(pool.map(_warm_one, *zip(*args, strict=True)), 1):
-            print(f"[{i:>{width}}/{len(specs)}] {arch}  {_describe(*result)}", flush=True)
-            results.append(result)
+            report(i, result)
     return results
 
 
