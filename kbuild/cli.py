@@ -125,6 +125,25 @@ def _cmd_warmup(args) -> int:
     return 0
 
 
+def _cmd_show(args) -> int:
+    from .compiler import CompileError
+    from .show import STAGES, parse_spec, stages
+
+    _check_arch(args.arch)
+    wanted = tuple(s for s in STAGES if getattr(args, s)) or ("ptx",)
+    try:
+        spec = parse_spec(args.spec)
+        texts = stages(spec, args.arch, wanted)
+    except (ValueError, TypeError, CompileError) as err:
+        print(f"kbuild show: {err}", file=sys.stderr)
+        return 1
+    for stage in wanted:
+        if len(wanted) > 1:
+            print(f"// ---- {stage} ({spec.short()}, {args.arch})")
+        print(texts[stage])
+    return 0
+
+
 def _cache_info(cache: DiskCache) -> int:
     """Entries and bytes, per arch and kernel family, and the toolchains present."""
     from collections import Counter
@@ -253,6 +272,19 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument("--ops", default="rmsnorm,fused_add_rmsnorm,layernorm")
             p.add_argument("--residual-fp32", action="store_true")
     p = sub.add_parser(
+        "show",
+        help="print what a kernel became: MLIR, LLVM, PTX or AMDGPU asm, SASS",
+        epilog="examples:\n  kbuild show 'rmsnorm_fwd(N=4096, dtype=bf16, eps=1e-06, "
+        "store_rstd=True, vectorize=True, weight_dtype=bf16)' --ptx\n"
+        '  kbuild show \'{"kernel": "column_sum", "params": {"N": 1024, '
+        '"out_dtype": "bf16"}}\' --asm --arch gfx942',
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("spec", help="a spec as JSON, or the label warmup prints")
+    p.add_argument("--arch", default="sm_90")
+    for stage in ("mlir", "llvm", "ptx", "asm", "sass"):
+        p.add_argument(f"--{stage}", action="store_true")
+    p = sub.add_parser(
         "cache",
         help="inspect, clear, export or import the disk cache",
         epilog="examples:\n  kbuild cache info\n  kbuild cache export warm.tar.gz --arch sm_90\n"
@@ -268,7 +300,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stale", action="store_true", help="prune: entries of other kbuild sources")
     p.add_argument("--cache-dir")
     args = parser.parse_args(argv)
-    command = {"warmup": _cmd_warmup, "demo": _cmd_demo, "cache": _cmd_cache}[args.command]
+    commands = {"warmup": _cmd_warmup, "demo": _cmd_demo, "cache": _cmd_cache, "show": _cmd_show}
+    command = commands[args.command]
     try:
         return command(args)
     except BrokenPipeError:  # `kbuild cache list | head`: the reader left; end quietly

@@ -6,6 +6,8 @@ This is the only module that calls builders; the cache decides whether it runs a
 from __future__ import annotations
 
 import functools
+import json
+import os
 import time
 from importlib import metadata
 
@@ -84,7 +86,9 @@ def _lowered(kernel, spec: KernelSpec, target: Target) -> str:
         return str(kernel.module)
 
 
-def _assemble_amd(kernel, spec: KernelSpec, target: Target) -> tuple[bytes, dict, float]:
+def _assemble_amd(
+    kernel, spec: KernelSpec, target: Target, stages: dict | None = None
+) -> tuple[bytes, dict, float]:
     """(HSACO, its resources, when lowering ended): ROCDL -> LLVM IR -> llvmlite -> ld.lld,
     then the code object is checked against the kernel's signature."""
     from .targets import amd
@@ -95,6 +99,8 @@ def _assemble_amd(kernel, spec: KernelSpec, target: Target) -> tuple[bytes, dict
     except Exception as err:
         raise CompileError(f"translating {spec.short()} for {target} failed: {err}") from err
     lowered_at = time.perf_counter()
+    if stages is not None:
+        stages["kernel.ll"] = ir_text
     try:
         binary = amd.llvm_ir_to_hsaco(ir_text, target.arch)
         amd.check_code_object(binary, target.arch, kernel.name, kernel.signature())
@@ -112,6 +118,11 @@ def compile_kernel(spec: KernelSpec, target: Target) -> Artifact:
     start = time.perf_counter()
     kernel = build(spec, target)
     built = time.perf_counter()
+    dumping = bool(os.environ.get("KBUILD_DUMP_DIR"))
+    stages: dict[str, bytes | str] = {}
+    if dumping:
+        with kernel.context:
+            stages["kernel.mlir"] = str(kernel.module)
     meta = {
         "spec": spec.to_json(),
         "target": target.arch,
@@ -121,7 +132,7 @@ def compile_kernel(spec: KernelSpec, target: Target) -> Artifact:
         **kernel.meta,
     }
     if target.vendor == "amd":
-        binary, resources, lowered = _assemble_amd(kernel, spec, target)
+        binary, resources, lowered = _assemble_amd(kernel, spec, target, stages)
         fmt = "hsaco"
         meta.update(resources)
     else:
@@ -130,6 +141,7 @@ def compile_kernel(spec: KernelSpec, target: Target) -> Artifact:
         except Exception as err:
             raise CompileError(f"lowering {spec.short()} for {target} failed: {err}") from err
         lowered = time.perf_counter()
+        stages["kernel.ptx"] = ptx.rstrip(b"\0")
         if ptxas_path() is not None:
             binary, resources = ptx_to_cubin(ptx, target.arch)
             fmt = "cubin"
@@ -143,4 +155,8 @@ def compile_kernel(spec: KernelSpec, target: Target) -> Artifact:
         "assemble": round(1e3 * (done - lowered), 2),
         "total": round(1e3 * (done - start), 2),
     }
+    if dumping:
+        from .show import dump
+
+        dump(spec, target.arch, {**stages, f"kernel.{fmt}": binary, "meta.json": json.dumps(meta)})
     return Artifact(binary=binary, format=fmt, entry=kernel.name, meta=meta)

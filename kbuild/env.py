@@ -6,6 +6,9 @@ KBUILD_OFFLINE=1           never compile: load kernels from the disk cache only;
                            when the MLIR bindings are not installed.
 KBUILD_PTXAS               path of the ptxas to assemble cubins with (default: PATH, CUDA_HOME)
 KBUILD_MEMORY_CACHE_SIZE   loaded kernels kept per process (default 4096)
+KBUILD_DUMP_DIR=DIR        write every stage of each compile (kernel.mlir, kernel.ptx or
+                           kernel.ll, the binary, meta.json) to DIR/<kernel>-<arch>-<hash>/;
+                           `kbuild show SPEC --mlir --llvm --ptx --asm --sass` prints them
 KBUILD_RECORD=FILE         append every kernel spec this process asks for to FILE (JSON lines,
                            deduplicated across processes; offline misses too, before they
                            raise); `kbuild warmup --from FILE --arch ...` compiles them

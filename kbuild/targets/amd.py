@@ -145,6 +145,16 @@ def llvm_ir_to_hsaco(ir_text: str, arch: str) -> bytes:
             return f.read()
 
 
+def llvm_ir_to_assembly(ir_text: str, arch: str) -> str:
+    """The AMDGPU assembly of LLVM IR for `arch` (what `kbuild show --asm` prints)."""
+    import llvmlite.binding as lb
+
+    _init_llvm()
+    module = lb.parse_assembly(ir_text)
+    machine = lb.Target.from_triple(TRIPLE).create_target_machine(cpu=arch, opt=3, reloc="pic")
+    return machine.emit_assembly(module)
+
+
 @functools.cache
 def _init_llvm() -> None:
     import llvmlite.binding as lb
