@@ -1,0 +1,83 @@
+"""The backward passes as a training step runs them: a chain of K norms, one
+torch.autograd.grad for the whole chain, so the engine's per-call cost (100-150 us of host on
+the H200 machine, more than these kernels take) is paid once per graph, as in training, not
+once per norm as in bench/backward_users.py.
+
+    KBUILD_CACHE_DIR=.kbuild-aot KBUILD_OFFLINE=1 python bench/backward_chain.py [out.json]
+
+bf16, M x N = 64 Mi elements per norm, K = 8; reported per norm: ms (the chain's backward
+time / K, CUDA events around the autograd.grad call, calls back to back) and % of the copy
+bandwidth of the same run, kbuild beside torch eager.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import kbuild  # noqa: E402
+from bench.harness import measure_copy  # noqa: E402
+from kbuild.manifest import BENCH_ELEMENTS, BENCH_N  # noqa: E402
+from kbuild.timing import median_ms  # noqa: E402
+
+K = 8
+F = torch.nn.functional
+
+
+def chain(norm, N: int):
+    """x -> K norms (each its own weight) -> the backward of all K through one grad call."""
+    M = BENCH_ELEMENTS // N
+    x = torch.randn(M, N, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    ws = [torch.randn(N, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(K)]
+    h = x
+    for w in ws:
+        h = norm(h, w, N)
+    dy = torch.randn_like(h)
+    inputs = [x, *ws]
+    return lambda: torch.autograd.grad(h, inputs, dy, retain_graph=True)
+
+
+NORMS = {
+    "rmsnorm": {
+        "kbuild": lambda h, w, N: kbuild.rmsnorm(h, w, 1e-6),
+        "eager": lambda h, w, N: F.rms_norm(h, (N,), w, 1e-6),
+    },
+    "layernorm": {
+        "kbuild": lambda h, w, N: kbuild.layernorm(h, w, None, 1e-5),
+        "eager": lambda h, w, N: F.layer_norm(h, (N,), w, None, 1e-5),
+    },
+}
+
+
+def main() -> None:
+    path = sys.argv[1] if len(sys.argv) > 1 else "bench/results/backward_chain.json"
+    copy = measure_copy()
+    bytes_per_norm = 3 * BENCH_ELEMENTS * 2  # read x, dy; write dx
+    rows = []
+    for op, impls in NORMS.items():
+        for N in BENCH_N:
+            row = {"op": op, "N": N}
+            for name, norm in impls.items():
+                ms = median_ms(chain(norm, N), reps=10) / K
+                row[name] = {
+                    "ms": round(ms, 4),
+                    "of_copy": round(bytes_per_norm / ms / 1e6 / copy, 4),
+                }
+            rows.append(row)
+            print(op, N, {k: v for k, v in row.items() if k not in ("op", "N")}, flush=True)
+            torch.cuda.empty_cache()
+    with open(path, "w") as f:
+        json.dump(
+            {"gpu": torch.cuda.get_device_name(), "copy_gbps": copy, "K": K, "rows": rows},
+            f,
+            indent=1,
+        )
+
+
+if __name__ == "__main__":
+    main()
