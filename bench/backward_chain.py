@@ -29,27 +29,31 @@ K = 8
 F = torch.nn.functional
 
 
-def chain(norm, N: int):
+def chain(norm, N: int, with_bias: bool):
     """x -> K norms (each its own weight) -> the backward of all K through one grad call."""
     M = BENCH_ELEMENTS // N
     x = torch.randn(M, N, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    ws = [torch.randn(N, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(K)]
+
+    def param():
+        return torch.randn(N, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+
+    ws, bs = [param() for _ in range(K)], [param() for _ in range(K)]
     h = x
-    for w in ws:
-        h = norm(h, w, N)
+    for w, b in zip(ws, bs, strict=True):
+        h = norm(h, w, b, N)
     dy = torch.randn_like(h)
-    inputs = [x, *ws]
+    inputs = [x, *ws, *(bs if with_bias else [])]
     return lambda: torch.autograd.grad(h, inputs, dy, retain_graph=True)
 
 
 NORMS = {
     "rmsnorm": {
-        "kbuild": lambda h, w, N: kbuild.rmsnorm(h, w, 1e-6),
-        "eager": lambda h, w, N: F.rms_norm(h, (N,), w, 1e-6),
+        "kbuild": lambda h, w, b, N: kbuild.rmsnorm(h, w, 1e-6),
+        "eager": lambda h, w, b, N: F.rms_norm(h, (N,), w, 1e-6),
     },
     "layernorm": {
-        "kbuild": lambda h, w, N: kbuild.layernorm(h, w, None, 1e-5),
-        "eager": lambda h, w, N: F.layer_norm(h, (N,), w, None, 1e-5),
+        "kbuild": lambda h, w, b, N: kbuild.layernorm(h, w, b, 1e-5),
+        "eager": lambda h, w, b, N: F.layer_norm(h, (N,), w, b, 1e-5),
     },
 }
 
@@ -63,7 +67,7 @@ def main() -> None:
         for N in BENCH_N:
             row = {"op": op, "N": N}
             for name, norm in impls.items():
-                ms = median_ms(chain(norm, N), reps=10) / K
+                ms = median_ms(chain(norm, N, op == "layernorm"), reps=10) / K
                 row[name] = {
                     "ms": round(ms, 4),
                     "of_copy": round(bytes_per_norm / ms / 1e6 / copy, 4),
