@@ -111,6 +111,19 @@ def _assemble_amd(
     return binary, amd.kernel_resources(binary, kernel.name), lowered_at
 
 
+def _dump(spec: KernelSpec, arch: str, files: dict[str, bytes | str]) -> None:
+    """KBUILD_DUMP_DIR: a compile's stages to DIR/<kernel>-<arch>-<hash of the spec>/."""
+    import hashlib
+    from pathlib import Path
+
+    tag = hashlib.sha256(spec.canonical_json().encode()).hexdigest()[:12]
+    directory = Path(os.environ["KBUILD_DUMP_DIR"]) / f"{spec.kernel}-{arch}-{tag}"
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "spec.json").write_text(spec.canonical_json() + "\n")
+    for name, data in files.items():
+        (directory / name).write_bytes(data if isinstance(data, bytes) else data.encode())
+
+
 def compile_kernel(spec: KernelSpec, target: Target) -> Artifact:
     """Build, verify, lower and assemble one kernel; metadata records how it went."""
     from .targets.nvidia import module_to_ptx, ptx_to_cubin, ptxas_path
@@ -156,7 +169,5 @@ def compile_kernel(spec: KernelSpec, target: Target) -> Artifact:
         "total": round(1e3 * (done - start), 2),
     }
     if dumping:
-        from .show import dump
-
-        dump(spec, target.arch, {**stages, f"kernel.{fmt}": binary, "meta.json": json.dumps(meta)})
+        _dump(spec, target.arch, {**stages, f"kernel.{fmt}": binary, "meta.json": json.dumps(meta)})
     return Artifact(binary=binary, format=fmt, entry=kernel.name, meta=meta)

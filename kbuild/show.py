@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import ast
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -22,7 +21,6 @@ from pathlib import Path
 from .spec import KernelSpec
 
 STAGES = ("mlir", "llvm", "ptx", "asm", "sass")
-DUMP_ENV = "KBUILD_DUMP_DIR"
 
 
 def parse_spec(text: str) -> KernelSpec:
@@ -98,19 +96,3 @@ def _sass(ptx: bytes, arch: str) -> str:
         flag = ["--dump-sass"] if tool.endswith("cuobjdump") else []
         result = subprocess.run([tool, *flag, str(path)], capture_output=True, text=True)
         return result.stdout or result.stderr
-
-
-def dump(spec: KernelSpec, arch: str, files: dict[str, bytes | str]) -> Path | None:
-    """With $KBUILD_DUMP_DIR set, write a compile's stages to DIR/<kernel>-<key>/."""
-    root = os.environ.get(DUMP_ENV)
-    if not root:
-        return None
-    import hashlib
-
-    tag = hashlib.sha256(spec.canonical_json().encode()).hexdigest()[:12]
-    directory = Path(root) / f"{spec.kernel}-{arch}-{tag}"
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / "spec.json").write_text(spec.canonical_json() + "\n")
-    for name, data in files.items():
-        (directory / name).write_bytes(data if isinstance(data, bytes) else data.encode())
-    return directory

@@ -31,10 +31,18 @@ def _model(kind: str):
             num_attention_heads=12, num_key_value_heads=12, rms_norm_eps=1e-6, **common,
         )  # fmt: skip
     elif kind == "gpt2":
-        config = transformers.GPT2Config(n_embd=WIDTH, n_layer=2, n_head=12, n_positions=128,
-                                         vocab_size=512, bos_token_id=0, eos_token_id=0,
-                                         resid_pdrop=0.0, embd_pdrop=0.0,
-                                         attn_pdrop=0.0)  # fmt: skip  (no dropout: comparable)
+        config = transformers.GPT2Config(
+            n_embd=WIDTH,
+            n_layer=2,
+            n_head=12,
+            n_positions=128,
+            vocab_size=512,
+            bos_token_id=0,
+            eos_token_id=0,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+        )  # fmt: skip  (no dropout: comparable)
     else:
         config = transformers.GemmaConfig(
             hidden_size=WIDTH, intermediate_size=1024, num_hidden_layers=2,

@@ -34,9 +34,7 @@ def _probe(subprocess_env, **env):
 
 
 def test_no_compiler_falls_back_with_one_warning(subprocess_env, tmp_path):
-    out = _probe(
-        subprocess_env, CXX="no-such-compiler-kbuild", KBUILD_NATIVE_DIR=str(tmp_path)
-    )
+    out = _probe(subprocess_env, CXX="no-such-compiler-kbuild", KBUILD_NATIVE_DIR=str(tmp_path))
     assert "native False" in out
     line = next(line for line in out.splitlines() if line.startswith("warnings"))
     assert line.count("the C++ hot path is unavailable") == 1, line
