@@ -185,7 +185,6 @@ class DiskCache:
             raise RuntimeError(f"{self!r} is read-only; put() is not allowed")
         if not _FORMAT.fullmatch(artifact.format):
             raise ValueError(f"artifact.format must be a short lowercase word: {artifact.format!r}")
-        directory = self._dir(entry_key, toolchain_key)
         meta = {
             "format": artifact.format,
             "entry": artifact.entry,
@@ -196,26 +195,16 @@ class DiskCache:
             "meta": artifact.meta,
         }
         text = json.dumps(meta, sort_keys=True, indent=1).encode("utf-8")
-        _ensure_root(self.root)
-        directory.mkdir(parents=True, exist_ok=True)
-        temps = []
-        try:
-            temps.append(_write_temp(directory, artifact.binary))
-            temps.append(_write_temp(directory, text))
-            # Binary first, meta.json last: meta.json is the commit marker.
-            os.replace(temps[0], directory / f"{_BINARY}.{artifact.format}")
-            os.replace(temps[1], directory / _META)
-        finally:
-            for temp in temps:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(temp)
-        return directory
+        return self.put_files(
+            entry_key, toolchain_key, f"{_BINARY}.{artifact.format}", artifact.binary, text
+        )
 
     def put_files(
         self, entry_key: str, toolchain_key: str, binary_name: str, binary: bytes, meta: bytes
     ) -> Path:
-        """Store an entry from its files as they are (a bundle's, already verified), with
-        put's atomicity: binary first, meta.json last, each renamed into place."""
+        """Store an entry from its files as they are (put's, or a verified bundle's): each
+        written to a temp file, then the binary renamed into place first and meta.json, the
+        commit marker, last."""
         if self.read_only:
             raise RuntimeError(f"{self!r} is read-only; put_files() is not allowed")
         if not re.fullmatch(rf"{_BINARY}\.[a-z0-9]{{1,16}}", binary_name):
