@@ -149,18 +149,17 @@ def _cache_info(cache: DiskCache) -> int:
     from collections import Counter
 
     from .cache.keys import toolchain_key as key_of
-    from .cache.prune import Entry, is_stale
+    from .cache.prune import is_stale, scan
 
-    entries, size, stale = 0, 0, 0
+    entries = scan(cache)  # prune's view: each entry's size and meta, read once
+    size, stale = sum(e.size for e in entries), sum(map(is_stale, entries))
     by_arch, by_kernel, toolchains = Counter(), Counter(), Counter()
-    for directory, meta in cache.entries():
-        entries += 1
-        stale += is_stale(Entry(directory, meta, 0, 0.0))
-        size += sum(f.stat().st_size for f in directory.iterdir() if f.is_file())
+    for e in entries:
+        meta = e.meta
         by_arch[meta["meta"].get("target", "?")] += 1
         by_kernel[meta["meta"].get("spec", {}).get("kernel", "?")] += 1
         toolchains[(key_of(meta["toolchain"]), json.dumps(meta["toolchain"], sort_keys=True))] += 1
-    print(f"{cache.root}: {entries} entries, {size / 1e6:.1f} MB, {stale} stale")
+    print(f"{cache.root}: {len(entries)} entries, {size / 1e6:.1f} MB, {stale} stale")
     for title, counts in (("arch", by_arch), ("kernel", by_kernel)):
         print(f"  by {title}: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
     for (key, tools), count in sorted(toolchains.items()):

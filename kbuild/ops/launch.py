@@ -15,7 +15,7 @@ import torch
 
 from ..jit import get_launcher, loaded
 from ..kernels.table import COLUMN_SUM, KernelDef
-from ..spec import KernelSpec, Scalar
+from ..spec import Scalar
 from .common import DTYPE_NAMES, stream_of
 
 
@@ -51,8 +51,7 @@ def launch_rows(
     launcher(rows_grid(launcher, M), stream_of(device), *ptrs, M)
 
 
-def column_sum_spec(N: int, out_dtype: str, planes: int = 1) -> KernelSpec:
-    return COLUMN_SUM.spec(N, out_dtype, planes)
+column_sum_spec = COLUMN_SUM.spec  # (N, out_dtype, planes=1), as the other *_spec aliases
 
 
 def column_sum(
