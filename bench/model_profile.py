@@ -1,0 +1,119 @@
+"""Where a training step's time goes, stock model beside kbuild.nn.swap_norms (torch.profiler).
+
+    KBUILD_CACHE_DIR=.kbuild-aot KBUILD_OFFLINE=1 python bench/model_profile.py OUT_DIR
+        [--model gpt2-355m] [--steps 3]
+
+For one model of bench/models.py in eager mode: STEPS profiled training steps of each variant
+after warm-up, then per variant the step time (CUDA events), the GPU's busy time (the union
+of kernel intervals, so idle gaps show as step - busy), and the kernels grouped by name with
+count and total device time per step. The two tables side by side say whether a difference
+is in the norm kernels, in other kernels (the neighbours of a norm), or in idle GPU time
+(host or synchronisation). Writes OUT_DIR/profile_MODEL.json and the profiler tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import sys
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import kbuild.nn  # noqa: E402
+from bench.models import _batches, _build, _configs  # noqa: E402
+
+
+def _busy_us(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of [start, end) intervals."""
+    total, end = 0.0, float("-inf")
+    for s, e in sorted(intervals):
+        if s > end:
+            total += e - s
+            end = e
+        elif e > end:
+            total += e - end
+            end = e
+    return total
+
+
+def _profile(model, batches, steps: int, out_dir: str, label: str) -> dict:
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+
+    def step(ids):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    for ids in batches[:3]:
+        step(ids)
+    torch.cuda.synchronize()
+    events = []
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for ids in batches[3 : 3 + steps]:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            step(ids)
+            end.record()
+            events.append((start, end))
+        torch.cuda.synchronize()
+    step_ms = sorted(s.elapsed_time(e) for s, e in events)
+    kernels: dict[str, list[float]] = {}
+    intervals = []
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA and ev.device_time > 0:
+            kernels.setdefault(ev.name, []).append(ev.device_time)
+            start = ev.time_range.start
+            intervals.append((start, start + ev.device_time))
+    table = prof.key_averages().table(sort_by="self_device_time_total", row_limit=40)
+    with open(os.path.join(out_dir, f"profile_{label}.txt"), "w") as f:
+        f.write(table)
+    rows = sorted(
+        ((name, len(t) / steps, sum(t) / steps) for name, t in kernels.items()),
+        key=lambda r: -r[2],
+    )
+    return {
+        "step_ms": step_ms,
+        "busy_ms_per_step": round(_busy_us(intervals) / steps / 1e3, 3),
+        "kernel_ms_per_step": round(sum(r[2] for r in rows) / 1e3, 3),
+        "launches_per_step": round(sum(r[1] for r in rows), 1),
+        "kernels": [
+            {"name": n[:140], "per_step": round(c, 1), "us_per_step": round(t, 1)}
+            for n, c, t in rows
+        ],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out_dir")
+    parser.add_argument("--model", default="gpt2-355m")
+    parser.add_argument("--steps", type=int, default=3)
+    args = parser.parse_args()
+    os.makedirs(args.out_dir, exist_ok=True)
+    config, batch, seq, _ = _configs()[args.model]
+    stock = _build(config)
+    swapped = copy.deepcopy(stock)
+    kbuild.nn.swap_norms(swapped)
+    batches = _batches(config.vocab_size, batch, seq, 3 + args.steps)
+    result = {"gpu": torch.cuda.get_device_name(), "model": args.model}
+    for label, model in (("stock", stock), ("kbuild", swapped)):
+        r = _profile(model, batches, args.steps, args.out_dir, f"{args.model}_{label}")
+        result[label] = r
+        print(
+            f"{label}: step {r['step_ms']} ms, GPU busy {r['busy_ms_per_step']} ms, "
+            f"kernels {r['kernel_ms_per_step']} ms, {r['launches_per_step']} launches"
+        )
+        for k in r["kernels"][:25]:
+            print(f"  {k['us_per_step']:10.1f} us {k['per_step']:7.1f}x  {k['name'][:100]}")
+    with open(os.path.join(args.out_dir, f"profile_{args.model}.json"), "w") as f:
+        json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
