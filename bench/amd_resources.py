@@ -32,9 +32,7 @@ def main() -> None:
         for arch in args.arch or ["gfx942", "gfx950"]:
             specs = list(manifest("bench"))
             rows = cli.warmup(specs, arch, root, jobs=os.cpu_count() or 1)
-            result[arch] = {
-                label: {k: meta.get(k) for k in FIELDS} for label, meta, _, _ in rows
-            }
+            result[arch] = {label: {k: meta.get(k) for k in FIELDS} for label, meta, _, _ in rows}
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
     print(f"wrote {args.out}")

@@ -6,10 +6,12 @@
 Models are built from configs (random weights, no download) in bf16 on one GPU; a step is
 forward, cross-entropy loss, backward and a fused AdamW update. For each model and mode
 (eager, torch.compile default, optionally reduce-overhead) the stock model and its swapped
-copy (same initial weights, same batches) each run WARMUP steps, then STEPS timed steps
-(ms per step: the median of CUDA-event times per step). The loss of every step is recorded:
-both curves start from the same weights, so they agree to bf16 noise. Graph breaks are
-counted with torch._dynamo.explain on the stock and the swapped model. Writes
+copy (same initial weights, same batches) each run WARMUP steps, then ROUNDS rounds of
+STEPS_PER_ROUND timed steps each, the two models taking turns (ms per step: the median of
+CUDA-event times per step; host ms: until the step's work is queued, the median too). The
+loss of every step is recorded: both curves start from the same weights, so they agree to
+bf16 noise. Graph breaks are counted with torch._dynamo.explain on the stock and the swapped
+model. Writes
 OUT_DIR/models.json.
 """
 
@@ -28,7 +30,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import kbuild.nn  # noqa: E402
 
-WARMUP, STEPS = 3, 10
+WARMUP, ROUNDS, STEPS_PER_ROUND = 3, 6, 3
+STEPS = ROUNDS * STEPS_PER_ROUND
 
 
 def _configs():
@@ -44,7 +47,7 @@ def _configs():
         ),
         "gpt2-355m": (
             GPT2Config(n_embd=1024, n_layer=24, n_head=16, **gpt2),
-            4, 1024, ("eager",),
+            4, 1024, ("eager", "compile"),
         ),
         "llama-2048": (
             LlamaConfig(hidden_size=2048, intermediate_size=5632, num_hidden_layers=8,
@@ -54,7 +57,7 @@ def _configs():
         "llama-4096": (
             LlamaConfig(hidden_size=4096, intermediate_size=11008, num_hidden_layers=4,
                         num_attention_heads=32, num_key_value_heads=32, **llama),
-            4, 1024, ("eager",),
+            4, 1024, ("eager", "compile"),
         ),
     }  # fmt: skip
 
@@ -73,33 +76,63 @@ def _batches(vocab: int, batch: int, seq: int, count: int):
     return [torch.randint(0, vocab, (batch, seq), device="cuda", generator=g) for _ in range(count)]
 
 
-def _train(model, batches, mode: str):
-    """(ms per step for the timed steps, loss of every step)."""
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    forward = model
-    if mode != "eager":
-        forward = torch.compile(model, mode=None if mode == "compile" else mode)
+class _Trainer:
+    """One model's training loop: step(ids) runs forward, loss, backward and AdamW, with CUDA
+    events around each step and the host time until the step's work is queued."""
 
-    def step(ids):
-        loss = forward(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss.detach()
+    def __init__(self, model, mode: str):
+        self.opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+        self.forward = model
+        if mode != "eager":
+            self.forward = torch.compile(model, mode=None if mode == "compile" else mode)
+        self.mode = mode
+        self.losses, self.events, self.host_ms = [], [], []
 
-    losses, times = [], []
-    for i, ids in enumerate(batches):
-        if mode == "reduce-overhead":
+    def step(self, ids, timed: bool) -> None:
+        if self.mode == "reduce-overhead":
             torch.compiler.cudagraph_mark_step_begin()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0 = time.perf_counter()
         start.record()
-        losses.append(step(ids))
+        loss = self.forward(input_ids=ids, labels=ids).loss
+        loss.backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
         end.record()
-        if i >= WARMUP:
-            times.append((start, end))
-    torch.cuda.synchronize()
-    ms = sorted(s.elapsed_time(e) for s, e in times)
-    return ms[len(ms) // 2], [round(float(v), 5) for v in losses]
+        self.losses.append(loss.detach())
+        if timed:
+            self.host_ms.append(1e3 * (time.perf_counter() - t0))
+            self.events.append((start, end))
+
+    def result(self) -> dict:
+        torch.cuda.synchronize()
+        ms = sorted(s.elapsed_time(e) for s, e in self.events)
+        host = sorted(self.host_ms)
+        return {
+            "ms_per_step": round(ms[len(ms) // 2], 3),
+            "host_ms_per_step": round(host[len(host) // 2], 3),
+            "losses": [round(float(v), 5) for v in self.losses],
+        }
+
+
+def _train_interleaved(models: dict, batches, mode: str) -> dict:
+    """Train every model on the same batches, alternating ROUNDS rounds of STEPS_PER_ROUND
+    steps each (the order flips every round), so a change of the GPU's clocks or of the
+    machine's load during the run weighs on all of them alike."""
+    trainers = {label: _Trainer(m, mode) for label, m in models.items()}
+    for label, t in trainers.items():
+        w0 = time.perf_counter()
+        for ids in batches[:WARMUP]:
+            t.step(ids, timed=False)
+        torch.cuda.synchronize()
+        print(f"  {label} {mode}: warm-up {time.perf_counter() - w0:.1f} s", flush=True)
+    order = list(trainers)
+    for r in range(ROUNDS):
+        for label in order if r % 2 == 0 else order[::-1]:
+            first = WARMUP + r * STEPS_PER_ROUND
+            for ids in batches[first : first + STEPS_PER_ROUND]:
+                trainers[label].step(ids, timed=True)
+    return {label: t.result() for label, t in trainers.items()}
 
 
 def _graph_breaks(model, ids) -> int:
@@ -134,13 +167,10 @@ def main() -> None:
                 "kbuild": _graph_breaks(swapped, batches[0]),
             }
         for mode in modes:
-            row = {}
-            for label, model in (("stock", stock), ("kbuild", swapped)):
-                t0 = time.perf_counter()
-                ms, losses = _train(copy.deepcopy(model), batches, mode)
-                row[label] = {"ms_per_step": round(ms, 3), "losses": losses,
-                              "wall_s": round(time.perf_counter() - t0, 1)}  # fmt: skip
-                torch._dynamo.reset()
+            row = _train_interleaved(
+                {"stock": copy.deepcopy(stock), "kbuild": copy.deepcopy(swapped)}, batches, mode
+            )
+            torch._dynamo.reset()
             row["speedup"] = round(row["stock"]["ms_per_step"] / row["kbuild"]["ms_per_step"], 3)
             pairs = zip(row["stock"]["losses"], row["kbuild"]["losses"], strict=True)
             diffs = [abs(a - b) for a, b in pairs]

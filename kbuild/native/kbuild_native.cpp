@@ -358,10 +358,17 @@ std::vector<Tensor> launch_persistent(const Key& key, const Tensor& like, int64_
     const Record& c = record(ck);
     uint64_t cs[NUM_SLOTS] = {};
     cs[PARTIAL] = base + plane_bytes * first;
-    for (int i = 0; i < planes; ++i) {
-      sums.push_back(at::empty({N}, like.options().dtype(dtype)));
-      cs[i == 0 ? OUT : OUT1] = ptr(sums.back());
+    // Two planes (dw and db of one dtype): one allocation, a row each (an allocation costs
+    // more host time than a view).
+    auto options = like.options().dtype(dtype);
+    size_t first_sum = sums.size();
+    if (planes == 1) {
+      sums.push_back(at::empty({N}, options));
+    } else {
+      Tensor both = at::empty({planes, N}, options);
+      for (int i = 0; i < planes; ++i) sums.push_back(both.select(0, i));
     }
+    for (int i = 0; i < planes; ++i) cs[i == 0 ? OUT : OUT1] = ptr(sums[first_sum + i]);
     cs[PARTIAL_ROWS] = static_cast<uint64_t>(rows);
     launch(c, planes * ceil_div(N, c.columns_per_block), cs, stream, key.device);
   };
