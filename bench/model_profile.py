@@ -173,7 +173,7 @@ def main() -> None:
             )
         for k in r["kernels"][:12]:
             print(f"  {k['us_per_step']:10.1f} us {k['per_step']:7.1f}x  {k['name'][:100]}")
-    with open(os.path.join(args.out_dir, f"profile_{args.model}.json"), "w") as f:
+    with open(os.path.join(args.out_dir, f"profile_{args.model}_{batch}x{seq}.json"), "w") as f:
         json.dump(result, f, indent=1)
 
 

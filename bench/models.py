@@ -148,14 +148,19 @@ def main() -> None:
     parser.add_argument("--models", default="", help="comma-separated names (default: all)")
     parser.add_argument("--modes", default="", help="comma-separated; default: each model's")
     parser.add_argument("--no-explain", action="store_true", help="skip graph-break counts")
+    parser.add_argument("--batch", default="", help="B,T for every model instead of its own")
     args = parser.parse_args()
     os.makedirs(args.out_dir, exist_ok=True)
-    path = os.path.join(args.out_dir, "models.json")
+    path = os.path.join(
+        args.out_dir, f"models{'_' + args.batch.replace(',', 'x') if args.batch else ''}.json"
+    )
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "models": {}}
     for name, (config, batch, seq, modes) in _configs().items():
         if args.models and name not in args.models.split(","):
             continue
         modes = args.modes.split(",") if args.modes else modes
+        if args.batch:  # e.g. 1,64: the GPU has almost nothing to do, steps show host time
+            batch, seq = (int(v) for v in args.batch.split(","))
         stock = _build(config)
         swapped = copy.deepcopy(stock)
         names = kbuild.nn.swap_norms(swapped)
