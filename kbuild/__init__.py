@@ -16,9 +16,14 @@ __version__ = "0.1.0"
 __all__ = [
     "FusedAddRMSNormFunction",
     "LayerNormFunction",
+    "LinearFunction",
     "RMSNormFunction",
+    "bias_grad",
+    "encoder",
+    "encoder_backward",
     "fused_add_rmsnorm",
     "layernorm",
+    "linear",
     "nn",
     "rmsnorm",
 ]

@@ -268,7 +268,12 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument("--hidden", type=int, help="every kernel of a model of this width")
             p.add_argument("--dtype", default="bf16", choices=("bf16", "f16", "f32"))
             p.add_argument("--weight-dtype", choices=("bf16", "f16", "f32"))
-            p.add_argument("--ops", default="rmsnorm,fused_add_rmsnorm,layernorm")
+            p.add_argument(
+                "--ops",
+                default="rmsnorm,fused_add_rmsnorm,layernorm",
+                help="comma-separated, among rmsnorm, fused_add_rmsnorm, layernorm, encoder "
+                "(GPT-2's embedding) and linear (a GPT-2 block's bias gradients)",
+            )
             p.add_argument("--residual-fp32", action="store_true")
     p = sub.add_parser(
         "show",

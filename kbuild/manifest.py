@@ -10,7 +10,12 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from .kernels.table import (
+    BIAS_GRAD,
     COLUMN_SUM,
+    ENCODER_BWD_WPE,
+    ENCODER_BWD_WTE,
+    ENCODER_BWD_WTE_MERGE,
+    ENCODER_FWD,
     FUSED_ADD_RMSNORM_BWD,
     FUSED_ADD_RMSNORM_FWD,
     LAYERNORM_BWD,
@@ -27,6 +32,9 @@ rmsnorm_fwd_spec, rmsnorm_bwd_spec = RMSNORM_FWD.spec, RMSNORM_BWD.spec
 fused_add_rmsnorm_fwd_spec = FUSED_ADD_RMSNORM_FWD.spec
 fused_add_rmsnorm_bwd_spec = FUSED_ADD_RMSNORM_BWD.spec
 layernorm_fwd_spec, layernorm_bwd_spec = LAYERNORM_FWD.spec, LAYERNORM_BWD.spec
+encoder_fwd_spec, bias_grad_spec = ENCODER_FWD.spec, BIAS_GRAD.spec
+encoder_bwd_wte_spec, encoder_bwd_wpe_spec = ENCODER_BWD_WTE.spec, ENCODER_BWD_WPE.spec
+encoder_bwd_wte_merge_spec = ENCODER_BWD_WTE_MERGE.spec
 
 DTYPES = ("f32", "f16", "bf16")
 TEST_N = (1, 7, 127, 768, 1000, 4096, 5120, 8192, 12288, 16384, 65536)
@@ -40,6 +48,11 @@ STANDARD_N = (1024, 4096, 8192)
 
 
 TRAIN_N, TRAIN_DTYPE = 768, "f32"  # the small model trained eager vs torch.compile
+ENCODER_C = (768, 1024, 1600, 4095)  # GPT-2 small, medium, XL widths, and an odd one
+ENCODER_DTYPES = ("f32", "bf16")
+BIAS_OC = (768, 1001, 2304, 3072)  # GPT-2 small's c_proj, qkv and MLP widths, an odd one
+INDEX_DTYPES = ("i32", "i64")
+BENCH_C = (768, 1024, 1600)
 
 
 def weight_dtypes(dtype: str) -> tuple[str | None, ...]:
@@ -96,14 +109,31 @@ def _layernorm_family(
             yield column_sum_spec(N, param)
 
 
-WIDTH_OPS = ("rmsnorm", "fused_add_rmsnorm", "layernorm")
+def _encoder_family(C: int, dtype: str, index_dtypes=INDEX_DTYPES) -> Iterator[KernelSpec]:
+    """The encoder's forward and backward kernels (kbuild.encoder, its autograd, and
+    kbuild.encoder_backward, which adds to an existing dwpe)."""
+    for index in index_dtypes:
+        yield encoder_fwd_spec(C, dtype, index)
+        yield encoder_bwd_wte_spec(C, dtype, index)
+        yield encoder_bwd_wte_merge_spec(C, dtype, index)
+    for accumulate in (False, True):
+        yield encoder_bwd_wpe_spec(C, dtype, accumulate)
+
+
+def _bias_family(OC: int, dtype: str) -> Iterator[KernelSpec]:
+    yield bias_grad_spec(OC, dtype)
+    yield column_sum_spec(OC, dtype)
+
+
+WIDTH_OPS = ("rmsnorm", "fused_add_rmsnorm", "layernorm", "encoder", "linear")
+DEFAULT_WIDTH_OPS = WIDTH_OPS[:3]
 
 
 def for_width(
     hidden: int,
     dtype: str,
     weight_dtype: str | None = None,
-    ops: tuple[str, ...] = WIDTH_OPS,
+    ops: tuple[str, ...] = DEFAULT_WIDTH_OPS,
     rms_eps: float = 1e-6,
     ln_eps: float = 1e-5,
     residual_fp32: bool = False,
@@ -111,7 +141,9 @@ def for_width(
     """Every kernel a training and an inference step of a model of width `hidden` launch
     through `ops`: forwards with and without saved statistics, backwards (a frozen weight
     too), the dw/db reductions. `weight_dtype` defaults to `dtype`; LayerNorm's bias has the
-    weight's dtype; `residual_fp32` adds the fused form's fp32 residual stream."""
+    weight's dtype; `residual_fp32` adds the fused form's fp32 residual stream. "encoder":
+    GPT-2's embedding of width `hidden` (int32 and int64 ids); "linear": the bias gradients
+    of a GPT-2 block's linears (widths hidden, 3 * hidden and 4 * hidden)."""
     unknown = set(ops) - set(WIDTH_OPS)
     if unknown:
         raise ValueError(f"ops must be among {WIDTH_OPS}; got {sorted(unknown)}")
@@ -124,6 +156,11 @@ def for_width(
             specs += _fused_family(hidden, dtype, w, residual, eps=rms_eps)
     if "layernorm" in ops:
         specs += _layernorm_family(hidden, dtype, w, w, eps=ln_eps)
+    if "encoder" in ops:
+        specs += _encoder_family(hidden, dtype)
+    if "linear" in ops:
+        for width in (hidden, 3 * hidden, 4 * hidden):
+            specs += _bias_family(width, dtype)
     return list(dict.fromkeys(specs))
 
 
@@ -140,6 +177,11 @@ def _tests() -> Iterator[KernelSpec]:
     yield from _layernorm_family(TRAIN_N, TRAIN_DTYPE, TRAIN_DTYPE, TRAIN_DTYPE)
     yield rmsnorm_fwd_spec(4096, "f32", "f32", False, 1e-2)
     yield rmsnorm_fwd_spec(4096, "bf16", "bf16", False, 1e-6, vectorize=False)
+    for dtype in ENCODER_DTYPES:
+        for C in ENCODER_C:
+            yield from _encoder_family(C, dtype)
+        for OC in BIAS_OC:
+            yield from _bias_family(OC, dtype)
 
 
 def _bench() -> Iterator[KernelSpec]:
@@ -148,6 +190,11 @@ def _bench() -> Iterator[KernelSpec]:
         yield from _fused_family(N, BENCH_DTYPE, BENCH_DTYPE, BENCH_DTYPE)
         yield from _layernorm_family(N, BENCH_DTYPE, BENCH_DTYPE, BENCH_DTYPE)
     yield from _rmsnorm_family(TINY_SHAPE[1], BENCH_DTYPE, BENCH_DTYPE, bench=True)
+    for C in BENCH_C:
+        yield from _encoder_family(C, BENCH_DTYPE, ("i64",))
+        yield from _bias_family(C, BENCH_DTYPE)
+    # examples/train_gpt2.py (GPT-2 124M shape, bf16): its layers' widths
+    yield from for_width(768, BENCH_DTYPE, ops=WIDTH_OPS)
 
 
 def _tune() -> Iterator[KernelSpec]:

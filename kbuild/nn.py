@@ -1,4 +1,5 @@
-"""Drop-in replacements for torch.nn.RMSNorm and torch.nn.LayerNorm on kbuild's kernels.
+"""Drop-in replacements for torch.nn.RMSNorm and torch.nn.LayerNorm on kbuild's kernels, and
+GPT-2's layers from llm.c: `Linear` (kbuild's bias gradient) and `GPT2Embedding`.
 
 They subclass the torch modules, so constructor arguments, parameters, initialisation,
 state_dict keys and repr are torch's own: a checkpoint loads into either class unchanged.
@@ -18,7 +19,7 @@ from collections.abc import Callable
 import torch
 from torch.nn import Module
 
-from .ops import layernorm, rmsnorm
+from .ops import encoder, layernorm, linear, rmsnorm
 
 _FP32_EPS = torch.finfo(torch.float32).eps  # kbuild computes in fp32 whatever the I/O dtype
 
@@ -77,6 +78,36 @@ class LayerNorm(torch.nn.LayerNorm):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         _check_last_dim(self, x)
         return layernorm(x, self.weight, self.bias, self.eps)
+
+
+class Linear(torch.nn.Linear):
+    """torch.nn.Linear whose bias gradient is kbuild's deterministic column sum
+    (kbuild.linear); the matmuls are torch's."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
+
+class GPT2Embedding(Module):
+    """GPT-2's input layer: token embedding plus learned position embedding, by kbuild.encoder.
+
+    `wte` (num_embeddings, embedding_dim) and `wpe` (max_positions, embedding_dim) are
+    torch.nn.Embedding modules (GPT-2's names; tie `lm_head.weight = emb.wte.weight` as
+    usual). forward(tokens (B, T) int32/int64) -> (B, T, embedding_dim)."""
+
+    def __init__(
+        self, num_embeddings: int, max_positions: int, embedding_dim: int, device=None, dtype=None
+    ):
+        super().__init__()
+        self.wte = torch.nn.Embedding(num_embeddings, embedding_dim, device=device, dtype=dtype)
+        self.wpe = torch.nn.Embedding(max_positions, embedding_dim, device=device, dtype=dtype)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return encoder(tokens, self.wte.weight, self.wpe.weight)
+
+    def extra_repr(self) -> str:
+        (V, C), P = self.wte.weight.shape, self.wpe.weight.shape[0]
+        return f"num_embeddings={V}, max_positions={P}, embedding_dim={C}"
 
 
 # ---------------------------------------------------------------------------------------------

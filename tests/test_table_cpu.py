@@ -32,7 +32,7 @@ def test_registry_is_the_table():
     assert REGISTRY == {name: d.builder for name, d in KERNELS.items()}
     for name in KERNELS:
         assert callable(get_builder(name))  # the builder path resolves
-    with pytest.raises(ValueError, match="unknown kernel 'nope'; known: column_sum"):
+    with pytest.raises(ValueError, match="unknown kernel 'nope'; known: bias_grad, column_sum"):
         kernel_def("nope")
 
 
@@ -125,6 +125,9 @@ def _flag_combinations(kdef: KernelDef):
     """Every on/off choice of the kernel's optional arguments at N = 4096 bf16."""
     choices = {
         "N": [4096],
+        "C": [4096],
+        "OC": [4096],
+        "index_dtype": ["i32", "i64"],
         "dtype": ["bf16"],
         "weight_dtype": ["bf16", None],
         "bias_dtype": ["f32", None],

@@ -5,7 +5,7 @@ helper here branches on the vendor. Importing this package imports MLIR, so only
 compiler and the kernel builders do.
 """
 
-from .control import if_else, if_then, loop
+from .control import if_else, if_then, loop, while_loop
 from .kernel import Kernel
 from .memory import (
     atomic_add,
@@ -23,11 +23,13 @@ from .values import (
     cast,
     const,
     element_bytes,
+    eq,
     hsum,
     i32,
     i64,
     join,
     minimum,
+    ne,
     opaque,
     rewiden,
     rsqrt,
@@ -47,6 +49,7 @@ __all__ = [
     "copy_async",
     "const",
     "element_bytes",
+    "eq",
     "get_llvm_ptr",
     "group_reduce",
     "hsum",
@@ -58,6 +61,7 @@ __all__ = [
     "load",
     "loop",
     "minimum",
+    "ne",
     "opaque",
     "prefetch_l2",
     "rewiden",
@@ -69,4 +73,5 @@ __all__ = [
     "store",
     "to_f32",
     "wait_async",
+    "while_loop",
 ]

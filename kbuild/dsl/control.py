@@ -49,3 +49,25 @@ def loop(
         out = body(index, [V(a) for a in op.inner_iter_args])
         scf.YieldOp([v.value for v in out])
     return [V(r) for r in op.results]
+
+
+def while_loop(
+    carried: Sequence[V],
+    cond: Callable[[list[V]], V],
+    body: Callable[[list[V]], Sequence[V]],
+) -> list[V]:
+    """while cond(carried): carried = body(carried); returns the carried values at exit.
+
+    For loops whose trip count is data (a run of equal token ids): `cond` and `body` see the
+    current values; `body` returns the next ones, of the same types."""
+    types = [c.type for c in carried]
+    op = scf.WhileOp(types, [c.value for c in carried])
+    before = op.before.blocks.append(*types)
+    with ir.InsertionPoint(before):
+        args = [V(a) for a in before.arguments]
+        scf.ConditionOp(cond(args).value, [a.value for a in args])
+    after = op.after.blocks.append(*types)
+    with ir.InsertionPoint(after):
+        out = body([V(a) for a in after.arguments])
+        scf.YieldOp([v.value for v in out])
+    return [V(r) for r in op.results]

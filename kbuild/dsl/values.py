@@ -148,6 +148,14 @@ class V:
         a, b = self._coerce(o)
         return V(arith.andi(a, b))
 
+    def __or__(self, o):
+        a, b = self._coerce(o)
+        return V(arith.ori(a, b))
+
+    def __invert__(self) -> V:
+        """Logical not of a flag (i1); bitwise not of other integers."""
+        return V(arith.xori(self.value, const(-1, self.type).value))
+
     __hash__ = None  # comparisons build IR, so values are not dict keys
 
 
@@ -232,6 +240,15 @@ def opaque(v: V) -> V:
     if isinstance(t, ir.VectorType):
         return V(vector.bitcast(t, out))
     return V(vector.extract(vector.bitcast(ir.VectorType.get([1], t), out), [], [0]))
+
+
+def eq(a: V, b: V | int | float) -> V:
+    """a == b as a flag (V keeps Python's == for identity: values sit in lists)."""
+    return a._compare(b, "OEQ", "eq")
+
+
+def ne(a: V, b: V | int | float) -> V:
+    return a._compare(b, "UNE", "ne")
 
 
 def i64(v: V | int) -> V:

@@ -1,5 +1,6 @@
-"""Column sums of a [R, N] fp32 workspace, in a fixed order: the second pass of every
-deterministic parameter gradient (dweight, dbias).
+"""Column sums in a fixed order: the second pass of every deterministic parameter gradient
+(a norm's dweight and dbias, from the backward's fp32 partial rows), and a linear layer's
+bias gradient (both passes: dout's row chunks into partial rows, then those rows).
 
     out[j] = cast(sum(partial[r, j] for r in range(R)), out_dtype)
 
@@ -11,7 +12,20 @@ run (no atomics). Bytes: read R * N * 4 (mostly from L2), write N elements.
 
 from __future__ import annotations
 
-from ..dsl import Kernel, V, const, get_llvm_ptr, if_else, if_then, load, loop, store
+from ..dsl import (
+    Kernel,
+    V,
+    const,
+    element_bytes,
+    get_llvm_ptr,
+    if_else,
+    if_then,
+    load,
+    loop,
+    minimum,
+    store,
+    to_f32,
+)
 from ..dsl.values import cast, vector_type
 from ..targets import Target
 
@@ -28,6 +42,57 @@ def row_lanes(N: int) -> int:
     return 32 if N < LONG_ROWS else 8
 
 
+def _sum_columns(
+    k: Kernel,
+    src: V,
+    dtype: str,
+    vec: int,
+    N: int,
+    lanes: int,
+    row_begin: V,
+    row_end: V,
+    first_vector: V,
+) -> tuple[V, V, V]:
+    """The one column reduction: thread (column vector c, lane l) of a block adds rows
+    row_begin + l, + lanes, ... < row_end of the `vec` columns at vector first_vector + c of
+    a row-major [*, N] `dtype` array, in ascending row order (UNROLL loads in flight, fp32
+    sums), then lane 0 adds the lanes' sums in lane order. So every bit of the result
+    depends only on the launch shape, never on timing. Returns (the fp32 sums, valid on
+    `is_first_lane`; the first column; is_first_lane & the column in range)."""
+    column_vectors = k.block // lanes
+    tid = k.thread_id()
+    column_vector, lane = tid % column_vectors, tid / column_vectors
+    col = (first_vector + column_vector) * vec
+    in_range = col < N
+    acc_type = vector_type("f32", vec) if vec > 1 else "f32"
+    zero = const(0.0, acc_type)
+
+    def row_value(r: V) -> V:
+        ok = (r < row_end) & in_range
+        return if_else(
+            ok,
+            lambda: to_f32(load(get_llvm_ptr(src, r * N + col, dtype), dtype, vec)),
+            lambda: zero,
+        )
+
+    def step(r0: V, acc: list[V]) -> list[V]:
+        values = [row_value(r0 + u * lanes) for u in range(UNROLL)]
+        total = acc[0]
+        for v in values:  # ascending row order within this lane
+            total = total + v
+        return [total]
+
+    (acc,) = loop(row_begin + lane, row_end, const(lanes * UNROLL, "i64"), [zero], step)
+    slots = k.shared(k.block * vec)
+    store(acc, get_llvm_ptr(slots, tid * vec, "f32"))
+    k.barrier()
+    total = load(get_llvm_ptr(slots, column_vector * vec, "f32"), "f32", vec)
+    for other in range(1, lanes):
+        offset = (column_vector + other * column_vectors) * vec
+        total = total + load(get_llvm_ptr(slots, offset, "f32"), "f32", vec)
+    return total, col, (lane < 1) & in_range
+
+
 def build_column_sum_module(N: int, out_dtype: str, target: Target, planes: int = 1) -> Kernel:
     """Launch arguments: partial (fp32 [planes, R, N]), out ([N] of `out_dtype`), then with
     two planes out1 (the second plane's sums), R. Grid: planes * ceil(N / columns_per_block).
@@ -39,47 +104,20 @@ def build_column_sum_module(N: int, out_dtype: str, target: Target, planes: int 
     vec = 4 if N % 4 == 0 else 1
     lanes = row_lanes(N)
     column_vectors = BLOCK // lanes  # vectors of columns per block
-    block = BLOCK
     blocks_per_plane = -(-N // (column_vectors * vec))
-    with Kernel("column_sum", target, block) as k:
+    with Kernel("column_sum", target, BLOCK) as k:
         base, outs = k.ptr("partial"), [k.ptr("out")]
         if planes == 2:
             outs.append(k.ptr("out1"))
         rows = k.i64("R")
-        tid = k.thread_id()
-        column_vector, lane = tid % column_vectors, tid / column_vectors
         plane = k.block_id() / blocks_per_plane if planes > 1 else const(0, "i64")
         block_in_plane = k.block_id() % blocks_per_plane if planes > 1 else k.block_id()
         partial = get_llvm_ptr(base, plane * rows * N, "f32") if planes > 1 else base
-        col = (block_in_plane * column_vectors + column_vector) * vec
-        in_range = col < N
-        zero = const(0.0, vector_type("f32", vec) if vec > 1 else "f32")
+        total, col, writes = _sum_columns(
+            k, partial, "f32", vec, N, lanes, const(0, "i64"), rows, block_in_plane * column_vectors
+        )
 
-        def row_value(r: V) -> V:
-            ok = (r < rows) & in_range
-            return if_else(
-                ok,
-                lambda: load(get_llvm_ptr(partial, r * N + col, "f32"), "f32", vec),
-                lambda: zero,
-            )
-
-        def step(r0: V, acc: list[V]) -> list[V]:
-            values = [row_value(r0 + u * lanes) for u in range(UNROLL)]
-            total = acc[0]
-            for v in values:  # ascending row order within this lane
-                total = total + v
-            return [total]
-
-        (acc,) = loop(lane, rows, const(lanes * UNROLL, "i64"), [zero], step)
-        slots = k.shared(block * vec)
-        store(acc, get_llvm_ptr(slots, tid * vec, "f32"))
-        k.barrier()
-
-        def combine() -> None:
-            total = load(get_llvm_ptr(slots, column_vector * vec, "f32"), "f32", vec)
-            for other in range(1, lanes):
-                offset = (column_vector + other * column_vectors) * vec
-                total = total + load(get_llvm_ptr(slots, offset, "f32"), "f32", vec)
+        def finish() -> None:
             value = cast(total, out_dtype)
             if planes == 1:
                 store(value, get_llvm_ptr(outs[0], col, out_dtype), aligned=vec > 1)
@@ -88,6 +126,38 @@ def build_column_sum_module(N: int, out_dtype: str, target: Target, planes: int 
                 ptr = get_llvm_ptr(out, col, out_dtype)
                 if_then(mine, lambda v=value, q=ptr: store(v, q, aligned=vec > 1))
 
-        if_then((lane < 1) & in_range, combine)
+        if_then(writes, finish)
         k.meta.update(columns_per_block=column_vectors * vec, grid="columns", planes=planes)
+    return k
+
+
+BIAS_LANES = 8  # threads splitting one chunk's rows: a block covers 32 column vectors
+
+
+def build_bias_grad_module(OC: int, dtype: str, target: Target, vectorize: bool = True) -> Kernel:
+    """The first pass of dbias[o] = sum over rows of dout[:, o] (a linear layer's bias
+    gradient; dout is [M, OC] in `dtype`): block (chunk c, column block j) adds rows
+    [c * rows_per_chunk, min(M, (c + 1) * rows_per_chunk)) of its columns into fp32
+    partial[c, :]. The column-sum kernel then adds the chunks' rows into dbias in the bias
+    dtype (same reduction, same fixed order), so dbias is bitwise the same on every run of
+    one shape on one device. Bytes: read M * OC once; the partials are chunks * OC * 4 (L2).
+
+    Launch arguments: dout, partial (fp32 [chunks, OC]), M, rows_per_chunk.
+    Grid: chunks * ceil(OC / columns_per_block). `vectorize`: 16-byte loads (OC a multiple
+    of 16 / element size, 16-byte aligned dout)."""
+    vec = 16 // element_bytes(dtype) if vectorize else 1
+    column_vectors = BLOCK // BIAS_LANES
+    blocks_per_chunk = -(-OC // (column_vectors * vec))
+    with Kernel("bias_grad", target, BLOCK) as k:
+        dout, partial = k.ptr("dout"), k.ptr("partial")
+        rows, per_chunk = k.i64("M"), k.i64("rows_per_chunk")
+        chunk = k.block_id() / blocks_per_chunk
+        first = chunk * per_chunk
+        end = minimum(first + per_chunk, rows)
+        total, col, writes = _sum_columns(
+            k, dout, dtype, vec, OC, BIAS_LANES, first, end,
+            (k.block_id() % blocks_per_chunk) * column_vectors,
+        )  # fmt: skip
+        if_then(writes, lambda: store(total, get_llvm_ptr(partial, chunk * OC + col, "f32")))
+        k.meta.update(columns_per_block=column_vectors * vec, grid="chunks")
     return k

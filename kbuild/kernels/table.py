@@ -26,7 +26,8 @@ from ..dtypes import ELEMENT_BYTES, FLOAT_DTYPES
 from ..spec import KernelSpec, Scalar
 
 _REQUIRED = object()
-_KINDS = {"int", "float", "bool", "dtype", "dtype?"}
+_KINDS = {"int", "float", "bool", "dtype", "dtype?", "index"}
+INDEX_DTYPES = ("i32", "i64")
 
 
 @dataclass(frozen=True)
@@ -52,9 +53,14 @@ class Param:
             "bool": isinstance(value, bool),
             "dtype": value in FLOAT_DTYPES,
             "dtype?": value is None or value in FLOAT_DTYPES,
+            "index": value in INDEX_DTYPES,
         }[self.kind]
         if not ok:
-            expected = {"dtype": f"one of {FLOAT_DTYPES}", "dtype?": f"None or {FLOAT_DTYPES}"}
+            expected = {
+                "dtype": f"one of {FLOAT_DTYPES}",
+                "dtype?": f"None or {FLOAT_DTYPES}",
+                "index": f"one of {INDEX_DTYPES}",
+            }
             raise TypeError(
                 f"{kernel}: {self.name} must be {expected.get(self.kind, self.kind)}, got {value!r}"
             )
@@ -114,9 +120,9 @@ class KernelDef:
         for p in self.params:  # the rules, after every value is known
             if p.needs is not None and bound[p.needs] is None:
                 bound[p.name] = False
-            if p.vectors_of and bound[p.name]:
+            if p.vectors_of and bound[p.name]:  # the row width is the first parameter
                 widest = max(ELEMENT_BYTES[bound[d]] for d in p.vectors_of)
-                bound[p.name] = bound["N"] % (16 // widest) == 0
+                bound[p.name] = bound[self.params[0].name] % (16 // widest) == 0
             if not p.keyed and bound[p.name] == p.default:
                 del bound[p.name]
         return KernelSpec.make(self.name, **bound)
@@ -282,6 +288,54 @@ COLUMN_SUM = KernelDef(
     ),
 )
 
+BIAS_GRAD = KernelDef(
+    "bias_grad",
+    "kbuild.kernels.reduce:build_bias_grad_module",
+    (Param("OC", "int"), _DTYPE, _vectorize("dtype")),
+    (Arg("dout"), Arg("partial"), _M, Arg("rows_per_chunk", "i64")),
+)
+_C, _INDEX = Param("C", "int"), Param("index_dtype", "index")
+ENCODER_FWD = KernelDef(
+    "encoder_fwd",
+    "kbuild.kernels.encoder:build_encoder_fwd_module",
+    (_C, _DTYPE, _INDEX, _vectorize("dtype")),
+    (
+        Arg("tokens"),
+        Arg("wte"),
+        Arg("wpe"),
+        Arg("out"),
+        Arg("V", "i64"),
+        Arg("T", "i64"),
+        _M,
+    ),
+)
+ENCODER_BWD_WPE = KernelDef(
+    "encoder_bwd_wpe",
+    "kbuild.kernels.encoder:build_encoder_bwd_wpe_module",
+    (_C, _DTYPE, Param("accumulate", "bool"), _vectorize("dtype")),
+    (Arg("dout"), Arg("dwpe"), Arg("B", "i64"), Arg("T", "i64")),
+)
+ENCODER_BWD_WTE = KernelDef(
+    "encoder_bwd_wte",
+    "kbuild.kernels.encoder:build_encoder_bwd_wte_module",
+    (_C, _DTYPE, _INDEX, _vectorize("dtype")),
+    (
+        Arg("sorted_ids"),
+        Arg("order"),
+        Arg("dout"),
+        Arg("dwte"),
+        Arg("partial"),
+        Arg("V", "i64"),
+        _M,
+    ),
+)
+ENCODER_BWD_WTE_MERGE = KernelDef(
+    "encoder_bwd_wte_merge",
+    "kbuild.kernels.encoder:build_encoder_bwd_wte_merge_module",
+    (_C, _DTYPE, _INDEX, _vectorize("dtype")),
+    (Arg("sorted_ids"), Arg("partial"), Arg("dwte"), Arg("V", "i64"), _M),
+)
+
 KERNELS: dict[str, KernelDef] = {
     d.name: d
     for d in (
@@ -292,6 +346,11 @@ KERNELS: dict[str, KernelDef] = {
         FUSED_ADD_RMSNORM_BWD,
         LAYERNORM_BWD,
         COLUMN_SUM,
+        BIAS_GRAD,
+        ENCODER_FWD,
+        ENCODER_BWD_WPE,
+        ENCODER_BWD_WTE,
+        ENCODER_BWD_WTE_MERGE,
     )
 }
 

@@ -2,12 +2,18 @@
 
 from .api import fused_add_rmsnorm, layernorm, rmsnorm
 from .autograd import FusedAddRMSNormFunction, LayerNormFunction, RMSNormFunction
+from .llmc import LinearFunction, bias_grad, encoder, encoder_backward, linear
 
 __all__ = [
     "FusedAddRMSNormFunction",
     "LayerNormFunction",
+    "LinearFunction",
     "RMSNormFunction",
+    "bias_grad",
+    "encoder",
+    "encoder_backward",
     "fused_add_rmsnorm",
     "layernorm",
+    "linear",
     "rmsnorm",
 ]

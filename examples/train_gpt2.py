@@ -1,0 +1,187 @@
+"""Train a GPT-2 whose embedding, norms and linears are kbuild's, beside the same model on
+torch's modules: same initial weights, same batches, loss and tokens/s of both.
+
+    python examples/train_gpt2.py                      # GPU: GPT-2 124M shape, bf16
+    python examples/train_gpt2.py --model tiny --steps 50 --device cpu   # anywhere, slowly
+
+The corpus needs no download: the bytes of the Python standard library's own source files
+(byte-level tokens, ids 0-255 of GPT-2's vocabulary padded to 50304 entries). The model is
+GPT-2 in plain PyTorch: kbuild.nn.GPT2Embedding (wte + wpe, deterministic backward),
+kbuild.nn.LayerNorm, kbuild.nn.Linear (kbuild's bias gradient), torch's attention
+(scaled_dot_product_attention) and an output projection tied to wte. `--impl torch` swaps
+in torch.nn.Embedding, LayerNorm and Linear; `--impl both` (the default) trains both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import math
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import kbuild.nn  # noqa: E402
+
+MODELS = {  # name: (layers, heads, width, sequence length)
+    "gpt2-124m": (12, 12, 768, 1024),
+    "tiny": (2, 4, 128, 64),
+}
+VOCAB = 50304  # GPT-2's 50257, padded to a multiple of 128 as llm.c does
+
+
+class TorchEmbedding(nn.Module):
+    """wte(tokens) + wpe(positions) in torch, with GPT2Embedding's parameter names."""
+
+    def __init__(self, vocab: int, positions: int, width: int):
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(vocab, width), nn.Embedding(positions, width)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.wte(tokens) + self.wpe.weight[: tokens.shape[1]]
+
+
+class Block(nn.Module):
+    def __init__(self, width: int, heads: int, norm, linear):
+        super().__init__()
+        self.heads = heads
+        self.ln_1, self.ln_2 = norm(width), norm(width)
+        self.qkv, self.attn_proj = linear(width, 3 * width), linear(width, width)
+        self.fc, self.mlp_proj = linear(width, 4 * width), linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.qkv(self.ln_1(x)).split(C, dim=-1)
+        q, k, v = (t.view(B, T, self.heads, C // self.heads).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.attn_proj(y.transpose(1, 2).reshape(B, T, C))
+        return x + self.mlp_proj(F.gelu(self.fc(self.ln_2(x)), approximate="tanh"))
+
+
+class GPT(nn.Module):
+    def __init__(self, layers: int, heads: int, width: int, positions: int, use_kbuild: bool):
+        super().__init__()
+        if use_kbuild:
+            embed, norm, linear = kbuild.nn.GPT2Embedding, kbuild.nn.LayerNorm, kbuild.nn.Linear
+        else:
+            embed, norm, linear = TorchEmbedding, nn.LayerNorm, nn.Linear
+        self.embed = embed(VOCAB, positions, width)
+        self.blocks = nn.ModuleList(Block(width, heads, norm, linear) for _ in range(layers))
+        self.ln_f = norm(width)
+        self.lm_head = nn.Linear(width, VOCAB, bias=False)
+        self.lm_head.weight = self.embed.wte.weight  # tied, as in GPT-2
+
+    def init_weights(self, layers: int) -> None:
+        """GPT-2's: normal(0, 0.02), residual projections scaled by 1/sqrt(2 * layers)."""
+        for name, p in self.named_parameters():
+            if p.dim() == 1:  # norm weights 1, every bias 0
+                (nn.init.ones_ if name.endswith("weight") else nn.init.zeros_)(p)
+            else:
+                std = 0.02 / math.sqrt(2 * layers) if name.endswith("proj.weight") else 0.02
+                nn.init.normal_(p, 0.0, std)
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.lm_head(self.ln_f(x))
+        return F.cross_entropy(logits.float().view(-1, VOCAB), targets.reshape(-1))
+
+
+def corpus(nbytes: int) -> torch.Tensor:
+    """Byte tokens of the standard library's .py files, in a fixed (sorted) order."""
+    data = bytearray()
+    for path in sorted(glob.glob(os.path.join(os.path.dirname(os.__file__), "*.py"))):
+        with open(path, "rb") as f:
+            data += f.read()
+        if len(data) >= nbytes:
+            break
+    return torch.frombuffer(bytearray(data[:nbytes]), dtype=torch.uint8).long()
+
+
+def batches(data: torch.Tensor, steps: int, B: int, T: int, device) -> list:
+    g = torch.Generator().manual_seed(0)
+    starts = torch.randint(0, len(data) - T - 1, (steps, B), generator=g)
+    out = []
+    for row in starts:
+        chunk = torch.stack([data[s : s + T + 1] for s in row.tolist()])
+        out.append((chunk[:, :-1].to(device), chunk[:, 1:].to(device)))
+    return out
+
+
+def train(model: GPT, data: list, lr: float, compile_model: bool, log_every: int, label: str):
+    """(losses, seconds per step after the first five steps)."""
+    on_gpu = next(model.parameters()).is_cuda
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1, fused=on_gpu)
+    forward = torch.compile(model) if compile_model else model
+    losses, times = [], []
+    for step, (x, y) in enumerate(data):
+        t0 = time.perf_counter()
+        for group in opt.param_groups:  # linear warm-up over the first 10% of the steps
+            group["lr"] = lr * min(1.0, (step + 1) / max(1, len(data) // 10))
+        loss = forward(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.detach())
+        if on_gpu:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+        if step % log_every == 0 or step == len(data) - 1:
+            print(f"{label:7s} step {step:4d}  loss {losses[-1].item():.4f}", flush=True)
+    return [round(float(v), 5) for v in losses], times[min(5, len(times) - 1) :]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", choices=MODELS, default="gpt2-124m")
+    parser.add_argument("--impl", choices=("kbuild", "torch", "both"), default="both")
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--lr", type=float, default=6e-4)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--compile", action="store_true", help="torch.compile both models")
+    parser.add_argument("--log-every", type=int, default=25)
+    parser.add_argument("--json", help="write the losses and step times here")
+    args = parser.parse_args()
+    layers, heads, width, T = MODELS[args.model]
+    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+    data = batches(corpus(4 << 20), args.steps, args.batch, T, args.device)
+    torch.manual_seed(0)
+    reference = GPT(layers, heads, width, T, use_kbuild=False)
+    reference.init_weights(layers)
+    state = reference.state_dict()
+    impls = ("kbuild", "torch") if args.impl == "both" else (args.impl,)
+    results = {}
+    for impl in impls:
+        model = GPT(layers, heads, width, T, use_kbuild=impl == "kbuild")
+        model.load_state_dict(state)  # the same initial weights for both
+        model.to(device=args.device, dtype=dtype)
+        losses, times = train(model, data, args.lr, args.compile, args.log_every, impl)
+        step_s = statistics.median(times)
+        results[impl] = {"losses": losses, "ms_per_step": round(1e3 * step_s, 3),
+                         "tokens_per_s": round(args.batch * T / step_s)}  # fmt: skip
+        print(f"{impl}: {args.batch * T / step_s:,.0f} tokens/s ({1e3 * step_s:.1f} ms per "
+              f"step), final loss {losses[-1]:.4f}", flush=True)  # fmt: skip
+        del model
+    if len(results) == 2:
+        ours, theirs = results["kbuild"], results["torch"]
+        pairs = zip(ours["losses"], theirs["losses"], strict=True)
+        diff = max(abs(a - b) for a, b in pairs)
+        speed = ours["tokens_per_s"] / theirs["tokens_per_s"]
+        print(f"kbuild / torch: {speed:.3f}x tokens/s; largest loss difference {diff:.4f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,274 @@
+"""GPT-2's encoder (token + position embedding), forward and a deterministic backward.
+
+Forward, for every position (b, t) of the M = B * T tokens:
+
+    out[b, t, :] = wte[tokens[b, t], :] + wpe[t, :]            (fp32 add, out in wte's dtype)
+
+Bytes: read M ids, M * C of wte rows and M * C of wpe rows (wpe's T rows stay in L2 when
+B > 1), write M * C. An id outside [0, V) reads nothing: its row is NaN (visible, never an
+out-of-bounds read; the op documents it and checks on request).
+
+Backward, with dout [B, T, C]:
+
+    dwpe[t, :] += sum over b of dout[b, t, :]
+    dwte[v, :] += sum over the positions p with tokens[p] == v of dout[p, :]
+
+Both in fp32, in a fixed order, added to the existing gradient (GPT-2 ties wte to the output
+projection, whose matmul writes dwte first). dwte needs the positions of each id together:
+the op sorts the ids (stable, so equal ids keep ascending positions) and two kernels walk
+the sorted order in chunks of CHUNK positions:
+
+1. `encoder_bwd_wte`: block c takes sorted positions [c * CHUNK, (c + 1) * CHUNK). Each run of
+   one id inside the chunk is summed in position order. A run wholly inside the chunk is
+   added to dwte[v] right there (no other block sees v). A run that crosses the chunk's end
+   is one that this block owns: its sum goes to partial[c, 1]. The piece of a run that began
+   in an earlier chunk goes to partial[c, 0].
+2. `encoder_bwd_wte_merge`: the owner of each crossing run adds partial[c, 1] and the
+   following chunks' partial[., 0] in chunk order, then adds the total to dwte[v].
+
+No atomics, no ordering between blocks: dwte and dwpe are the same bits on every run (the
+sort is stable, so even the permutation is fixed). A frequent id costs its owner one fp32
+row per CHUNK of its positions, not one dout row each (llm.c's buckets serve the same end).
+"""
+
+from __future__ import annotations
+
+from ..dsl import (
+    Kernel,
+    V,
+    cast,
+    const,
+    element_bytes,
+    eq,
+    get_llvm_ptr,
+    if_then,
+    load,
+    loop,
+    minimum,
+    ne,
+    select,
+    store,
+    to_f32,
+    while_loop,
+)
+from ..dsl.values import vector_type
+from ..targets import Target
+
+CHUNK = 64  # sorted positions per block of the dwte pass
+UNROLL = 4  # positions whose loads are in flight at once in a dwte block
+MAX_BLOCK = 256
+
+
+def columns_layout(C: int, dtype: str, vectorize: bool) -> tuple[int, int, int]:
+    """(elements per access, threads per block, column groups per thread) for rows of C:
+    one thread per `vec` columns, at most MAX_BLOCK threads, the rest in groups."""
+    vec = 16 // element_bytes(dtype) if vectorize else 1
+    vectors = -(-C // vec)
+    block = min(MAX_BLOCK, -(-vectors // 32) * 32)
+    return vec, block, -(-vectors // block)
+
+
+class _Columns:
+    """One thread's column groups of a C-wide row: column index and in-range flag each."""
+
+    def __init__(self, k: Kernel, C: int, dtype: str, vectorize: bool):
+        self.vec, block, groups = columns_layout(C, dtype, vectorize)
+        tid = k.thread_id()
+        self.cols = [(tid + g * block) * self.vec for g in range(groups)]
+        self.C, self.dtype = C, dtype
+
+    def zero(self) -> V:
+        return const(0.0, vector_type("f32", self.vec) if self.vec > 1 else "f32")
+
+    def load(self, base: V, row: V, col: V, dtype: str | None = None) -> V:
+        """Row `row`'s vector at `col` of a [*, C] array, as fp32."""
+        dtype = dtype or self.dtype
+        return to_f32(load(get_llvm_ptr(base, row * self.C + col, dtype), dtype, self.vec))
+
+    def store(self, value: V, base: V, row: V, col: V, dtype: str | None = None) -> None:
+        dtype = dtype or self.dtype
+        store(cast(value, dtype), get_llvm_ptr(base, row * self.C + col, dtype))
+
+
+def build_encoder_fwd_module(
+    C: int, dtype: str, index_dtype: str, target: Target, vectorize: bool = True
+) -> Kernel:
+    """Launch arguments: tokens (M ids of `index_dtype`), wte ([V, C]), wpe ([>= T, C]), out
+    ([M, C]), V, T, M; all tensors of `dtype` but the ids. Grid: M blocks (one row each).
+    `vectorize`: 16-byte accesses (C a multiple of 16 / element size, aligned tensors)."""
+    with Kernel("encoder_fwd", target, columns_layout(C, dtype, vectorize)[1]) as k:
+        tokens, wte, wpe, out = (k.ptr(n) for n in ("tokens", "wte", "wpe", "out"))
+        vocab, T, _rows = k.i64("V"), k.i64("T"), k.i64("M")
+        cols = _Columns(k, C, dtype, vectorize)
+        row = k.block_id()
+        token = cast(load(get_llvm_ptr(tokens, row, index_dtype), index_dtype), "i64")
+        valid = (token >= 0) & (token < vocab)
+        safe = select(valid, token, const(0, "i64"))
+        t = row % T
+        nan = const(float("nan"), cols.zero().type)
+        for col in cols.cols:
+
+            def body(col=col) -> None:
+                value = cols.load(wte, safe, col) + cols.load(wpe, t, col)
+                cols.store(select(valid, value, nan), out, row, col)
+
+            if_then(col < C, body)
+        k.meta.update(grid="rows", rows_per_block=1)
+    return k
+
+
+def build_encoder_bwd_wpe_module(
+    C: int, dtype: str, target: Target, accumulate: bool = True, vectorize: bool = True
+) -> Kernel:
+    """dwpe[t, :] (+)= sum over b < B of dout[b * T + t, :], b ascending, fp32.
+    Launch arguments: dout ([B * T, C] of `dtype`), dwpe ([>= T, C] of `dtype`), B, T.
+    Grid: T blocks. `accumulate`: add to dwpe's values (else overwrite them)."""
+    with Kernel("encoder_bwd_wpe", target, columns_layout(C, dtype, vectorize)[1]) as k:
+        dout, dwpe = k.ptr("dout"), k.ptr("dwpe")
+        B, T = k.i64("B"), k.i64("T")
+        cols = _Columns(k, C, dtype, vectorize)
+        t = k.block_id()
+        for col in cols.cols:
+
+            def body(col=col) -> None:
+                def step(b: V, acc: list[V]) -> list[V]:
+                    return [acc[0] + cols.load(dout, b * T + t, col)]
+
+                (acc,) = loop(const(0, "i64"), B, const(1, "i64"), [cols.zero()], step)
+                if accumulate:
+                    acc = cols.load(dwpe, t, col) + acc
+                cols.store(acc, dwpe, t, col)
+
+            if_then(col < C, body)
+        k.meta.update(grid="positions")
+    return k
+
+
+def _chunk_bounds(chunk: V, rows: V) -> tuple[V, V]:
+    start = chunk * CHUNK
+    return start, minimum(start + CHUNK, rows)
+
+
+def _id_at(ids: V, index_dtype: str, p: V) -> V:
+    return cast(load(get_llvm_ptr(ids, p, index_dtype), index_dtype), "i64")
+
+
+def build_encoder_bwd_wte_module(
+    C: int, dtype: str, index_dtype: str, target: Target, vectorize: bool = True
+) -> Kernel:
+    """Pass 1 of dwte (see the module docstring). Launch arguments: sorted_ids (M ids of
+    `index_dtype`, ascending, stable), order (M int64 positions: sorted_ids[i] =
+    tokens[order[i]]), dout ([M, C]), dwte ([V, C], added to), partial (fp32 [chunks, 2, C]),
+    V, M. Grid: chunks = ceil(M / CHUNK)."""
+    with Kernel("encoder_bwd_wte", target, columns_layout(C, dtype, vectorize)[1]) as k:
+        ids, order, dout, dwte, partial = (
+            k.ptr(n) for n in ("sorted_ids", "order", "dout", "dwte", "partial")
+        )
+        vocab, rows = k.i64("V"), k.i64("M")
+        cols = _Columns(k, C, dtype, vectorize)
+        chunk = k.block_id()
+        start, end = _chunk_bounds(chunk, rows)
+        first_id = _id_at(ids, index_dtype, start)
+        # The run at the chunk's start began earlier; the run at its end goes on after it.
+        before = _id_at(ids, index_dtype, select(chunk > 0, start - 1, start))
+        began_earlier = (chunk > 0) & eq(before, first_id)
+        after = _id_at(ids, index_dtype, minimum(end, rows - 1))
+        goes_on = (end < rows) & eq(after, _id_at(ids, index_dtype, end - 1))
+
+        def flush(v: V, piece_start: V, piece_end: V, acc: V, col: V) -> None:
+            continued = eq(piece_start, start) & began_earlier
+            crossing = eq(piece_end, end) & goes_on
+            slot = select(continued, const(0, "i64"), const(1, "i64"))
+
+            def to_partial() -> None:
+                store(acc, get_llvm_ptr(partial, (chunk * 2 + slot) * C + col, "f32"))
+
+            def to_dwte() -> None:
+                cols.store(cols.load(dwte, v, col) + acc, dwte, v, col)
+
+            if_then(continued | crossing, to_partial)
+            if_then(~(continued | crossing) & (v >= 0) & (v < vocab), to_dwte)
+
+        for col in cols.cols:
+
+            def body(col=col) -> None:
+                def step(p: V, carried: list[V]) -> list[V]:
+                    # UNROLL positions' loads first (independent), then their sums in order.
+                    last = end - 1
+                    fetched = []
+                    for u in range(UNROLL):
+                        q = minimum(p + u, last)
+                        position = load(get_llvm_ptr(order, q, "i64"), "i64")
+                        fetched.append((p + u < end, q, _id_at(ids, index_dtype, q),
+                                        cols.load(dout, position, col)))  # fmt: skip
+                    v, piece_start, acc = carried
+                    for ok, q, token, row in fetched:
+                        new_piece = ok & ne(token, v)
+                        if_then(
+                            new_piece,
+                            lambda v=v, s=piece_start, q=q, a=acc: flush(v, s, q, a, col),
+                        )
+                        v = select(new_piece, token, v)
+                        piece_start = select(new_piece, q, piece_start)
+                        acc = select(ok, select(new_piece, row, acc + row), acc)
+                    return [v, piece_start, acc]
+
+                v, piece_start, acc = loop(
+                    start, end, const(UNROLL, "i64"), [first_id, start, cols.zero()], step
+                )
+                flush(v, piece_start, end, acc, col)
+
+            if_then(col < C, body)
+        k.meta.update(grid="chunks", chunk=CHUNK)
+    return k
+
+
+def build_encoder_bwd_wte_merge_module(
+    C: int, dtype: str, index_dtype: str, target: Target, vectorize: bool = True
+) -> Kernel:
+    """Pass 2 of dwte: the owner chunk of each run that crosses chunk ends adds its pieces
+    in chunk order and adds the sum to dwte. Launch arguments: sorted_ids, partial, dwte, V,
+    M (as pass 1). Grid: chunks."""
+    with Kernel("encoder_bwd_wte_merge", target, columns_layout(C, dtype, vectorize)[1]) as k:
+        ids, partial, dwte = k.ptr("sorted_ids"), k.ptr("partial"), k.ptr("dwte")
+        vocab, rows = k.i64("V"), k.i64("M")
+        cols = _Columns(k, C, dtype, vectorize)
+        chunk = k.block_id()
+        chunks = (rows + (CHUNK - 1)) / CHUNK
+        start, end = _chunk_bounds(chunk, rows)
+        v = _id_at(ids, index_dtype, end - 1)
+
+        def continues(c: V) -> V:
+            """The run of id v goes on past chunk c's end."""
+            _, c_end = _chunk_bounds(c, rows)
+            nxt = _id_at(ids, index_dtype, minimum(c_end, rows - 1))
+            return (c_end < rows) & eq(nxt, v)
+
+        # Owner: the run of the chunk's last id goes on, and it did not begin before this
+        # chunk (then an earlier chunk owns it).
+        whole_chunk = eq(_id_at(ids, index_dtype, start), v)
+        before = _id_at(ids, index_dtype, select(chunk > 0, start - 1, start))
+        began_earlier = (chunk > 0) & whole_chunk & eq(before, v)
+        owner = continues(chunk) & ~began_earlier & (v >= 0) & (v < vocab)
+        for col in cols.cols:
+
+            def body(col=col) -> None:
+                def piece(c: V, slot: int) -> V:
+                    ptr = get_llvm_ptr(partial, (c * 2 + slot) * C + col, "f32")
+                    return load(ptr, "f32", cols.vec)
+
+                def more(carried: list[V]) -> V:
+                    return carried[2] & (carried[0] < chunks)
+
+                def step(carried: list[V]) -> list[V]:
+                    c, acc, _ = carried
+                    _, c_end = _chunk_bounds(c, rows)
+                    whole = eq(_id_at(ids, index_dtype, c_end - 1), v)
+                    return [c + 1, acc + piece(c, 0), whole & continues(c)]
+
+                _, acc, _ = while_loop([chunk + 1, piece(chunk, 1), const(1, "i1")], more, step)
+                cols.store(cols.load(dwte, v, col) + acc, dwte, v, col)
+
+            if_then(owner & (col < C), body)
+        k.meta.update(grid="chunks", chunk=CHUNK)
+    return k

@@ -1,0 +1,291 @@
+"""llm.c's kernels as PyTorch functions: GPT-2's encoder and the linear layer's bias gradient.
+
+    out = kbuild.encoder(tokens, wte, wpe)      # (B, T, C) = wte[tokens] + wpe[:T]
+    y = kbuild.linear(x, weight, bias)          # x @ weight.T + bias; dbias by kbuild
+    db = kbuild.bias_grad(dout)                 # dout summed over every row, fp32 sums
+
+They are kbuild::* operators (schemas, CPU references, fakes and autograd here; the CUDA
+kernels launch from Python, ops/encoder.py), so they work eagerly, under
+torch.compile(fullgraph=True) and inside CUDA graphs, on CPU as on the GPU. The gradients of
+wte, wpe and bias are deterministic: bitwise the same on every run (no float atomics).
+
+Token ids are not range-checked on CUDA by default (a check reads every id back to the host,
+a synchronisation per call): an id outside [0, V) gives a NaN row in the forward and adds
+nothing in the backward, never an out-of-bounds access. `check_ids=True` checks them (and
+synchronises); CPU tensors are always checked.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .common import check_input, contiguous, device_guard
+from .encoder import (
+    INDEX_NAMES,
+    bias_grad_reference,
+    encoder_bwd,
+    encoder_bwd_reference,
+    encoder_fwd,
+    encoder_reference,
+)
+from .encoder import bias_grad as _bias_grad_launch
+
+_lib = torch.library.Library("kbuild", "FRAGMENT")
+_lib.define("encoder_fwd(Tensor tokens, Tensor wte, Tensor wpe) -> Tensor")
+_lib.define(
+    "encoder_bwd(Tensor dout, Tensor tokens, SymInt vocab, SymInt positions, bool need_wte, "
+    "bool need_wpe) -> (Tensor, Tensor)"
+)
+_lib.define("bias_grad(Tensor dout) -> Tensor")
+
+
+# ----------------------------------------------------------------------------- kernels
+
+
+def _encoder_fwd_cpu(tokens, wte, wpe):
+    return encoder_reference(tokens, wte, wpe)
+
+
+def _encoder_fwd_cuda(tokens, wte, wpe):
+    with device_guard(wte):
+        return encoder_fwd(tokens.contiguous(), wte.contiguous(), wpe.contiguous())
+
+
+def _encoder_bwd_cpu(dout, tokens, vocab, positions, need_wte, need_wpe):
+    dwte, dwpe = encoder_bwd_reference(dout, tokens, vocab, positions)
+    empty = dout.new_empty(0)
+    dwte = dwte.to(dout.dtype) if need_wte else empty
+    return dwte, (dwpe.to(dout.dtype) if need_wpe else empty)
+
+
+def _encoder_bwd_cuda(dout, tokens, vocab, positions, need_wte, need_wpe):
+    C = dout.shape[-1]
+    with device_guard(dout):
+        dout = dout.contiguous()
+        dwte = dwpe = None
+        if need_wte:  # every id's row is added to: untouched rows stay zero
+            dwte = torch.zeros(vocab, C, dtype=dout.dtype, device=dout.device)
+        if need_wpe:  # rows [0, T) are written whole, the rest are zero
+            dwpe = torch.empty(positions, C, dtype=dout.dtype, device=dout.device)
+            dwpe[tokens.shape[-1] :].zero_()
+        encoder_bwd(dout, tokens.contiguous(), dwte, dwpe, add_to_dwpe=False)
+    empty = dout.new_empty(0)
+    return (dwte if need_wte else empty), (dwpe if need_wpe else empty)
+
+
+def _bias_grad_cpu(dout):
+    return bias_grad_reference(dout)
+
+
+def _bias_grad_cuda(dout):
+    with device_guard(dout):
+        return _bias_grad_launch(contiguous(dout).view(-1, dout.shape[-1]))
+
+
+for _name, _cpu, _cuda in (
+    ("encoder_fwd", _encoder_fwd_cpu, _encoder_fwd_cuda),
+    ("encoder_bwd", _encoder_bwd_cpu, _encoder_bwd_cuda),
+    ("bias_grad", _bias_grad_cpu, _bias_grad_cuda),
+):
+    _lib.impl(_name, _cpu, "CPU")
+    _lib.impl(_name, _cuda, "CUDA")
+
+
+@torch.library.register_fake("kbuild::encoder_fwd", lib=_lib)
+def _(tokens, wte, wpe):
+    return wte.new_empty(*tokens.shape, wte.shape[1])
+
+
+@torch.library.register_fake("kbuild::encoder_bwd", lib=_lib)
+def _(dout, tokens, vocab, positions, need_wte, need_wpe):
+    C = dout.shape[-1]
+    return (
+        dout.new_empty(vocab, C) if need_wte else dout.new_empty(0),
+        dout.new_empty(positions, C) if need_wpe else dout.new_empty(0),
+    )
+
+
+@torch.library.register_fake("kbuild::bias_grad", lib=_lib)
+def _(dout):
+    return dout.new_empty(dout.shape[-1])
+
+
+encoder_fwd_op = torch.ops.kbuild.encoder_fwd.default
+encoder_bwd_op = torch.ops.kbuild.encoder_bwd.default
+bias_grad_op = torch.ops.kbuild.bias_grad.default
+
+
+def _encoder_setup(ctx, inputs, output):
+    tokens, wte, wpe = inputs
+    ctx.save_for_backward(tokens)
+    ctx.vocab, ctx.positions = wte.shape[0], wpe.shape[0]
+
+
+def _encoder_backward(ctx, dout):
+    (tokens,) = ctx.saved_tensors
+    need_wte, need_wpe = ctx.needs_input_grad[1], ctx.needs_input_grad[2]
+    dwte, dwpe = encoder_bwd_op(dout, tokens, ctx.vocab, ctx.positions, need_wte, need_wpe)
+    return None, (dwte if need_wte else None), (dwpe if need_wpe else None)
+
+
+torch.library.register_autograd(
+    "kbuild::encoder_fwd", _encoder_backward, setup_context=_encoder_setup, lib=_lib
+)
+
+
+# ----------------------------------------------------------------------------- checks
+
+
+def _check_tokens(tokens: object) -> torch.Tensor:
+    if not isinstance(tokens, torch.Tensor):
+        raise TypeError(f"tokens must be a torch.Tensor, got {type(tokens).__name__}")
+    if tokens.dtype not in INDEX_NAMES:
+        raise TypeError(f"tokens must be torch.int32 or torch.int64 ids; got {tokens.dtype}")
+    if tokens.dim() != 2:
+        raise ValueError(f"tokens must be (B, T); got shape {tuple(tokens.shape)}")
+    return tokens
+
+
+def _check_table(name: str, t: object, what: str) -> torch.Tensor:
+    check_input(name, t)
+    if t.dim() != 2:
+        raise ValueError(f"{name} must be 2-D ({what}, C); got shape {tuple(t.shape)}")
+    return t
+
+
+def check_encoder_args(tokens, wte, wpe, check_ids: bool) -> None:
+    _check_tokens(tokens)
+    _check_table("wte", wte, "vocab_size")
+    _check_table("wpe", wpe, "max_positions")
+    if wpe.dtype != wte.dtype:
+        raise TypeError(f"wpe must have wte's dtype ({wte.dtype}); got {wpe.dtype}")
+    if wpe.shape[1] != wte.shape[1]:
+        raise ValueError(
+            f"wpe must have wte's embedding dim C = {wte.shape[1]}; got {wpe.shape[1]}"
+        )
+    for name, t in (("wte", wte), ("wpe", wpe)):
+        if t.device != tokens.device:
+            raise ValueError(f"{name} must be on tokens' device {tokens.device}; got {t.device}")
+    T = tokens.shape[1]
+    if T > wpe.shape[0]:
+        raise ValueError(
+            f"sequence length T = {T} exceeds wpe's {wpe.shape[0]} positions (max_positions)"
+        )
+    if (check_ids or not tokens.is_cuda) and tokens.numel() and not torch.compiler.is_compiling():
+        low, high = int(tokens.min()), int(tokens.max())
+        if low < 0 or high >= wte.shape[0]:
+            bad = low if low < 0 else high
+            raise ValueError(f"tokens must be ids in [0, {wte.shape[0]}) (wte's rows); got {bad}")
+
+
+# ----------------------------------------------------------------------------- public
+
+
+def encoder(
+    tokens: torch.Tensor, wte: torch.Tensor, wpe: torch.Tensor, check_ids: bool = False
+) -> torch.Tensor:
+    """GPT-2's token + position embedding: out[b, t] = wte[tokens[b, t]] + wpe[t].
+
+    tokens: (B, T) int32 or int64 ids; wte: (V, C) and wpe: (max_positions >= T, C), one
+    float dtype, on tokens' device. Returns (B, T, C) in wte's dtype (the sum taken in fp32).
+    Differentiable in wte and wpe, deterministically. `check_ids`: check on CUDA that every
+    id is in [0, V) (reads them back: a synchronisation); unchecked, a bad id gives a NaN row.
+    """
+    check_encoder_args(tokens, wte, wpe, check_ids)
+    return encoder_fwd_op(tokens, wte, wpe)
+
+
+def encoder_backward(
+    dout: torch.Tensor,
+    tokens: torch.Tensor,
+    dwte: torch.Tensor | None = None,
+    dwpe: torch.Tensor | None = None,
+) -> None:
+    """Add the encoder's gradients into existing ones, in place: dwte[v] += the sum of
+    dout[b, t] over the positions where tokens[b, t] == v, dwpe[t] += the sum over b of
+    dout[b, t]. For a hand-written training loop whose wte gradient already holds the tied
+    output projection's part (GPT-2): no second (V, C) tensor and no add. Deterministic."""
+    _check_tokens(tokens)
+    check_input("dout", dout)
+    B, T = tokens.shape
+    if dout.dim() != 3 or dout.shape[:2] != (B, T):
+        raise ValueError(f"dout must be (B, T, C) = ({B}, {T}, C); got {tuple(dout.shape)}")
+    C = dout.shape[2]
+    for name, g in (("dwte", dwte), ("dwpe", dwpe)):
+        if g is None:
+            continue
+        check_input(name, g)
+        if g.dim() != 2 or g.shape[1] != C or g.dtype != dout.dtype or g.device != dout.device:
+            raise ValueError(
+                f"{name} must be a contiguous (rows, {C}) tensor of dout's dtype and device; "
+                f"got {tuple(g.shape)} {g.dtype} on {g.device}"
+            )
+        if not g.is_contiguous():
+            raise ValueError(f"{name} must be contiguous (it is written in place)")
+    if dwpe is not None and dwpe.shape[0] < T:
+        raise ValueError(f"dwpe has {dwpe.shape[0]} rows, fewer than T = {T}")
+    if not dout.is_cuda:
+        V = dwte.shape[0] if dwte is not None else int(tokens.max()) + 1
+        gte, gpe = encoder_bwd_reference(dout, tokens, V, T)
+        if dwte is not None:
+            dwte.add_(gte.to(dwte.dtype))
+        if dwpe is not None:
+            dwpe[:T].add_(gpe.to(dwpe.dtype))
+        return
+    with device_guard(dout):
+        encoder_bwd(contiguous(dout), contiguous(tokens), dwte, dwpe, add_to_dwpe=True)
+
+
+def bias_grad(dout: torch.Tensor) -> torch.Tensor:
+    """dbias = dout summed over every dimension but the last, in dout's dtype, from fp32 sums
+    in a fixed order (bitwise the same on every run)."""
+    check_input("dout", dout)
+    return bias_grad_op(dout)
+
+
+class LinearFunction(torch.autograd.Function):
+    """y = x @ weight.T + bias (torch's matmul); the backward's dbias is kbuild's bias_grad,
+    dx and dweight are torch's matmuls (cuBLAS)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return torch.nn.functional.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        need_x, need_w, need_b = ctx.needs_input_grad
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        dx = dy @ weight if need_x else None
+        dw = dy2.t() @ x.reshape(-1, x.shape[-1]) if need_w else None
+        db = bias_grad_op(dy2) if need_b and ctx.has_bias else None
+        return dx, dw, db
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """torch.nn.functional.linear whose bias gradient is kbuild's deterministic column sum.
+
+    x: (..., IN); weight: (OUT, IN); bias: (OUT,) or None; one float dtype and device."""
+    check_input("x", x)
+    check_input("weight", weight)
+    if weight.dim() != 2 or weight.shape[1] != x.shape[-1]:
+        raise ValueError(
+            f"weight must be (out_features, {x.shape[-1]}) to match x's last dimension; "
+            f"got {tuple(weight.shape)}"
+        )
+    tensors = [("weight", weight)]
+    if bias is not None:
+        check_input("bias", bias)
+        if bias.shape != (weight.shape[0],):
+            raise ValueError(f"bias must be ({weight.shape[0]},); got {tuple(bias.shape)}")
+        tensors.append(("bias", bias))
+    for name, t in tensors:
+        if t.dtype != x.dtype:
+            raise TypeError(f"{name} must have x's dtype ({x.dtype}); got {t.dtype}")
+        if t.device != x.device:
+            raise ValueError(f"{name} must be on x's device {x.device}; got {t.device}")
+    if bias is None or not torch.is_grad_enabled() or not bias.requires_grad:
+        return torch.nn.functional.linear(x, weight, bias)  # nothing for kbuild to do
+    return LinearFunction.apply(x, weight, bias)
