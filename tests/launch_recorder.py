@@ -19,7 +19,8 @@ from kbuild import jit
 rmsnorm = importlib.import_module("kbuild.ops.rmsnorm")
 layernorm = importlib.import_module("kbuild.ops.layernorm")
 launch = importlib.import_module("kbuild.ops.launch")
-OPS_MODULES = (rmsnorm, layernorm, launch)
+encoder = importlib.import_module("kbuild.ops.encoder")
+OPS_MODULES = (rmsnorm, layernorm, launch, encoder)
 TORCH = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 
 
