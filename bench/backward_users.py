@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from bench import bench_layernorm, bench_rmsnorm_bwd  # noqa: E402
-from bench.harness import measure_copy, run_cases, write_results  # noqa: E402
+from bench.harness import add_event_of_copy, measure_copy, run_cases, write_results  # noqa: E402
 from kbuild.timing import host_us_per_call  # noqa: E402
 
 IMPLS = ("kbuild", "eager")
@@ -52,10 +52,7 @@ def main() -> None:
     path = sys.argv[1] if len(sys.argv) > 1 else "bench/results/backward_users.json"
     copy = measure_copy()
     done = run_cases(cases(), copy, device_time=True)
-    for case in done:
-        for r in case.results.values():
-            if "event_ms" in r:
-                r["event_of_copy"] = round(case.nbytes / r["event_ms"] / 1e6 / copy, 4)
+    add_event_of_copy(done, copy)
     floor = engine_floor_us()
     print(f"torch.autograd.grad host floor, us per call: {floor}")
     write_results(path, done, copy, {"engine_floor_us": floor})

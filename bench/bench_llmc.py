@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import kbuild  # noqa: E402
 from bench.bench_rmsnorm_bwd import grad_fn  # noqa: E402
-from bench.harness import Case, measure_copy, run_cases, write_results  # noqa: E402
+from bench.harness import Case, add_event_of_copy, measure_copy, run_cases, write_results  # noqa: E402
 from kbuild.manifest import BENCH_C, BENCH_ELEMENTS  # noqa: E402
 
 V, T = 50257, 1024
@@ -86,10 +86,7 @@ def main() -> None:
     path = sys.argv[1] if len(sys.argv) > 1 else "bench/results/llmc.json"
     copy = measure_copy()
     done = run_cases(cases(), copy, device_time=True)
-    for case in done:
-        for r in case.results.values():
-            if "event_ms" in r:
-                r["event_of_copy"] = round(case.nbytes / r["event_ms"] / 1e6 / copy, 4)
+    add_event_of_copy(done, copy)
     write_results(path, done, copy)
 
 

@@ -104,3 +104,12 @@ def measure_copy() -> float:
         flush=True,
     )
     return copy
+
+
+def add_event_of_copy(cases: list[Case], copy: float) -> None:
+    """Each result's users' timing (events around back-to-back calls) as a fraction of copy
+    bandwidth too ("event_of_copy"), beside the device time's "of_copy"."""
+    for case in cases:
+        for r in case.results.values():
+            if "event_ms" in r:
+                r["event_of_copy"] = round(case.nbytes / r["event_ms"] / 1e6 / copy, 4)

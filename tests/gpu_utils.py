@@ -40,3 +40,18 @@ def rand(shape, dtype: torch.dtype, seed: int, scale: float = 1.0) -> torch.Tens
 
 # Relative error (by norm) allowed for gradients: fp32 math, one rounding to the I/O dtype.
 GRAD_TOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}
+
+
+def capture(step, warmup: int = 3):
+    """(graph, its static outputs): `step()` warmed up on a side stream (kernels loaded,
+    autograd and the allocator settled), as torch documents, then captured once."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = step()
+    return graph, static

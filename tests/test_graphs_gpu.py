@@ -17,7 +17,7 @@ import torch
 import kbuild
 from kbuild import jit
 
-from .gpu_utils import rand
+from .gpu_utils import capture, rand
 
 pytestmark = pytest.mark.gpu
 
@@ -55,15 +55,7 @@ def _step(inputs, fn, dy):
 def test_forward_backward_graph_replays_bitwise(op: str) -> None:
     inputs, fn = _case(op)
     dy = rand((M, N), BF16, 9)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up: kernels loaded, autograd and allocator settled
-        for _ in range(3):
-            _step(inputs, fn, dy)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static = _step(inputs, fn, dy)
+    graph, static = capture(lambda: _step(inputs, fn, dy))
     for seed in (11, 12):  # new values in the static inputs, then replay
         with torch.no_grad():
             for i, t in enumerate(inputs):

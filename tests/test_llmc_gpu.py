@@ -10,7 +10,7 @@ import torch
 import kbuild
 from kbuild.manifest import BIAS_OC, ENCODER_C, ENCODER_DTYPES
 
-from .gpu_utils import BWD_TOL, FWD_TOL, TORCH_DTYPES, poison_allocator, rand
+from .gpu_utils import BWD_TOL, FWD_TOL, TORCH_DTYPES, capture, poison_allocator, rand
 
 pytestmark = pytest.mark.gpu
 
@@ -149,15 +149,7 @@ def test_linear_and_modules_under_compile_and_graphs() -> None:
     compiled = step(torch.compile(lin, fullgraph=True), torch.compile(emb, fullgraph=True), params)
     for g, w in zip(compiled, got, strict=True):
         torch.testing.assert_close(g.float(), w.float(), rtol=3e-2, atol=3e-3)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            step(lin, emb, params)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = step(lin, emb, params)
+    graph, captured = capture(lambda: step(lin, emb, params))
     graph.replay()
     first = [g.clone() for g in captured]
     graph.replay()
