@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import sys
 import time
@@ -60,7 +61,10 @@ def warmup(specs: list[KernelSpec], arch: str, root: str, jobs: int) -> list[tup
         for i, arg in enumerate(args, 1):
             report(i, _warm_one(*arg))
         return results
-    with ProcessPoolExecutor(max_workers=jobs) as pool:
+    # forkserver, not fork: a caller may have threads (torch's, a test runner's), and a
+    # forked child can block forever on a lock one of them held at the fork.
+    context = multiprocessing.get_context("forkserver")
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=context) as pool:
         for i, result in enumerate(pool.map(_warm_one, *zip(*args, strict=True)), 1):
             report(i, result)
     return results
