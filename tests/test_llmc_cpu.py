@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import kbuild
-from kbuild.kernels.encoder import CHUNK
+from kbuild.kernels import encoder as encoder_kernels
 from kbuild.manifest import BIAS_OC, ENCODER_C, ENCODER_DTYPES, INDEX_DTYPES, manifest
 from kbuild.ops.encoder import MIN_CHUNK_ROWS, bias_chunks
 
@@ -251,6 +251,23 @@ def _recorded(monkeypatch):
     return tier
 
 
+def test_the_launch_path_imports_no_mlir_and_agrees_on_the_chunk(monkeypatch):
+    """A GPU machine has no MLIR: kbuild.ops must import without it."""
+    import subprocess
+    import sys
+
+    code = (
+        "import builtins; real = builtins.__import__\n"
+        "def guard(name, *a, **k):\n"
+        "    if name.split('.')[0] == 'mlir': raise ModuleNotFoundError(name)\n"
+        "    return real(name, *a, **k)\n"
+        "builtins.__import__ = guard\n"
+        "import kbuild.ops, kbuild.nn, kbuild.ops.encoder\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+    assert encoder.CHUNK == encoder_kernels.CHUNK
+
+
 def test_launches_follow_the_table(monkeypatch):
     tier = _recorded(monkeypatch)
     B, T, V, C = 2, 100, 11, 768
@@ -264,7 +281,7 @@ def test_launches_follow_the_table(monkeypatch):
     dwte, dwpe = torch.zeros_like(wte), torch.zeros_like(wpe)
     encoder.encoder_bwd(dout, tokens, dwte, dwpe, add_to_dwpe=False)
     (wpe_k, g1, a1), (wte_k, g2, a2), (merge_k, g3, a3) = tier.launches[-3:]
-    chunks = -(-B * T // CHUNK)
+    chunks = -(-B * T // encoder.CHUNK)
     assert (wpe_k, g1, a1) == ("encoder_bwd_wpe", T, (dout.data_ptr(), dwpe.data_ptr(), B, T))
     assert (wte_k, g2, merge_k, g3) == ("encoder_bwd_wte", chunks, "encoder_bwd_wte_merge", chunks)
     assert a2[2:4] == (dout.data_ptr(), dwte.data_ptr()) and a2[5:] == (V, B * T)
