@@ -98,6 +98,24 @@ def test_linear_and_bias_grad_match_torch():
     assert kbuild.bias_grad(d)[0].item() == torch.tensor(300 * (1 + 2**-7)).bfloat16().item()
 
 
+def test_linear_under_autocast_keeps_fp32_master_weights():
+    """bf16 autocast over fp32 x, weight and bias: the gradients come back in fp32 (the
+    parameters' dtype) and equal torch's own linear under the same autocast."""
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(6, 16, generator=g, requires_grad=True)
+    w = torch.randn(8, 16, generator=g, requires_grad=True)
+    b = torch.randn(8, generator=g, requires_grad=True)
+    grads = []
+    for fn in (kbuild.linear, F.linear):
+        with torch.autocast("cpu", torch.bfloat16):
+            y = fn(x, w, b)
+        assert y.dtype == torch.bfloat16
+        grads.append(torch.autograd.grad(y.float().square().sum(), (x, w, b)))
+    for ours, theirs in zip(*grads, strict=True):
+        assert ours.dtype == torch.float32
+        torch.testing.assert_close(ours, theirs, rtol=2e-2, atol=2e-2)
+
+
 def test_nn_modules():
     torch.manual_seed(0)
     lin = kbuild.nn.Linear(8, 5)

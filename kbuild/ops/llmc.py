@@ -245,21 +245,27 @@ def bias_grad(dout: torch.Tensor) -> torch.Tensor:
 
 class LinearFunction(torch.autograd.Function):
     """y = x @ weight.T + bias (torch's matmul); the backward's dbias is kbuild's bias_grad,
-    dx and dweight are torch's matmuls (cuBLAS)."""
+    dx and dweight are torch's matmuls (cuBLAS). Under torch.autocast the backward runs
+    with the forward's autocast state, as torch's own linear does."""
 
     @staticmethod
     def forward(ctx, x, weight, bias):
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
+        device = x.device.type
+        ctx.autocast = (device, torch.get_autocast_dtype(device), torch.is_autocast_enabled(device))
         return torch.nn.functional.linear(x, weight, bias)
 
     @staticmethod
     def backward(ctx, dy):
         x, weight = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad
-        dy2 = dy.reshape(-1, dy.shape[-1])
-        dx = dy @ weight if need_x else None
-        dw = dy2.t() @ x.reshape(-1, x.shape[-1]) if need_w else None
+        device, dtype, enabled = ctx.autocast
+        with torch.autocast(device, dtype, enabled=enabled):
+            dy2 = dy.reshape(-1, dy.shape[-1])
+            dx = dy @ weight if need_x else None
+            dw = dy2.t() @ x.reshape(-1, x.shape[-1]) if need_w else None
+        # The engine casts each gradient to its input's dtype (an fp32 master weight's too).
         db = bias_grad_op(dy2) if need_b and ctx.has_bias else None
         return dx, dw, db
 
@@ -267,7 +273,8 @@ class LinearFunction(torch.autograd.Function):
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """torch.nn.functional.linear whose bias gradient is kbuild's deterministic column sum.
 
-    x: (..., IN); weight: (OUT, IN); bias: (OUT,) or None; one float dtype and device."""
+    x: (..., IN); weight: (OUT, IN); bias: (OUT,) or None; one float dtype and device (under
+    torch.autocast, any: autocast casts them, fp32 master weights included)."""
     check_input("x", x)
     check_input("weight", weight)
     if weight.dim() != 2 or weight.shape[1] != x.shape[-1]:
@@ -281,8 +288,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         if bias.shape != (weight.shape[0],):
             raise ValueError(f"bias must be ({weight.shape[0]},); got {tuple(bias.shape)}")
         tensors.append(("bias", bias))
+    autocast = torch.is_autocast_enabled(x.device.type)  # it casts them to one dtype
     for name, t in tensors:
-        if t.dtype != x.dtype:
+        if t.dtype != x.dtype and not autocast:
             raise TypeError(f"{name} must have x's dtype ({x.dtype}); got {t.dtype}")
         if t.device != x.device:
             raise ValueError(f"{name} must be on x's device {x.device}; got {t.device}")
