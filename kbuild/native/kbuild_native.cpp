@@ -583,6 +583,17 @@ bool wants_grad(std::initializer_list<const Tensor*> ts) {
   return false;
 }
 
+// A backward op called from a backward (grad mode off: not create_graph) goes straight to
+// its device kernel, past the Autograd and ADInplaceOrView keys: the backward ops have no
+// autograd kernel, so those keys would only run the boxed fallbacks (argument boxing, a
+// requires-grad scan) on every call. With create_graph the dispatch is left as it was.
+struct BelowAutograd {
+  optional<at::AutoDispatchBelowADInplaceOrView> guard;
+  BelowAutograd() {
+    if (!at::GradMode::is_enabled()) guard.emplace();
+  }
+};
+
 struct RMSNormFunction : torch::autograd::Function<RMSNormFunction> {
   static variable_list forward(AutogradContext* ctx, const Tensor& x, const optional<Tensor>& w,
                                double eps, bool store_rstd) {
@@ -601,6 +612,7 @@ struct RMSNormFunction : torch::autograd::Function<RMSNormFunction> {
     auto saved = ctx->get_saved_variables();
     bool need_dx = ctx->needs_input_grad(0);
     bool need_dw = saved[1].defined() && ctx->needs_input_grad(1);  // edges: x, [weight]
+    BelowAutograd below;
     static auto bwd = op<RmsBwd>("kbuild::rmsnorm_bwd");
     auto [dx, dw] = bwd.call(grads[0], saved[0], maybe(saved[1]), saved[2], need_dx, need_dw);
     return {need_dx ? dx : Tensor(), need_dw ? dw : Tensor(), Tensor(), Tensor()};
@@ -640,6 +652,7 @@ struct FusedAddRMSNormFunction : torch::autograd::Function<FusedAddRMSNormFuncti
       dy = at::zeros_like(saved[0], saved[0].options().dtype(out_dtype));
     }
     bool need_dw = saved[1].defined() && ctx->needs_input_grad(2);  // x, residual, [weight]
+    BelowAutograd below;
     static auto bwd = op<FusedBwd>("kbuild::fused_add_rmsnorm_bwd");
     auto [dsum, dw] = bwd.call(dy, maybe(grads[1]), saved[0], maybe(saved[1]), saved[2],
                                need_dw);
@@ -681,6 +694,7 @@ struct LayerNormFunction : torch::autograd::Function<LayerNormFunction> {
     // Edges exist for given tensors only: x, [weight], [bias].
     bool need_dw = s[1].defined() && ctx->needs_input_grad(1);
     bool need_db = s[2].defined() && ctx->needs_input_grad(s[1].defined() ? 2 : 1);
+    BelowAutograd below;
     static auto bwd = op<LnBwd>("kbuild::layernorm_bwd");
     auto [dx, dw, db] = bwd.call(grads[0], s[0], maybe(s[1]), maybe(s[2]), s[3], s[4], need_dx,
                                  need_dw, need_db);
