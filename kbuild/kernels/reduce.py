@@ -12,6 +12,8 @@ run (no atomics). Bytes: read R * N * 4 (mostly from L2), write N elements.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from ..dsl import (
     Kernel,
     V,
@@ -52,13 +54,14 @@ def _sum_columns(
     row_begin: V,
     row_end: V,
     first_vector: V,
-) -> tuple[V, V, V]:
+    finish: Callable[[V, V], None],
+) -> None:
     """The one column reduction: thread (column vector c, lane l) of a block adds rows
     row_begin + l, + lanes, ... < row_end of the `vec` columns at vector first_vector + c of
     a row-major [*, N] `dtype` array, in ascending row order (UNROLL loads in flight, fp32
-    sums), then lane 0 adds the lanes' sums in lane order. So every bit of the result
-    depends only on the launch shape, never on timing. Returns (the fp32 sums, valid on
-    `is_first_lane`; the first column; is_first_lane & the column in range)."""
+    sums); then lane 0 of each column vector in range adds the lanes' sums in lane order and
+    calls finish(the fp32 sums, the first column) to store them. So every bit of the result
+    depends only on the launch shape, never on timing."""
     column_vectors = k.block // lanes
     tid = k.thread_id()
     column_vector, lane = tid % column_vectors, tid / column_vectors
@@ -86,11 +89,15 @@ def _sum_columns(
     slots = k.shared(k.block * vec)
     store(acc, get_llvm_ptr(slots, tid * vec, "f32"))
     k.barrier()
-    total = load(get_llvm_ptr(slots, column_vector * vec, "f32"), "f32", vec)
-    for other in range(1, lanes):
-        offset = (column_vector + other * column_vectors) * vec
-        total = total + load(get_llvm_ptr(slots, offset, "f32"), "f32", vec)
-    return total, col, (lane < 1) & in_range
+
+    def combine() -> None:
+        total = load(get_llvm_ptr(slots, column_vector * vec, "f32"), "f32", vec)
+        for other in range(1, lanes):
+            offset = (column_vector + other * column_vectors) * vec
+            total = total + load(get_llvm_ptr(slots, offset, "f32"), "f32", vec)
+        finish(total, col)
+
+    if_then((lane < 1) & in_range, combine)
 
 
 def build_column_sum_module(N: int, out_dtype: str, target: Target, planes: int = 1) -> Kernel:
@@ -113,11 +120,8 @@ def build_column_sum_module(N: int, out_dtype: str, target: Target, planes: int 
         plane = k.block_id() / blocks_per_plane if planes > 1 else const(0, "i64")
         block_in_plane = k.block_id() % blocks_per_plane if planes > 1 else k.block_id()
         partial = get_llvm_ptr(base, plane * rows * N, "f32") if planes > 1 else base
-        total, col, writes = _sum_columns(
-            k, partial, "f32", vec, N, lanes, const(0, "i64"), rows, block_in_plane * column_vectors
-        )
 
-        def finish() -> None:
+        def finish(total: V, col: V) -> None:
             value = cast(total, out_dtype)
             if planes == 1:
                 store(value, get_llvm_ptr(outs[0], col, out_dtype), aligned=vec > 1)
@@ -126,7 +130,8 @@ def build_column_sum_module(N: int, out_dtype: str, target: Target, planes: int 
                 ptr = get_llvm_ptr(out, col, out_dtype)
                 if_then(mine, lambda v=value, q=ptr: store(v, q, aligned=vec > 1))
 
-        if_then(writes, finish)
+        first_vector = block_in_plane * column_vectors
+        _sum_columns(k, partial, "f32", vec, N, lanes, const(0, "i64"), rows, first_vector, finish)
         k.meta.update(columns_per_block=column_vectors * vec, grid="columns", planes=planes)
     return k
 
@@ -154,10 +159,13 @@ def build_bias_grad_module(OC: int, dtype: str, target: Target, vectorize: bool 
         chunk = k.block_id() / blocks_per_chunk
         first = chunk * per_chunk
         end = minimum(first + per_chunk, rows)
-        total, col, writes = _sum_columns(
+
+        def finish(total: V, col: V) -> None:
+            store(total, get_llvm_ptr(partial, chunk * OC + col, "f32"))
+
+        _sum_columns(
             k, dout, dtype, vec, OC, BIAS_LANES, first, end,
-            (k.block_id() % blocks_per_chunk) * column_vectors,
+            (k.block_id() % blocks_per_chunk) * column_vectors, finish,
         )  # fmt: skip
-        if_then(writes, lambda: store(total, get_llvm_ptr(partial, chunk * OC + col, "f32")))
         k.meta.update(columns_per_block=column_vectors * vec, grid="chunks")
     return k
