@@ -226,3 +226,8 @@ def cluster_size(N: int, dtype: str, vectorize: bool, max_cluster: int) -> int:
 def _pack(N: int, vec: int, tpr: int, iters: int, chunked: bool) -> RowConfig:
     rows = max(1, MIN_BLOCK // tpr)
     return RowConfig(N, vec, tpr, rows, iters, chunked)
+
+
+# GPT-2's encoder backward (kernels/encoder.py): sorted positions per block of the dwte pass.
+# Here, in pure Python, so the launch path (ops/encoder.py) reads it without importing MLIR.
+ENCODER_CHUNK = 64

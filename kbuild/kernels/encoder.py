@@ -53,8 +53,9 @@ from ..dsl import (
 )
 from ..dsl.values import vector_type
 from ..targets import Target
+from .config import ENCODER_CHUNK
 
-CHUNK = 64  # sorted positions per block of the dwte pass
+CHUNK = ENCODER_CHUNK  # sorted positions per block of the dwte pass
 UNROLL = 4  # positions whose loads are in flight at once in a dwte block
 MAX_BLOCK = 256
 
@@ -144,13 +145,24 @@ def build_encoder_bwd_wpe_module(
     return k
 
 
-def _chunk_bounds(chunk: V, rows: V) -> tuple[V, V]:
-    start = chunk * CHUNK
-    return start, minimum(start + CHUNK, rows)
-
-
 def _id_at(ids: V, index_dtype: str, p: V) -> V:
     return cast(load(get_llvm_ptr(ids, p, index_dtype), index_dtype), "i64")
+
+
+class _Chunk:
+    """Chunk c of the sorted ids: positions [start, end), its first and last ids, whether
+    the first id's run began in an earlier chunk and whether the last id's run goes on past
+    `end`. Both passes read a chunk's edges from here."""
+
+    def __init__(self, ids: V, index_dtype: str, c: V, rows: V):
+        self.start = c * CHUNK
+        self.end = minimum(self.start + CHUNK, rows)
+        self.first = _id_at(ids, index_dtype, self.start)
+        self.last = _id_at(ids, index_dtype, self.end - 1)
+        before = _id_at(ids, index_dtype, select(c > 0, self.start - 1, self.start))
+        after = _id_at(ids, index_dtype, minimum(self.end, rows - 1))
+        self.began_earlier = (c > 0) & eq(before, self.first)
+        self.goes_on = (self.end < rows) & eq(after, self.last)
 
 
 def build_encoder_bwd_wte_module(
@@ -167,17 +179,12 @@ def build_encoder_bwd_wte_module(
         vocab, rows = k.i64("V"), k.i64("M")
         cols = _Columns(k, C, dtype, vectorize)
         chunk = k.block_id()
-        start, end = _chunk_bounds(chunk, rows)
-        first_id = _id_at(ids, index_dtype, start)
-        # The run at the chunk's start began earlier; the run at its end goes on after it.
-        before = _id_at(ids, index_dtype, select(chunk > 0, start - 1, start))
-        began_earlier = (chunk > 0) & eq(before, first_id)
-        after = _id_at(ids, index_dtype, minimum(end, rows - 1))
-        goes_on = (end < rows) & eq(after, _id_at(ids, index_dtype, end - 1))
+        edges = _Chunk(ids, index_dtype, chunk, rows)
+        start, end = edges.start, edges.end
 
         def flush(v: V, piece_start: V, piece_end: V, acc: V, col: V) -> None:
-            continued = eq(piece_start, start) & began_earlier
-            crossing = eq(piece_end, end) & goes_on
+            continued = eq(piece_start, start) & edges.began_earlier
+            crossing = eq(piece_end, end) & edges.goes_on
             slot = select(continued, const(0, "i64"), const(1, "i64"))
 
             def to_partial() -> None:
@@ -214,7 +221,7 @@ def build_encoder_bwd_wte_module(
                     return [v, piece_start, acc]
 
                 v, piece_start, acc = loop(
-                    start, end, const(UNROLL, "i64"), [first_id, start, cols.zero()], step
+                    start, end, const(UNROLL, "i64"), [edges.first, start, cols.zero()], step
                 )
                 flush(v, piece_start, end, acc, col)
 
@@ -235,21 +242,12 @@ def build_encoder_bwd_wte_merge_module(
         cols = _Columns(k, C, dtype, vectorize)
         chunk = k.block_id()
         chunks = (rows + (CHUNK - 1)) / CHUNK
-        start, end = _chunk_bounds(chunk, rows)
-        v = _id_at(ids, index_dtype, end - 1)
-
-        def continues(c: V) -> V:
-            """The run of id v goes on past chunk c's end."""
-            _, c_end = _chunk_bounds(c, rows)
-            nxt = _id_at(ids, index_dtype, minimum(c_end, rows - 1))
-            return (c_end < rows) & eq(nxt, v)
-
+        edges = _Chunk(ids, index_dtype, chunk, rows)
+        v = edges.last
         # Owner: the run of the chunk's last id goes on, and it did not begin before this
-        # chunk (then an earlier chunk owns it).
-        whole_chunk = eq(_id_at(ids, index_dtype, start), v)
-        before = _id_at(ids, index_dtype, select(chunk > 0, start - 1, start))
-        began_earlier = (chunk > 0) & whole_chunk & eq(before, v)
-        owner = continues(chunk) & ~began_earlier & (v >= 0) & (v < vocab)
+        # chunk (it did if the whole chunk is that id and the first id's run began earlier).
+        began_earlier = eq(edges.first, v) & edges.began_earlier
+        owner = edges.goes_on & ~began_earlier & (v >= 0) & (v < vocab)
         for col in cols.cols:
 
             def body(col=col) -> None:
@@ -262,9 +260,9 @@ def build_encoder_bwd_wte_merge_module(
 
                 def step(carried: list[V]) -> list[V]:
                     c, acc, _ = carried
-                    _, c_end = _chunk_bounds(c, rows)
-                    whole = eq(_id_at(ids, index_dtype, c_end - 1), v)
-                    return [c + 1, acc + piece(c, 0), whole & continues(c)]
+                    # The run goes on past chunk c if the chunk is all v and continues.
+                    after_c = _Chunk(ids, index_dtype, c, rows)
+                    return [c + 1, acc + piece(c, 0), eq(after_c.last, v) & after_c.goes_on]
 
                 _, acc, _ = while_loop([chunk + 1, piece(chunk, 1), const(1, "i1")], more, step)
                 cols.store(cols.load(dwte, v, col) + acc, dwte, v, col)

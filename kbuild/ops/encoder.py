@@ -13,6 +13,7 @@ import functools
 
 import torch
 
+from ..kernels.config import ENCODER_CHUNK as CHUNK
 from ..kernels.table import (
     BIAS_GRAD,
     ENCODER_BWD_WPE,
@@ -24,9 +25,6 @@ from .common import DTYPE_NAMES, aligned, stream_of
 from .launch import column_sum, launcher_for
 
 INDEX_NAMES = {torch.int32: "i32", torch.int64: "i64"}
-# kernels/encoder.py's CHUNK (sorted positions per block of the dwte pass), restated: that
-# module imports MLIR and the launch path must not (a CPU test holds the two equal).
-CHUNK = 64
 
 encoder_fwd_spec = ENCODER_FWD.spec
 encoder_bwd_wpe_spec = ENCODER_BWD_WPE.spec
