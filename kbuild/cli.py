@@ -20,7 +20,7 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 
 from .cache import DiskCache, default_cache_dir
-from .manifest import MANIFESTS, manifest
+from .manifest import DEFAULT_WIDTH_OPS, MANIFESTS, WIDTH_OPS, manifest
 from .spec import KernelSpec
 from .targets import target_for_arch
 
@@ -274,9 +274,9 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument("--weight-dtype", choices=("bf16", "f16", "f32"))
             p.add_argument(
                 "--ops",
-                default="rmsnorm,fused_add_rmsnorm,layernorm",
-                help="comma-separated, among rmsnorm, fused_add_rmsnorm, layernorm, encoder "
-                "(GPT-2's embedding) and linear (a GPT-2 block's bias gradients)",
+                default=",".join(DEFAULT_WIDTH_OPS),
+                help=f"comma-separated, among {', '.join(WIDTH_OPS)} (encoder: GPT-2's "
+                "embedding; linear: a GPT-2 block's bias gradients)",
             )
             p.add_argument("--residual-fp32", action="store_true")
     p = sub.add_parser(

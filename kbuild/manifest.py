@@ -18,6 +18,7 @@ from .kernels.table import (
     ENCODER_FWD,
     FUSED_ADD_RMSNORM_BWD,
     FUSED_ADD_RMSNORM_FWD,
+    INDEX_DTYPES,
     LAYERNORM_BWD,
     LAYERNORM_FWD,
     RMSNORM_BWD,
@@ -51,7 +52,6 @@ TRAIN_N, TRAIN_DTYPE = 768, "f32"  # the small model trained eager vs torch.comp
 ENCODER_C = (768, 1024, 1600, 4095)  # GPT-2 small, medium, XL widths, and an odd one
 ENCODER_DTYPES = ("f32", "bf16")
 BIAS_OC = (768, 1001, 2304, 3072)  # GPT-2 small's c_proj, qkv and MLP widths, an odd one
-INDEX_DTYPES = ("i32", "i64")
 BENCH_C = (768, 1024, 1600)
 
 
