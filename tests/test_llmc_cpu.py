@@ -9,7 +9,6 @@ import pytest
 import torch
 
 import kbuild
-from kbuild.kernels import encoder as encoder_kernels
 from kbuild.manifest import BIAS_OC, ENCODER_C, ENCODER_DTYPES, INDEX_DTYPES, manifest
 from kbuild.ops.encoder import MIN_CHUNK_ROWS, bias_chunks
 
@@ -269,7 +268,7 @@ def _recorded(monkeypatch):
     return tier
 
 
-def test_the_launch_path_imports_no_mlir_and_agrees_on_the_chunk(monkeypatch):
+def test_the_launch_path_imports_no_mlir():
     """A GPU machine has no MLIR: kbuild.ops must import without it."""
     import subprocess
     import sys
@@ -283,7 +282,6 @@ def test_the_launch_path_imports_no_mlir_and_agrees_on_the_chunk(monkeypatch):
         "import kbuild.ops, kbuild.nn, kbuild.ops.encoder\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
-    assert encoder.CHUNK == encoder_kernels.CHUNK
 
 
 def test_launches_follow_the_table(monkeypatch):

@@ -188,3 +188,23 @@ def test_two_processes_wait_on_the_lock_and_share_one_entry(tmp_cache):
     entries = list(DiskCache(tmp_cache).entries())
     assert [(d.parent.name, meta["sha256"]) for d, meta in entries] == [(key, digest)]
     assert not list(tmp_cache.rglob(".tmp-*")), "temp files left behind"
+
+
+def test_gpu_tests_collect_without_mlir():
+    """The GPU machine has no MLIR (kernels are compiled here and carried): every test module
+    the GPU run collects must import without it, or the whole `-m gpu` run stops at collection
+    (a CPU test module importing kbuild.kernels.encoder at the top once did)."""
+    code = (
+        "import builtins, sys\n"
+        "real = builtins.__import__\n"
+        "def guard(name, *a, **k):\n"
+        "    if name.split('.')[0] == 'mlir': raise ModuleNotFoundError(name)\n"
+        "    return real(name, *a, **k)\n"
+        "builtins.__import__ = guard\n"
+        "import pytest\n"
+        "sys.exit(pytest.main(['-q', '--collect-only', '-m', 'gpu', '-p', 'no:cacheprovider',"
+        " 'tests']))\n"
+    )
+    root = Path(__file__).resolve().parent.parent
+    run = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
