@@ -88,7 +88,8 @@ def host_gaps(trace: dict, steps: int) -> list[dict]:
     ]
 
 
-def _profile(model, batches, steps: int, out_dir: str, label: str) -> dict:
+def hf_step(model):
+    """One training step of a Hugging Face causal LM on a batch of ids (fused AdamW)."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
 
     def step(ids):
@@ -97,6 +98,12 @@ def _profile(model, batches, steps: int, out_dir: str, label: str) -> dict:
         opt.step()
         opt.zero_grad(set_to_none=True)
 
+    return step
+
+
+def profile_steps(step, batches, steps: int, out_dir: str, label: str) -> dict:
+    """Profile `steps` calls of step(batch) after 3 warm-up calls: step times, GPU busy time,
+    host-caused idle by operator, kernels by name (all per step)."""
     for ids in batches[:3]:
         step(ids)
     torch.cuda.synchronize()
@@ -143,6 +150,18 @@ def _profile(model, batches, steps: int, out_dir: str, label: str) -> dict:
     }
 
 
+def print_profile(label: str, r: dict) -> None:
+    print(
+        f"{label}: step {r['step_ms']} ms, GPU busy {r['busy_ms_per_step']} ms, "
+        f"kernels {r['kernel_ms_per_step']} ms, {r['launches_per_step']} launches"
+    )
+    print(f"  GPU idle caused by the host: {r['host_idle_ms_per_step']} ms per step")
+    for g in r["host_idle_by_op"][:15]:
+        print(f"  {g['idle_us_per_step']:10.1f} us idle {g['gaps_per_step']:7.1f} gaps  {g['op']}")
+    for k in r["kernels"][:12]:
+        print(f"  {k['us_per_step']:10.1f} us {k['per_step']:7.1f}x  {k['name'][:100]}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out_dir")
@@ -160,19 +179,10 @@ def main() -> None:
     batches = _batches(config.vocab_size, batch, seq, 3 + args.steps)
     result = {"gpu": torch.cuda.get_device_name(), "model": args.model, "batch": [batch, seq]}
     for label, model in (("stock", stock), ("kbuild", swapped)):
-        r = _profile(model, batches, args.steps, args.out_dir, f"{args.model}_{label}")
+        name = f"{args.model}_{label}"
+        r = profile_steps(hf_step(model), batches, args.steps, args.out_dir, name)
         result[label] = r
-        print(
-            f"{label}: step {r['step_ms']} ms, GPU busy {r['busy_ms_per_step']} ms, "
-            f"kernels {r['kernel_ms_per_step']} ms, {r['launches_per_step']} launches"
-        )
-        print(f"  GPU idle caused by the host: {r['host_idle_ms_per_step']} ms per step")
-        for g in r["host_idle_by_op"][:15]:
-            print(
-                f"  {g['idle_us_per_step']:10.1f} us idle {g['gaps_per_step']:7.1f} gaps  {g['op']}"
-            )
-        for k in r["kernels"][:12]:
-            print(f"  {k['us_per_step']:10.1f} us {k['per_step']:7.1f}x  {k['name'][:100]}")
+        print_profile(label, r)
     with open(os.path.join(args.out_dir, f"profile_{args.model}_{batch}x{seq}.json"), "w") as f:
         json.dump(result, f, indent=1)
 

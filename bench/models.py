@@ -80,7 +80,9 @@ class _Trainer:
     """One model's training loop: step(ids) runs forward, loss, backward and AdamW, with CUDA
     events around each step and the host time until the step's work is queued."""
 
-    def __init__(self, model, mode: str):
+    def __init__(self, model, mode: str, loss_of=None):
+        # loss_of(forward, batch) -> loss; default: a Hugging Face causal LM on a batch of ids
+        self.loss_of = loss_of or (lambda forward, ids: forward(input_ids=ids, labels=ids).loss)
         self.opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
         self.forward = model
         if mode != "eager":
@@ -94,7 +96,7 @@ class _Trainer:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         t0 = time.perf_counter()
         start.record()
-        loss = self.forward(input_ids=ids, labels=ids).loss
+        loss = self.loss_of(self.forward, ids)
         loss.backward()
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
@@ -115,11 +117,11 @@ class _Trainer:
         }
 
 
-def _train_interleaved(models: dict, batches, mode: str) -> dict:
+def _train_interleaved(models: dict, batches, mode: str, loss_of=None) -> dict:
     """Train every model on the same batches, alternating ROUNDS rounds of STEPS_PER_ROUND
     steps each (the order flips every round), so a change of the GPU's clocks or of the
     machine's load during the run weighs on all of them alike."""
-    trainers = {label: _Trainer(m, mode) for label, m in models.items()}
+    trainers = {label: _Trainer(m, mode, loss_of) for label, m in models.items()}
     for label, t in trainers.items():
         w0 = time.perf_counter()
         for ids in batches[:WARMUP]:

@@ -66,13 +66,19 @@ class Block(nn.Module):
         return x + self.mlp_proj(F.gelu(self.fc(self.ln_2(x)), approximate="tanh"))
 
 
+PARTS = ("embed", "norm", "linear")  # the modules kbuild can supply
+
+
 class GPT(nn.Module):
-    def __init__(self, layers: int, heads: int, width: int, positions: int, use_kbuild: bool):
+    def __init__(self, layers: int, heads: int, width: int, positions: int, kbuild_parts=PARTS):
+        """`kbuild_parts`: which of PARTS are kbuild's modules (the rest are torch's)."""
         super().__init__()
-        if use_kbuild:
-            embed, norm, linear = kbuild.nn.GPT2Embedding, kbuild.nn.LayerNorm, kbuild.nn.Linear
-        else:
-            embed, norm, linear = TorchEmbedding, nn.LayerNorm, nn.Linear
+        unknown = set(kbuild_parts) - set(PARTS)
+        if unknown:
+            raise ValueError(f"kbuild_parts must be among {PARTS}; got {sorted(unknown)}")
+        embed = kbuild.nn.GPT2Embedding if "embed" in kbuild_parts else TorchEmbedding
+        norm = kbuild.nn.LayerNorm if "norm" in kbuild_parts else nn.LayerNorm
+        linear = kbuild.nn.Linear if "linear" in kbuild_parts else nn.Linear
         self.embed = embed(VOCAB, positions, width)
         self.blocks = nn.ModuleList(Block(width, heads, norm, linear) for _ in range(layers))
         self.ln_f = norm(width)
@@ -156,13 +162,13 @@ def main() -> None:
     dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
     data = batches(corpus(4 << 20), args.steps, args.batch, T, args.device)
     torch.manual_seed(0)
-    reference = GPT(layers, heads, width, T, use_kbuild=False)
+    reference = GPT(layers, heads, width, T, kbuild_parts=())
     reference.init_weights(layers)
     state = reference.state_dict()
     impls = ("kbuild", "torch") if args.impl == "both" else (args.impl,)
     results = {}
     for impl in impls:
-        model = GPT(layers, heads, width, T, use_kbuild=impl == "kbuild")
+        model = GPT(layers, heads, width, T, kbuild_parts=PARTS if impl == "kbuild" else ())
         model.load_state_dict(state)  # the same initial weights for both
         model.to(device=args.device, dtype=dtype)
         losses, times = train(model, data, args.lr, args.compile, args.log_every, impl)
