@@ -24,6 +24,7 @@ from kbuild.kernels.table import kernel_def
 from kbuild.ops import api, custom_ops, resolve
 
 from .launch_recorder import Tier, install, layernorm, rmsnorm
+from .launch_recorder import encoder as encoder_ops
 from .launch_recorder import zeros as _t
 
 NATIVE = custom_ops.NATIVE
@@ -394,3 +395,99 @@ def test_backward_materialises_no_zeros(op):
         torch.autograd.grad(y, [x, w], dy)
     names = {e.name for e in prof.events()}
     assert not names & {"aten::zeros", "aten::zeros_like", "aten::zero_"}, names
+
+
+# --- kbuild.linear and the bias gradient ---------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "M, OC, dtype, offset",
+    [
+        (300, 768, "bf16", False),
+        (64, 40, "f32", False),
+        (7, 96, "f16", True),
+        (5000, 64, "bf16", False),
+    ],
+)
+def test_bias_grad_launches_match_python(recorder, monkeypatch, M, OC, dtype, offset):
+    """The same bias_grad spec, chunk grid, rows per chunk and column sum as the Python
+    launch (ops/encoder.py), with the device's multiprocessor count from the resolver: a
+    C++ chunking that drifted from bias_chunks would sum in another order (other bits)."""
+    monkeypatch.setattr(encoder_ops, "_units", lambda device: 132)
+    dout = _t((M, OC), dtype, offset)
+    python_log, native_log = _both(
+        recorder,
+        lambda: encoder_ops.bias_grad(dout),
+        lambda: NATIVE.bias_grad_cuda(dout),
+        {"dout": dout},
+    )
+    assert native_log == python_log
+    assert [spec.kernel for spec, _, _ in native_log] == ["bias_grad", "column_sum"]
+    assert native_log[0][2][0] == "dout" and native_log[0][0].kwargs["vectorize"] == (not offset)
+
+
+def test_bias_grad_of_no_rows_is_zero(recorder):
+    db = NATIVE.bias_grad_cuda(_t((0, 48), "bf16"))
+    assert torch.equal(db, torch.zeros(48, dtype=torch.bfloat16))
+    assert recorder.launches == []
+
+
+def test_linear_entry_computes_what_the_python_path_does(hooked, monkeypatch):
+    """Forward and all three gradients of the C++ LinearFunction (its dbias through the
+    kbuild::bias_grad operator, here its CPU kernel) against the Python LinearFunction and
+    torch's linear, for a 3-D input as GPT-2's layers give it."""
+    monkeypatch.setattr(api, "_native", None)
+    x = torch.randn(2, 5, 24, dtype=torch.float64).float().requires_grad_()
+    w = torch.nn.Parameter(torch.randn(12, 24))
+    b = torch.nn.Parameter(torch.randn(12))
+    dy = torch.randn(2, 5, 12)
+    got = NATIVE.linear(x, w, b)
+    assert "LinearFunction" in got.grad_fn.name()  # the C++ node, not the Python one
+    want = kbuild_ref.linear(x, w, b)
+    ref = torch.nn.functional.linear(x, w, b)
+    torch.testing.assert_close(got, ref)
+    grads = torch.autograd.grad(got, [x, w, b], dy)
+    for g, e, r in zip(
+        grads,
+        torch.autograd.grad(want, [x, w, b], dy),
+        torch.autograd.grad(ref, [x, w, b], dy),
+        strict=True,
+    ):
+        torch.testing.assert_close(g, e)
+        torch.testing.assert_close(g, r)
+    # only x needs a gradient: no dweight, no dbias computed
+    (dx,) = torch.autograd.grad(NATIVE.linear(x, w.detach(), b), [x], dy)
+    torch.testing.assert_close(dx, grads[0])
+    with torch.no_grad():
+        assert NATIVE.linear(x, w, b).grad_fn is None
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        pytest.param(lambda x, w, b: (x, w, None), id="no bias"),
+        pytest.param(lambda x, w, b: (x, w.t(), b), id="transposed weight"),
+        pytest.param(lambda x, w, b: (x, w, b[:-1]), id="short bias"),
+        pytest.param(lambda x, w, b: (x, w.double(), b), id="f64 weight"),
+        pytest.param(lambda x, w, b: (x.half(), w, b), id="mixed dtypes"),
+        pytest.param(lambda x, w, b: (x, w[None], b), id="3-D weight"),
+        pytest.param(lambda x, w, b: (x.numpy(), w, b), id="not a tensor"),
+    ],
+)
+def test_linear_entry_declines_all_but_the_common_case(hooked, args):
+    x, w, b = torch.randn(4, 24), torch.randn(12, 24), torch.randn(12)
+    assert NATIVE.linear(*args(x, w, b)) is None
+    assert NATIVE.linear(x, w, b) is not None
+
+
+def test_linear_entry_declines_autocast(hooked):
+    """Under autocast the Python LinearFunction runs (it replays the autocast state in the
+    backward and accepts fp32 master weights)."""
+    x, w, b = torch.randn(4, 24), torch.randn(12, 24), torch.randn(12, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert NATIVE.linear(x, w, b) is None
+
+
+def test_bias_grad_has_the_extensions_cuda_kernel():
+    assert torch._C._dispatch_has_kernel_for_dispatch_key("kbuild::bias_grad", "CUDA")
+    assert kbuild_ref.linear.__module__ == "kbuild.ops.llmc"

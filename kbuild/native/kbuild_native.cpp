@@ -21,6 +21,7 @@
 // source builds against any torch (CPU or CUDA build) and CPU CI builds and tests it.
 
 #include <ATen/ATen.h>
+#include <ATen/autocast_mode.h>
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <dlfcn.h>
@@ -52,20 +53,22 @@ namespace kbuild {
 // (kbuild/kernels/table.py); kbuild/ops/resolve.py maps names to these indices by `slot_names`.
 enum Slot : int {
   X, WEIGHT, BIAS, RESIDUAL, Y, RESIDUAL_OUT, MEAN, RSTD, DY, DRESIDUAL_OUT, DX,
-  DW_PARTIAL, DB_PARTIAL, ROWS, PARTIAL, OUT, OUT1, PARTIAL_ROWS, NUM_SLOTS
+  DW_PARTIAL, DB_PARTIAL, ROWS, PARTIAL, OUT, OUT1, PARTIAL_ROWS, DOUT, ROWS_PER_CHUNK,
+  NUM_SLOTS
 };
 const char* const kSlotNames[NUM_SLOTS] = {
     "x", "weight", "bias", "residual", "y", "residual_out", "mean", "rstd", "dy",
-    "dresidual_out", "dx", "dw_partial", "db_partial", "M", "partial", "out", "out1", "R"};
+    "dresidual_out", "dx", "dw_partial", "db_partial", "M", "partial", "out", "out1", "R",
+    "dout", "rows_per_chunk"};
 
 // The kernels, in the order of kbuild/ops/resolve.py KERNELS.
 enum Kind : int8_t {
   RMSNORM_FWD, FUSED_ADD_RMSNORM_FWD, LAYERNORM_FWD, RMSNORM_BWD, FUSED_ADD_RMSNORM_BWD,
-  LAYERNORM_BWD, COLUMN_SUM, NUM_KINDS
+  LAYERNORM_BWD, COLUMN_SUM, BIAS_GRAD, NUM_KINDS
 };
 const char* const kKindNames[NUM_KINDS] = {
     "rmsnorm_fwd", "fused_add_rmsnorm_fwd", "layernorm_fwd", "rmsnorm_bwd",
-    "fused_add_rmsnorm_bwd", "layernorm_bwd", "column_sum"};
+    "fused_add_rmsnorm_bwd", "layernorm_bwd", "column_sum", "bias_grad"};
 
 // Flag bits of a key (what each kernel's bool parameters are made of, in resolve.py).
 constexpr uint8_t STATS = 1, DW = 2, DB = 4, DRES = 8;
@@ -143,6 +146,7 @@ struct Record {
   void* function = nullptr;
   unsigned block = 0, shared = 0;
   int64_t cluster = 1, rows_per_block = 1, resident_clusters = 1, columns_per_block = 1;
+  int64_t units = 1;  // the device's multiprocessors (the bias gradient's chunking)
   bool persistent = false;
   std::vector<int8_t> slots;
   std::string name;
@@ -199,8 +203,8 @@ const Record& record(const Key& key) {
       rethrow_python(e);
     }
     auto t = out.cast<py::tuple>();
-    TORCH_CHECK(t.size() == 10, "kbuild native: the resolver returned ", t.size(),
-                " fields, expected 10");
+    TORCH_CHECK(t.size() == 11, "kbuild native: the resolver returned ", t.size(),
+                " fields, expected 11");
     rec.function = reinterpret_cast<void*>(t[0].cast<uintptr_t>());
     rec.block = t[1].cast<unsigned>();
     rec.shared = t[2].cast<unsigned>();
@@ -214,6 +218,7 @@ const Record& record(const Key& key) {
       rec.slots.push_back(static_cast<int8_t>(s));
     }
     rec.name = t[9].cast<std::string>();
+    rec.units = t[10].cast<int64_t>();
   }
   std::lock_guard<std::mutex> lock(g_mutex);
   return g_records.emplace(key, std::move(rec)).first->second;  // a racing thread's wins
@@ -320,6 +325,32 @@ void launch_rows(const Key& key, const Tensor& like, int64_t M, uint64_t* slots)
   launch(k, grid, slots, current_stream(like), key.device);
 }
 
+// Sum the R rows of each of `planes` (1 or 2) fp32 (R, N) planes at `partial` in a fixed
+// order, in one launch of the column-sum kernel; one (N,) tensor of `dtype` per plane.
+std::vector<Tensor> column_sums(uint64_t partial, int planes, int64_t R, int64_t N,
+                                at::ScalarType dtype, const Tensor& like, void* stream) {
+  Key key = make_key(COLUMN_SUM, N, dtype_code(dtype), -1, -1, static_cast<uint8_t>(planes),
+                     0.0, 0, like);
+  key.aligned = true;  // not a parameter of the column sum
+  const Record& c = record(key);
+  uint64_t cs[NUM_SLOTS] = {};
+  cs[PARTIAL] = partial;
+  // Two planes (dw and db of one dtype): one allocation, a row each (an allocation costs
+  // more host time than a view).
+  auto options = like.options().dtype(dtype);
+  std::vector<Tensor> sums;
+  if (planes == 1) {
+    sums.push_back(at::empty({N}, options));
+  } else {
+    Tensor both = at::empty({planes, N}, options);
+    for (int i = 0; i < planes; ++i) sums.push_back(both.select(0, i));
+  }
+  for (int i = 0; i < planes; ++i) cs[i == 0 ? OUT : OUT1] = ptr(sums[i]);
+  cs[PARTIAL_ROWS] = static_cast<uint64_t>(R);
+  launch(c, planes * ceil_div(N, c.columns_per_block), cs, stream, key.device);
+  return sums;
+}
+
 // A backward kernel on a persistent grid: one fp32 partial row per block row for each wanted
 // parameter gradient, summed by the column-sum kernel in a fixed order. The grid is what the
 // device holds at once (fixed per device and kernel), so every bit of dw / db is the same on
@@ -351,32 +382,14 @@ std::vector<Tensor> launch_persistent(const Key& key, const Tensor& like, int64_
   launch(k, clusters * k.cluster, slots, stream, key.device);
 
   std::vector<Tensor> sums;
-  auto column_sum = [&](int first, int planes, at::ScalarType dtype) {
-    Key ck = make_key(COLUMN_SUM, N, dtype_code(dtype), -1, -1, static_cast<uint8_t>(planes),
-                      0.0, 0, like);
-    ck.aligned = true;  // not a parameter of the column sum
-    const Record& c = record(ck);
-    uint64_t cs[NUM_SLOTS] = {};
-    cs[PARTIAL] = base + plane_bytes * first;
-    // Two planes (dw and db of one dtype): one allocation, a row each (an allocation costs
-    // more host time than a view).
-    auto options = like.options().dtype(dtype);
-    size_t first_sum = sums.size();
-    if (planes == 1) {
-      sums.push_back(at::empty({N}, options));
-    } else {
-      Tensor both = at::empty({planes, N}, options);
-      for (int i = 0; i < planes; ++i) sums.push_back(both.select(0, i));
-    }
-    for (int i = 0; i < planes; ++i) cs[i == 0 ? OUT : OUT1] = ptr(sums[first_sum + i]);
-    cs[PARTIAL_ROWS] = static_cast<uint64_t>(rows);
-    launch(c, planes * ceil_div(N, c.columns_per_block), cs, stream, key.device);
-  };
   if (wanted.size() == 2 && wanted[0].scalar_type() == wanted[1].scalar_type()) {
-    column_sum(0, 2, wanted[0].scalar_type());
+    sums = column_sums(base, 2, rows, N, wanted[0].scalar_type(), like, stream);
   } else {
-    for (size_t i = 0; i < wanted.size(); ++i)
-      column_sum(static_cast<int>(i), 1, wanted[i].scalar_type());
+    for (size_t i = 0; i < wanted.size(); ++i) {
+      auto one = column_sums(base + plane_bytes * i, 1, rows, N, wanted[i].scalar_type(),
+                             like, stream);
+      sums.push_back(one[0]);
+    }
   }
   size_t next = 0;
   for (size_t i = 0; i < params.size(); ++i)
@@ -549,6 +562,39 @@ std::tuple<Tensor, Tensor, Tensor> layernorm_bwd_cuda(
           grads[1].defined() ? grads[1] : none()};
 }
 
+// The first pass's row chunks (kbuild/ops/encoder.py bias_chunks, the same formula): about
+// four blocks per multiprocessor in all, never chunks under 64 rows. Fixed by (M, kernel,
+// device), so the summation order and every bit of dbias are too.
+std::pair<int64_t, int64_t> bias_chunks(int64_t M, int64_t column_blocks, int64_t units) {
+  constexpr int64_t kMinChunkRows = 64;  // encoder.py MIN_CHUNK_ROWS
+  int64_t wanted = std::max<int64_t>(1, ceil_div(4 * units, column_blocks));
+  int64_t chunks = std::max<int64_t>(1, std::min(wanted, M / kMinChunkRows));
+  int64_t per_chunk = ceil_div(M, chunks);
+  return {ceil_div(M, per_chunk), per_chunk};
+}
+
+// dbias = dout summed over every row (fp32, two fixed-order passes: row chunks into fp32
+// partial rows, then the column sum), in dout's dtype.
+Tensor bias_grad_cuda(const Tensor& dout_) {
+  Tensor dout = dout_.contiguous();
+  auto [M, OC] = rows_of(dout);
+  c10::OptionalDeviceGuard guard(cuda_device(dout));
+  if (M == 0 || OC == 0) return at::zeros({OC}, dout.options());
+  uint64_t s[NUM_SLOTS] = {};
+  s[DOUT] = ptr(dout);
+  Key key = make_key(BIAS_GRAD, OC, dtype_code(dout.scalar_type()), -1, -1, 0, 0.0, s[DOUT],
+                     dout);
+  const Record& k = record(key);
+  int64_t column_blocks = ceil_div(OC, k.columns_per_block);
+  auto [chunks, per_chunk] = bias_chunks(M, column_blocks, k.units);
+  Tensor partial = at::empty({chunks, OC}, dout.options().dtype(at::kFloat));
+  s[PARTIAL] = ptr(partial), s[ROWS] = static_cast<uint64_t>(M);
+  s[ROWS_PER_CHUNK] = static_cast<uint64_t>(per_chunk);
+  void* stream = current_stream(dout);
+  launch(k, chunks * column_blocks, s, stream, key.device);
+  return column_sums(s[PARTIAL], 1, chunks, OC, dout.scalar_type(), dout, stream)[0];
+}
+
 // ------------------------------------------------------------------------------- autograd
 // The forward ops' autograd, as torch.autograd.Functions written in C++. The backward ops
 // have none: their kernels have no graph of their own (no double backward).
@@ -716,6 +762,33 @@ std::tuple<Tensor, Tensor, Tensor> layernorm_fwd_autograd(const Tensor& x,
   return {out[0], out[1], out[2]};
 }
 
+// y = x @ weight.T + bias by torch (cuBLAS, the bias in its epilogue); the backward's dx and
+// dweight are torch's matmuls, dbias kbuild's deterministic column sum. Not an operator: the
+// entry applies it eagerly (torch.compile traces the Python LinearFunction instead).
+struct LinearFunction : torch::autograd::Function<LinearFunction> {
+  static variable_list forward(AutogradContext* ctx, const Tensor& x, const Tensor& w,
+                               const Tensor& b) {
+    ctx->save_for_backward({x, w});
+    return {at::linear(x, w, b)};
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const Tensor& dy = grads[0];
+    if (!dy.defined()) return variable_list(3);
+    auto saved = ctx->get_saved_variables();
+    const Tensor &x = saved[0], &w = saved[1];
+    Tensor dy2 = dy.reshape({-1, dy.size(-1)});
+    Tensor dx, dw, db;
+    if (ctx->needs_input_grad(0)) dx = at::matmul(dy, w);
+    if (ctx->needs_input_grad(1)) dw = dy2.t().mm(x.reshape({-1, x.size(-1)}));
+    if (ctx->needs_input_grad(2)) {
+      BelowAutograd below;
+      static auto bias_grad = op<Tensor(const Tensor&)>("kbuild::bias_grad");
+      db = bias_grad.call(dy2);
+    }
+    return {dx, dw, db};
+  }
+};
+
 // ------------------------------------------------------------------------- public entries
 // kbuild.rmsnorm & co. hand their arguments here first. The common case (exact torch.Tensor or
 // Parameter CUDA tensors of a kernel dtype, parameters of the right shape, dtype and device, a
@@ -805,9 +878,27 @@ py::object fused_add_rmsnorm_entry(py::handle x_, py::handle r_, py::handle w_,
   return py::make_tuple(wrap(std::move(out)), wrap(std::move(residual_out)));
 }
 
+// kbuild.linear's common case: exact CUDA tensors of one kernel dtype on one device, shapes
+// that match, a bias that needs its gradient, no autocast. Everything else: None (Python).
+py::object linear_entry(py::handle x_, py::handle w_, py::handle b_) {
+  const Tensor* x = cuda_tensor(x_);
+  const Tensor* w = cuda_tensor(w_);
+  const Tensor* b = cuda_tensor(b_);
+  if (x == nullptr || w == nullptr || b == nullptr || w->dim() != 2 || b->dim() != 1 ||
+      w->size(1) != x->size(-1) || b->size(0) != w->size(0))
+    return py::none();
+  auto dt = x->scalar_type();
+  if (w->scalar_type() != dt || b->scalar_type() != dt || w->device() != x->device() ||
+      b->device() != x->device() || at::autocast::is_autocast_enabled(x->device().type()))
+    return py::none();
+  if (!at::GradMode::is_enabled() || !b->requires_grad()) return wrap(at::linear(*x, *w, *b));
+  return wrap(LinearFunction::apply(*x, *w, *b)[0]);
+}
+
 }  // namespace kbuild
 
 TORCH_LIBRARY_IMPL(kbuild, CUDA, m) {
+  m.impl("bias_grad", &kbuild::bias_grad_cuda);
   m.impl("rmsnorm_fwd", &kbuild::rmsnorm_fwd_cuda);
   m.impl("rmsnorm_bwd", &kbuild::rmsnorm_bwd_cuda);
   m.impl("fused_add_rmsnorm_fwd", &kbuild::fused_add_rmsnorm_fwd_cuda);
@@ -829,6 +920,7 @@ PYBIND11_MODULE(KBUILD_EXTENSION_NAME, m) {
   m.def("rmsnorm", &rmsnorm_entry);
   m.def("layernorm", &layernorm_entry);
   m.def("fused_add_rmsnorm", &fused_add_rmsnorm_entry);
+  m.def("linear", &linear_entry);
   m.def("rmsnorm_fwd", [](const Tensor& x, const optional<Tensor>& w, double eps, bool store) {
     static auto fwd = op<RmsFwd>("kbuild::rmsnorm_fwd");
     return fwd.call(x, w, eps, store);
@@ -851,6 +943,7 @@ PYBIND11_MODULE(KBUILD_EXTENSION_NAME, m) {
   m.def("fused_add_rmsnorm_bwd_cuda", &fused_add_rmsnorm_bwd_cuda);
   m.def("layernorm_fwd_cuda", &layernorm_fwd_cuda);
   m.def("layernorm_bwd_cuda", &layernorm_bwd_cuda);
+  m.def("bias_grad_cuda", &bias_grad_cuda);
   m.def("set_resolver", [](py::object fn) {
     delete g_resolver;
     g_resolver = new py::object(std::move(fn));

@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import torch
 
+from . import api
 from .common import check_input, contiguous, device_guard
+from .custom_ops import NATIVE
 from .encoder import (
     INDEX_NAMES,
     bias_grad_reference,
@@ -88,7 +90,8 @@ for _name, _cpu, _cuda in (
     ("bias_grad", _bias_grad_cpu, _bias_grad_cuda),
 ):
     _lib.impl(_name, _cpu, "CPU")
-    _lib.impl(_name, _cuda, "CUDA")
+    if _name != "bias_grad" or NATIVE is None:  # the extension's C++ kernel, where it loads
+        _lib.impl(_name, _cuda, "CUDA")
 
 
 @torch.library.register_fake("kbuild::encoder_fwd", lib=_lib)
@@ -274,7 +277,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """torch.nn.functional.linear whose bias gradient is kbuild's deterministic column sum.
 
     x: (..., IN); weight: (OUT, IN); bias: (OUT,) or None; one float dtype and device (under
-    torch.autocast, any: autocast casts them, fp32 master weights included)."""
+    torch.autocast, any: autocast casts them, fp32 master weights included). Eager CUDA
+    calls run forward and backward in C++ (kbuild/native) where the extension loads."""
+    if api._native is not None and not torch.compiler.is_compiling():
+        y = api._native.linear(x, weight, bias)  # the common CUDA case, whole, in C++
+        if y is not None:
+            return y
     check_input("x", x)
     check_input("weight", weight)
     if weight.dim() != 2 or weight.shape[1] != x.shape[-1]:

@@ -3,22 +3,23 @@
 The extension (kbuild/native/kbuild_native.cpp) keys its kernels by (kernel, N, dtype,
 weight dtype, aux dtype, flags, eps, aligned, device). On a miss it calls `resolve` with those
 fields; this turns them into the kernel table's parameter values, exactly as the Python launch
-functions of ops/rmsnorm.py and ops/layernorm.py do (a CPU test holds the two to the same
-specs and launches), loads the kernel through `launcher_for` (the memory and disk tiers), and
-returns what a launch needs: the driver function handle, block, shared memory, grid shape and
-the argument slots in the table's order.
+functions (ops/rmsnorm.py, layernorm.py, encoder.py's bias_grad) do (a CPU test holds the two
+to the same specs and launches), loads the kernel through `launcher_for` (the memory and disk
+tiers), and returns what a launch needs: the driver function handle, block, shared memory,
+grid shape and the argument slots in the table's order.
 """
 
 from __future__ import annotations
 
 from ..kernels.table import KERNELS as TABLE
 from ..spec import Scalar
+from . import encoder
 from .launch import launcher_for
 
 # The extension's kernel codes, in order (its `kernel_names`; a test compares them).
 NATIVE_KERNELS = (
     "rmsnorm_fwd", "fused_add_rmsnorm_fwd", "layernorm_fwd", "rmsnorm_bwd",
-    "fused_add_rmsnorm_bwd", "layernorm_bwd", "column_sum",
+    "fused_add_rmsnorm_bwd", "layernorm_bwd", "column_sum", "bias_grad",
 )  # fmt: skip
 KERNELS = {name: TABLE[name] for name in NATIVE_KERNELS}
 # Flag bits of a key, and the argument slots (the extension's `slot_names`, in its order).
@@ -26,6 +27,7 @@ STATS, DW, DB, DRES = 1, 2, 4, 8
 SLOT_NAMES = (
     "x", "weight", "bias", "residual", "y", "residual_out", "mean", "rstd", "dy",
     "dresidual_out", "dx", "dw_partial", "db_partial", "M", "partial", "out", "out1", "R",
+    "dout", "rows_per_chunk",
 )  # fmt: skip
 SLOTS = {name: i for i, name in enumerate(SLOT_NAMES)}
 
@@ -55,10 +57,12 @@ def values(
         return (N, dtype, weight, bool(flags & DW), bool(flags & DB), aligned)
     if kernel == "column_sum":
         return (N, dtype, flags)
+    if kernel == "bias_grad":
+        return (N, dtype, aligned)
     raise ValueError(f"kbuild native: unknown kernel {kernel!r}")
 
 
-def launch_record(launcher, name: str) -> tuple:
+def launch_record(launcher, name: str, units: int = 1) -> tuple:
     """What the extension keeps of a loaded kernel (see Record in kbuild_native.cpp)."""
     missing = [name for name in launcher.names if name not in SLOTS]
     if missing:  # e.g. a trace build: the hot path launches production kernels only
@@ -74,9 +78,11 @@ def launch_record(launcher, name: str) -> tuple:
         int(launcher.meta.get("columns_per_block", 1)),
         [SLOTS[name] for name in launcher.names],
         name,
+        units,  # the device's multiprocessors, for kernels whose grid is sized by them
     )
 
 
 def resolve(kernel, device, N, dtype, weight, aux, flags, eps, aligned) -> tuple:
     kdef, vals = KERNELS[kernel], values(kernel, N, dtype, weight, aux, flags, eps, aligned)
-    return launch_record(launcher_for(kdef, device, vals), kdef.spec(*vals).short())
+    units = encoder._units(device) if kernel == "bias_grad" else 1
+    return launch_record(launcher_for(kdef, device, vals), kdef.spec(*vals).short(), units)
