@@ -406,13 +406,14 @@ def test_backward_materialises_no_zeros(op):
         (300, 768, "bf16", False),
         (64, 40, "f32", False),
         (7, 96, "f16", True),
-        (5000, 64, "bf16", False),
+        (1000, 4096, "bf16", False),
     ],
 )
 def test_bias_grad_launches_match_python(recorder, monkeypatch, M, OC, dtype, offset):
     """The same bias_grad spec, chunk grid, rows per chunk and column sum as the Python
     launch (ops/encoder.py), with the device's multiprocessor count from the resolver: a
-    C++ chunking that drifted from bias_chunks would sum in another order (other bits)."""
+    C++ chunking that drifted from bias_chunks would sum in another order (other bits).
+    (1000, 4096): fewer chunks than M // 64 allows, so the per-multiprocessor target shows."""
     monkeypatch.setattr(encoder_ops, "_units", lambda device: 132)
     dout = _t((M, OC), dtype, offset)
     python_log, native_log = _both(
