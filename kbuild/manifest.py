@@ -42,6 +42,10 @@ TEST_N = (1, 7, 127, 768, 1000, 4096, 5120, 8192, 12288, 16384, 65536)
 TEST_M = (0, 1, 3, 4096)
 TEST_EPS = (1e-6, 1e-2)
 BENCH_N = (1024, 2048, 4096, 8192, 16384, 65536)
+OFFSET_N = (128, 4096, 65536)  # the weight offset (Gemma) in the GPU tests
+STREAM_N = (1024, 4096)  # an fp32 residual stream (test_fp32_residual_stream_trains)
+QK_N = (64, 128, 256)  # QK-norm rows (head_dim) in bench/bench_variants.py
+STREAM_BENCH_N = (4096, 8192)  # the fp32 residual stream in bench/bench_variants.py
 BENCH_ELEMENTS = 64 * 2**20  # M * N for every bandwidth benchmark shape
 BENCH_DTYPE = "bf16"
 TINY_SHAPE = (4, 4096)  # host-overhead benchmark
@@ -66,25 +70,33 @@ def residual_dtypes(dtype: str) -> tuple[str, ...]:
 
 
 def _rmsnorm_family(
-    N: int, dtype: str, w: str | None, bench: bool = False, eps: float = 1e-6
+    N: int, dtype: str, w: str | None, bench: bool = False, eps: float = 1e-6, offset=0.0
 ) -> Iterator[KernelSpec]:
     """Every kernel one RMSNorm training step (and its inference call) launches."""
-    yield rmsnorm_fwd_spec(N, dtype, w, False, eps)
-    yield rmsnorm_fwd_spec(N, dtype, w, True, eps)
-    yield rmsnorm_bwd_spec(N, dtype, w, True)
+    yield rmsnorm_fwd_spec(N, dtype, w, False, eps, offset=offset)
+    yield rmsnorm_fwd_spec(N, dtype, w, True, eps, offset=offset)
+    yield rmsnorm_bwd_spec(N, dtype, w, True, offset=offset)
     if w is not None:
         yield column_sum_spec(N, w)
         if not bench:
-            yield rmsnorm_bwd_spec(N, dtype, w, False)  # frozen weight
+            yield rmsnorm_bwd_spec(N, dtype, w, False, offset=offset)  # frozen weight
 
 
 def _fused_family(
-    N: int, dtype: str, w: str | None, residual: str, eps: float = 1e-6
+    N: int, dtype: str, w: str | None, residual: str, eps: float = 1e-6, offset=0.0
 ) -> Iterator[KernelSpec]:
-    for store_rstd in (False, True):
-        yield fused_add_rmsnorm_fwd_spec(N, dtype, w, residual, store_rstd, eps)
-    for has_dres in (False, True):
-        yield fused_add_rmsnorm_bwd_spec(N, dtype, w, residual, has_dres, True)
+    """A fused step's kernels; with an fp32 residual_out of 16-bit x, also those of the
+    stream's later layers (the residual comes in fp32, its gradient goes out in fp32)."""
+    stream = (None, "f32") if residual == "f32" and dtype != "f32" else (None,)
+    for res_in in stream:
+        for store_rstd in (False, True):
+            yield fused_add_rmsnorm_fwd_spec(
+                N, dtype, w, residual, store_rstd, eps, offset=offset, residual_in_dtype=res_in
+            )
+        for has_dres in (False, True):
+            yield fused_add_rmsnorm_bwd_spec(
+                N, dtype, w, residual, has_dres, True, offset=offset, dresidual_dtype=res_in
+            )
     if w is not None:
         yield column_sum_spec(N, w)
 
@@ -177,6 +189,13 @@ def _tests() -> Iterator[KernelSpec]:
     yield from _layernorm_family(TRAIN_N, TRAIN_DTYPE, TRAIN_DTYPE, TRAIN_DTYPE)
     yield rmsnorm_fwd_spec(4096, "f32", "f32", False, 1e-2)
     yield rmsnorm_fwd_spec(4096, "bf16", "bf16", False, 1e-6, vectorize=False)
+    for N in STREAM_N:
+        yield from _fused_family(N, "bf16", "f32", "f32")
+    for N in OFFSET_N:  # Gemma's weight offset (test_rmsnorm_bwd_gpu.test_weight_offset)
+        yield rmsnorm_fwd_spec(N, "bf16", "bf16", False, 1e-6)  # its bf16-first variant
+        for w in ("bf16", "f32"):
+            yield from _rmsnorm_family(N, "bf16", w, offset=1.0)
+            yield from _fused_family(N, "bf16", w, "bf16", offset=1.0)
     for dtype in ENCODER_DTYPES:
         for C in ENCODER_C:
             yield from _encoder_family(C, dtype)
@@ -187,9 +206,14 @@ def _tests() -> Iterator[KernelSpec]:
 def _bench() -> Iterator[KernelSpec]:
     for N in BENCH_N:
         yield from _rmsnorm_family(N, BENCH_DTYPE, BENCH_DTYPE, bench=True)
+        yield from _rmsnorm_family(N, BENCH_DTYPE, BENCH_DTYPE, bench=True, offset=1.0)
         yield from _fused_family(N, BENCH_DTYPE, BENCH_DTYPE, BENCH_DTYPE)
         yield from _layernorm_family(N, BENCH_DTYPE, BENCH_DTYPE, BENCH_DTYPE)
     yield from _rmsnorm_family(TINY_SHAPE[1], BENCH_DTYPE, BENCH_DTYPE, bench=True)
+    for N in QK_N:
+        yield from _rmsnorm_family(N, BENCH_DTYPE, BENCH_DTYPE, bench=True)
+    for N in STREAM_BENCH_N:
+        yield from _fused_family(N, BENCH_DTYPE, "f32", "f32")
     for C in BENCH_C:
         yield from _encoder_family(C, BENCH_DTYPE, ("i64",))
         yield from _bias_family(C, BENCH_DTYPE)

@@ -46,18 +46,42 @@ def _check_last_dim(module: torch.nn.Module, x: torch.Tensor) -> None:
 class RMSNorm(torch.nn.RMSNorm):
     """torch.nn.RMSNorm computed by kbuild.rmsnorm. eps=None means what it means in torch:
     the machine epsilon of the computation type, fp32 for every input kbuild takes (so
-    finfo(float32).eps for bf16 and fp16 too, not the 16-bit type's own)."""
+    finfo(float32).eps for bf16 and fp16 too, not the 16-bit type's own).
+
+    `offset`: y = x_hat * (offset + weight), the offset added in fp32 inside the kernels
+    (Gemma's RMSNorm: offset=1.0, its weight stored around 0 and initialised to zeros here).
+    """
 
     def __init__(
-        self, normalized_shape, eps=None, elementwise_affine=True, device=None, dtype=None
+        self,
+        normalized_shape,
+        eps=None,
+        elementwise_affine=True,
+        device=None,
+        dtype=None,
+        offset: float = 0.0,
     ):
         _last_dim_only("RMSNorm", normalized_shape)
+        if isinstance(offset, bool) or not isinstance(offset, (int, float)):
+            raise TypeError(f"offset must be a float, got {type(offset).__name__}")
+        if offset != 0 and not elementwise_affine:
+            raise ValueError(
+                "offset scales the weight (offset + weight): it needs elementwise_affine"
+            )
         super().__init__(normalized_shape, eps, elementwise_affine, device, dtype)
+        self.offset = float(offset)
+        if self.offset and self.weight is not None:
+            with torch.no_grad():  # the module starts as the identity scale, as Gemma's does
+                self.weight.fill_(1.0 - self.offset)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         _check_last_dim(self, x)
         eps = self.eps if self.eps is not None else _FP32_EPS
-        return rmsnorm(x, self.weight, eps)
+        return rmsnorm(x, self.weight, eps, self.offset)
+
+    def extra_repr(self) -> str:
+        text = super().extra_repr()
+        return f"{text}, offset={self.offset}" if self.offset else text
 
 
 class LayerNorm(torch.nn.LayerNorm):
@@ -142,9 +166,14 @@ def _hf_eps(module: torch.nn.Module) -> float | None:
     return None
 
 
-def _plan(module: torch.nn.Module) -> tuple[_Key, Callable[[torch.nn.Module], Module]] | None:
-    """(cache key, build) for a module kbuild might replace, or None where its structure rules
-    it out. build(m) returns the kbuild module holding m's own Parameter objects."""
+_Build = Callable[[torch.nn.Module], Module]
+
+
+def _plan(module: torch.nn.Module) -> tuple[_Key, list[_Build]] | None:
+    """(cache key, builds) for a module kbuild might replace, or None where its structure rules
+    it out. Each build(m) returns a kbuild module holding m's own Parameter objects; the
+    builds are the readings of the module's math to check, in order (a Hugging Face RMSNorm:
+    x_hat * w, then Gemma's x_hat * (1 + w))."""
     if isinstance(module, (RMSNorm, LayerNorm)):  # kbuild's own, subclasses included
         return None
     if any(getattr(module, hooks, None) for hooks in _HOOK_DICTS):
@@ -163,7 +192,7 @@ def _plan(module: torch.nn.Module) -> tuple[_Key, Callable[[torch.nn.Module], Mo
             new.weight, new.bias = m.weight, m.bias
             return new
 
-        return (type(module), "LayerNorm", params, module.eps), build
+        return (type(module), "LayerNorm", params, module.eps), [build]
     if isinstance(module, torch.nn.RMSNorm):
         expected = ("weight",) if module.elementwise_affine else ()
         if len(module.normalized_shape) != 1 or params != expected:
@@ -174,19 +203,22 @@ def _plan(module: torch.nn.Module) -> tuple[_Key, Callable[[torch.nn.Module], Mo
             new.weight = m.weight
             return new
 
-        return (type(module), "RMSNorm", params, module.eps), build
+        return (type(module), "RMSNorm", params, module.eps), [build]
     weight, eps = getattr(module, "weight", None), _hf_eps(module)
     if params != ("weight",) or not isinstance(weight, torch.nn.Parameter) or weight.ndim != 1:
         return None
     if eps is None:
         return None
 
-    def build(m: torch.nn.Module) -> Module:
-        new = RMSNorm(m.weight.shape[0], _hf_eps(m), device="meta")
-        new.weight = m.weight
-        return new
+    def reading(offset: float) -> _Build:
+        def build(m: torch.nn.Module) -> Module:
+            new = RMSNorm(m.weight.shape[0], _hf_eps(m), device="meta", offset=offset)
+            new.weight = m.weight
+            return new
 
-    return (type(module), "hf", params, eps), build
+        return build
+
+    return (type(module), "hf", params, eps), [reading(0.0), reading(1.0)]
 
 
 def _probe_input(n: int, eps: float, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -230,7 +262,7 @@ def _same_math(probe: torch.nn.Module, ours: Module, eps: float) -> bool:
     return bool(torch.all((theirs - mine).abs() <= atol + rtol * mine.abs()))
 
 
-def _passes(module: torch.nn.Module, build: Callable[[torch.nn.Module], Module]) -> bool:
+def _passes(module: torch.nn.Module, build: _Build) -> bool:
     try:
         probe = copy.deepcopy(module)
     except Exception:
@@ -262,8 +294,11 @@ def swap_norms(model: torch.nn.Module) -> list[str]:
     within a tolerance per dtype (`_SWAP_TOL`). The verdict is cached for this call per (class,
     structure, eps) and device/dtype, so a model of 100 norms of one class checks once.
 
-    Left alone (and not listed): modules whose math differs (Gemma's x_hat * (1 + weight), eps
-    outside the root, ...: whatever the class is called); norms over more than the last
+    Gemma-style RMSNorm classes (x_hat * (1 + weight), GemmaRMSNorm, Gemma3RMSNorm, ...) are
+    recognised by the same check and become kbuild.nn.RMSNorm(offset=1.0).
+
+    Left alone (and not listed): modules whose math differs (eps outside the root, a weight
+    added rather than multiplied, ...: whatever the class is called); norms over more than the last
     dimension; modules with extra parameters, buffers or children (their state_dict keys would
     change); modules on the meta device or in dtypes kbuild does not take (nothing to check
     on); modules with any forward, backward or state_dict hooks (moving hooks to the
@@ -280,7 +315,7 @@ def swap_norms(model: torch.nn.Module) -> list[str]:
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    verdicts: dict[_Key, bool] = {}
+    verdicts: dict[_Key, _Build | None] = {}  # the build whose math matched, if any
     replacements: dict[int, Module | None] = {}
     slots = [(path, child) for path, child in model.named_modules(remove_duplicate=False) if path]
     swapped = []
@@ -289,13 +324,13 @@ def swap_norms(model: torch.nn.Module) -> list[str]:
             replacements[id(child)] = None
             plan = _plan(child)
             if plan is not None:
-                key, build = plan
+                key, builds = plan
                 param = next(child.parameters(), None)
                 key += (None,) if param is None else (param.device, param.dtype)
                 if key not in verdicts:
-                    verdicts[key] = _passes(child, build)
-                if verdicts[key]:
-                    replacements[id(child)] = build(child).train(child.training)
+                    verdicts[key] = next((b for b in builds if _passes(child, b)), None)
+                if verdicts[key] is not None:
+                    replacements[id(child)] = verdicts[key](child).train(child.training)
         new = replacements[id(child)]
         if new is not None:
             parent, _, name = path.rpartition(".")

@@ -24,8 +24,9 @@ def rmsnorm_ref(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> tor
     return y.to(x.dtype)
 
 
-def rmsnorm_grads(x, weight, dy, eps, residual=None, dresidual_out=None):
-    """fp64 autograd through rmsnorm_ref (of x + residual for the fused form).
+def rmsnorm_grads(x, weight, dy, eps, residual=None, dresidual_out=None, offset=0.0):
+    """fp64 autograd through rmsnorm_ref (of x + residual for the fused form), the weight
+    read as offset + weight (Gemma) when `offset` is given.
 
     Returns (y, dx, dw, residual_out): dx is the gradient w.r.t. x (equal to the residual's
     in the fused form), dw None without a weight.
@@ -35,7 +36,7 @@ def rmsnorm_grads(x, weight, dy, eps, residual=None, dresidual_out=None):
     added = xd if residual is None else xd + residual.detach().double()
     y = added * torch.rsqrt(added.square().mean(-1, keepdim=True) + eps)
     if wd is not None:
-        y = y * wd
+        y = y * (wd + offset)
     loss = (y * dy.double()).sum()
     if dresidual_out is not None:
         loss = loss + (added * dresidual_out.double()).sum()

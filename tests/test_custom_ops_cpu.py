@@ -190,10 +190,16 @@ def test_fused_add_rmsnorm_bwd_op(dtype, wdtype, rdtype, need_dw, has_dres):
     residual_out, w, dy = _x(rdtype, 0), _param(wdtype, 1, 1.0), _x(dtype, 2)
     dres = _x(rdtype, 4) if has_dres else None
     rstd = _rms_rstd(residual_out).float()
-    dsum, dw = OPS.fused_add_rmsnorm_bwd(dy, dres, residual_out, w, rstd, need_dw)
+    dsum, dres_in, dw = OPS.fused_add_rmsnorm_bwd(dy, dres, residual_out, w, rstd, need_dw)
     _, ref_dsum, ref_dw, _ = rmsnorm_grads(residual_out, w, dy, EPS, dresidual_out=dres)
     _grad(dsum, ref_dsum, dtype, dtype, "d(x + residual)")
     _grad(dw, ref_dw if need_dw else None, wdtype, dtype, "dw")
+    assert dres_in.numel() == 0
+    if dtype != torch.float32:  # an fp32 residual stream: its gradient again, in fp32
+        args = (dy, dres, residual_out, w, rstd, need_dw, 0.0, torch.float32)
+        dsum2, dres32, _ = OPS.fused_add_rmsnorm_bwd(*args)
+        assert torch.equal(dsum2, dsum) and dres32.dtype == torch.float32
+        _grad(dres32, ref_dsum, torch.float32, dtype, "d(residual) fp32")
 
 
 @pytest.mark.parametrize("needs", list(itertools.product(TRUE_FALSE, repeat=3)), ids=_ids)

@@ -103,7 +103,7 @@ def test_fused_arguments(recorder, with_dres, residual_dtype):
     recorder.calls.clear()
     dy = _t(4, 64)
     dres = torch.randn(4, 64).to(residual_dtype) if with_dres else None
-    dsum, dw = rmsnorm.fused_add_rmsnorm_bwd(dy, dres, res, w, rstd, need_dw=True)
+    dsum, _, dw = rmsnorm.fused_add_rmsnorm_bwd(dy, dres, res, w, rstd, need_dw=True)
     spec, _, args = recorder.calls[0]
     assert spec.kernel == "fused_add_rmsnorm_bwd" and spec["has_dresidual_out"] == with_dres
     assert args.pop("x") == _ptr(res) and args.pop("weight") == _ptr(w)

@@ -17,7 +17,19 @@ import torch
 import torch.nn.functional as F
 
 import kbuild
-from kbuild.manifest import BENCH_N, DTYPES, TEST_N, TINY_SHAPE, TRAIN_DTYPE, TRAIN_N, manifest
+from kbuild.manifest import (
+    BENCH_N,
+    DTYPES,
+    OFFSET_N,
+    QK_N,
+    STREAM_BENCH_N,
+    STREAM_N,
+    TEST_N,
+    TINY_SHAPE,
+    TRAIN_DTYPE,
+    TRAIN_N,
+    manifest,
+)
 from kbuild.ops.rmsnorm import rmsnorm_fwd_spec
 
 from . import multi_gpu_worker, test_multi_gpu
@@ -32,6 +44,7 @@ from .gpu_cases import (
 from .launch_recorder import TORCH, Tier, install, layernorm, pretend_cuda, rmsnorm
 from .launch_recorder import zeros as _t
 from .test_rmsnorm_bwd_gpu import _Block as TrainBlock
+from .test_rmsnorm_bwd_gpu import _Stream
 
 
 @pytest.fixture
@@ -122,6 +135,15 @@ def _rmsnorm_bwd_gpu(tier):
         w = _p(N, "bf16", grad=True)
         _grad(kbuild.rmsnorm(x, w), [w], dy)
         _grad(kbuild.fused_add_rmsnorm(x, r, w)[0], [w], dy)
+    for N in OFFSET_N:  # test_weight_offset
+        for w_dtype in ("bf16", "f32"):
+            x, w, dy = _x(300, N, "bf16", grad=True), _p(N, w_dtype, grad=True), _x(300, N, "bf16")
+            _grad(kbuild.rmsnorm(x, w, 1e-6, offset=1.0), [x, w], dy)
+            y = kbuild.fused_add_rmsnorm(x, torch.zeros_like(x), w, 1e-6, False, offset=1.0)
+            _grad(y, [x, w], dy)
+            kbuild.rmsnorm(x.detach(), _p(N, "bf16"), 1e-6)  # the bf16-first variant
+    for width in STREAM_N:  # test_fp32_residual_stream_trains
+        _Stream(width, 4, "kbuild")(_x(512, width, "bf16")).backward()
     # test_compiled_training_matches_eager's model, eagerly: torch.compile calls the kbuild::*
     # custom ops, which launch the same kernels (it cannot trace tensors that pretend CUDA).
     TrainBlock(TRAIN_N).to(TORCH[TRAIN_DTYPE])(_x(16, TRAIN_N, TRAIN_DTYPE)).backward()
@@ -181,6 +203,21 @@ def _bench(tier):
         _grad(kbuild.rmsnorm(xg, wg), [xg, wg], dy)
         _grad(list(kbuild.fused_add_rmsnorm(xg, rg, wg)), [xg, rg, wg], [dy, dy])
         _grad(kbuild.layernorm(xg, wg, bg), [xg, wg, bg], dy)
+    for N in BENCH_N:  # bench_variants.py: the weight offset, inference and training
+        x, w, dy = _x(1, N, "bf16"), _p(N, "bf16"), _x(1, N, "bf16")
+        kbuild.rmsnorm(x, w, 1e-6, offset=1.0)
+        xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+        _grad(kbuild.rmsnorm(xg, wg, 1e-6, offset=1.0), [xg, wg], dy)
+    for N in QK_N:  # bench_variants.py: QK-norm rows
+        x, w, dy = _x(1, N, "bf16"), _p(N, "bf16"), _x(1, N, "bf16")
+        kbuild.rmsnorm(x, w, 1e-6)
+        xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+        _grad(kbuild.rmsnorm(xg, wg, 1e-6), [xg, wg], dy)
+    for N in STREAM_BENCH_N:  # bench_variants.py: the fp32 residual stream
+        x, r, w = _x(1, N, "bf16"), _x(1, N, "f32"), _p(N, "f32")
+        kbuild.fused_add_rmsnorm(x, r, w, 1e-6)
+        xg, rg, wg = (t.clone().requires_grad_() for t in (x, r, w))
+        _grad(list(kbuild.fused_add_rmsnorm(xg, rg, wg, 1e-6)), [xg, rg, wg], [x, r])
     M, N = TINY_SHAPE  # bench_rmsnorm.host_overhead
     x, w = _x(M, N, "bf16"), _p(N, "bf16")
     kbuild.rmsnorm(x, w, 1e-6)
@@ -210,6 +247,10 @@ GPU_RUNS = {
             "fused_add_rmsnorm_bwd has_dresidual_out=False residual_dtype=f32",
             "fused_add_rmsnorm_bwd has_dresidual_out=True dtype=f16",
             f"fused_add_rmsnorm_bwd N={TRAIN_N} dtype={TRAIN_DTYPE}",
+            "rmsnorm_bwd N=128 offset=1.0 weight_dtype=f32",
+            "fused_add_rmsnorm_fwd N=65536 offset=1.0 store_rstd=True",
+            "fused_add_rmsnorm_fwd N=4096 residual_in_dtype=f32 weight_dtype=f32",
+            "fused_add_rmsnorm_bwd N=1024 dresidual_dtype=f32 has_dresidual_out=True",
         ),
     ),
     "test_layernorm_gpu": (
@@ -223,7 +264,15 @@ GPU_RUNS = {
         ),
     ),
     "test_multi_gpu": (_multi_gpu, "tests", (f"layernorm_bwd N={TRAIN_N} dtype={TRAIN_DTYPE}",)),
-    "bench": (_bench, "bench", tuple(f"layernorm_bwd N={N} dtype=bf16" for N in BENCH_N)),
+    "bench": (
+        _bench,
+        "bench",
+        (
+            *(f"layernorm_bwd N={N} dtype=bf16" for N in BENCH_N),
+            "rmsnorm_bwd N=65536 offset=1.0",
+            "rmsnorm_bwd N=128 compute_dw=True",
+        ),
+    ),
 }
 
 

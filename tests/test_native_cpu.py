@@ -492,3 +492,117 @@ def test_linear_entry_declines_autocast(hooked):
 def test_bias_grad_has_the_extensions_cuda_kernel():
     assert torch._C._dispatch_has_kernel_for_dispatch_key("kbuild::bias_grad", "CUDA")
     assert kbuild_ref.linear.__module__ == "kbuild.ops.llmc"
+
+
+# --- the weight offset ----------------------------------------------------------------------
+
+
+def test_offset_launches_match_python(recorder):
+    """The offset reaches the spec of every RMSNorm kernel, forward and backward, the same on
+    both paths; a record keyed without it would launch offset 0's kernel for offset 1."""
+    t = _inputs(6, 64, "bf16", "bf16")
+    x, r, w, dy, rstd = t["x"], t["residual"], t["weight"], t["dy"], t["rstd"]
+    bf16 = torch.bfloat16
+    for c in (0.0, 1.0):
+        calls = [
+            (lambda c=c: rmsnorm.rmsnorm_fwd(x, w, 1e-6, True, c),
+             lambda c=c: NATIVE.rmsnorm_fwd_cuda(x, w, 1e-6, True, c)),
+            (lambda c=c: rmsnorm.fused_add_rmsnorm_fwd(x, r, w, 1e-6, bf16, True, c),
+             lambda c=c: NATIVE.fused_add_rmsnorm_fwd_cuda(x, r, w, 1e-6, bf16, True, c)),
+            (lambda c=c: rmsnorm.rmsnorm_bwd(dy, x, w, rstd, True, c),
+             lambda c=c: NATIVE.rmsnorm_bwd_cuda(dy, x, w, rstd, True, True, c)),
+            (lambda c=c: rmsnorm.fused_add_rmsnorm_bwd(dy, None, x, w, rstd, True, c),
+             lambda c=c: NATIVE.fused_add_rmsnorm_bwd_cuda(dy, None, x, w, rstd, True, c)),
+        ]  # fmt: skip
+        for py_call, native_call in calls:
+            python_log, native_log = _both(recorder, py_call, native_call, t)
+            assert native_log == python_log
+            assert native_log[0][0].kwargs.get("offset", 0.0) == c
+            recorder.launches.clear()
+
+
+def test_entries_take_the_offset(hooked, monkeypatch):
+    """The entries pass the offset through (forward and, saved, to the backward) and decline
+    what the Python checks must refuse."""
+    monkeypatch.setattr(api, "_native", None)
+    x = torch.randn(5, 48, requires_grad=True)
+    w = torch.nn.Parameter(torch.randn(48) * 0.01)
+    dy = torch.randn(5, 48)
+    for native_call, python_call in (
+        (lambda: NATIVE.rmsnorm(x, w, 1e-6, 1.0), lambda: kbuild_ref.rmsnorm(x, w, 1e-6, 1.0)),
+        (
+            lambda: NATIVE.fused_add_rmsnorm(x, x, w, 1e-6, False, False, 1.0),
+            lambda: kbuild_ref.fused_add_rmsnorm(x, x, w, 1e-6, False, False, 1.0),
+        ),
+    ):
+        got, want = native_call(), python_call()
+        torch.testing.assert_close(got, want)
+        for g, e in zip(
+            torch.autograd.grad(got, [x, w], dy), torch.autograd.grad(want, [x, w], dy), strict=True
+        ):
+            torch.testing.assert_close(g, e)
+    assert torch.equal(NATIVE.rmsnorm(x, w, 1e-6, None), NATIVE.rmsnorm(x, w, 1e-6, 0.0))
+    for bad in (1, float("inf"), float("nan"), True):
+        assert NATIVE.rmsnorm(x, w, 1e-6, bad) is None
+    assert NATIVE.rmsnorm(x, None, 1e-6, 1.0) is None  # an offset with no weight: an error
+
+
+def test_fp32_residual_stream_launches_match_python(recorder):
+    """An fp32 residual with a bf16 x: the forward reads it as fp32 (residual_in_dtype) and
+    the backward writes d(residual) in fp32 beside dx (dresidual_dtype, its own pointer), on
+    both paths alike; keyed apart from the bf16-residual kernels."""
+    t = _inputs(6, 64, "bf16", "bf16")
+    x, w, dy, rstd = t["x"], t["weight"], t["dy"], t["rstd"]
+    r32 = _t((6, 64), "f32")
+    res_out, dres = _t((6, 64), "f32"), _t((6, 64), "f32")
+    tensors = t | {"r32": r32, "res_out": res_out, "dres32": dres}
+    f32 = torch.float32
+    python_log, native_log = _both(
+        recorder,
+        lambda: rmsnorm.fused_add_rmsnorm_fwd(x, r32, w, 1e-6, f32, True),
+        lambda: NATIVE.fused_add_rmsnorm_fwd_cuda(x, r32, w, 1e-6, f32, True),
+        tensors,
+    )
+    assert native_log == python_log
+    assert python_log[0][0].kwargs["residual_in_dtype"] == "f32" and python_log[0][2][1] == "r32"
+    recorder.launches.clear()
+    out = {}
+
+    def native():
+        out["native"] = NATIVE.fused_add_rmsnorm_bwd_cuda(
+            dy, dres, res_out, w, rstd, True, 0.0, f32
+        )
+
+    def python():
+        out["python"] = rmsnorm.fused_add_rmsnorm_bwd(dy, dres, res_out, w, rstd, True, 0.0, f32)
+
+    python_log, native_log = _both(recorder, python, native, tensors)
+    assert native_log == python_log
+    spec, _, args = native_log[0]
+    assert spec.kwargs["dresidual_dtype"] == "f32"
+    assert kernel_def(spec.kernel).arg_names(spec)[5:7] == ["dx", "dresidual"]
+    for dx, dres_in, _ in out.values():
+        assert dx.dtype == torch.bfloat16 and dres_in.dtype == f32 and dres_in.shape == dy.shape
+    with pytest.raises(TypeError, match="float32 residual_out"):
+        NATIVE.fused_add_rmsnorm_fwd_cuda(x, r32, w, 1e-6, torch.bfloat16, True)
+
+
+def test_fused_entry_continues_an_fp32_stream(hooked, monkeypatch):
+    """The entry takes a bf16 x with an fp32 residual (the stream of a call with
+    residual_in_fp32) and gives what the Python path gives: an fp32 stream, and the
+    residual's gradient in fp32."""
+    monkeypatch.setattr(api, "_native", None)
+    x = torch.randn(5, 48).bfloat16().requires_grad_()
+    r = torch.randn(5, 48, requires_grad=True)
+    w = torch.nn.Parameter(torch.randn(48))
+    got = NATIVE.fused_add_rmsnorm(x, r, w, 1e-6, True, False)
+    want = kbuild_ref.fused_add_rmsnorm(x, r, w, 1e-6)
+    assert got[1].dtype == want[1].dtype == torch.float32
+    for g, e in zip(got, want, strict=True):
+        torch.testing.assert_close(g, e)
+    dy = torch.randn(5, 48).bfloat16()
+    g1 = torch.autograd.grad(got[0], [x, r, w], dy)
+    g2 = torch.autograd.grad(want[0], [x, r, w], dy)
+    assert g1[1].dtype == torch.float32
+    for a, b in zip(g1, g2, strict=True):
+        torch.testing.assert_close(a, b)

@@ -161,3 +161,21 @@ def test_state_dict_is_interchangeable(cls):
     assert list(fresh_ours_state) == list(fresh_theirs.state_dict())
     for name, value in fresh_theirs.state_dict().items():
         torch.testing.assert_close(fresh_ours_state[name], value, rtol=0, atol=0, msg=name)
+
+
+def test_rmsnorm_offset_module():
+    """Catches the offset dropped by the module, a Gemma-style module that does not start as
+    the identity scale (its weight is stored as w with offset + w applied), or an offset
+    accepted where there is no weight to offset."""
+    m = kbuild.nn.RMSNorm(16, eps=1e-6, offset=1.0)
+    assert torch.equal(m.weight, torch.zeros(16)) and "offset=1.0" in repr(m)
+    x = torch.randn(3, 16)
+    torch.testing.assert_close(m(x), kbuild.nn.RMSNorm(16, eps=1e-6)(x))
+    with torch.no_grad():
+        m.weight.copy_(torch.linspace(-0.5, 0.5, 16))
+    want = kbuild.rmsnorm(x, m.weight + 1.0, 1e-6)
+    torch.testing.assert_close(m(x), want)
+    with pytest.raises(ValueError, match="needs elementwise_affine"):
+        kbuild.nn.RMSNorm(16, offset=1.0, elementwise_affine=False)
+    with pytest.raises(TypeError, match="offset must be a float"):
+        kbuild.nn.RMSNorm(16, offset="1")

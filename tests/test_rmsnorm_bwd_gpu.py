@@ -7,10 +7,10 @@ import pytest
 import torch
 
 import kbuild
-from kbuild.manifest import DTYPES, TEST_N, TRAIN_DTYPE, TRAIN_N
+from kbuild.manifest import DTYPES, OFFSET_N, STREAM_N, TEST_N, TRAIN_DTYPE, TRAIN_N
 
 from .gpu_cases import DETERMINISTIC_N, fused_cases, rmsnorm_cases
-from .gpu_utils import GRAD_TOL, TORCH_DTYPES, poison_allocator, rand
+from .gpu_utils import FWD_TOL, GRAD_TOL, TORCH_DTYPES, poison_allocator, rand
 from .reference import assert_close_rel, dx_terms, rmsnorm_grads
 
 pytestmark = pytest.mark.gpu
@@ -133,3 +133,89 @@ def test_compiled_training_matches_eager() -> None:
         torch.testing.assert_close(loss.item(), eager_loss, rtol=1e-5, atol=1e-6)
     for (name, a), b in zip(eager.named_parameters(), compiled_model.parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("N", OFFSET_N)
+@pytest.mark.parametrize("w_dtype", ["bf16", "f32"])
+@pytest.mark.parametrize("fused", [False, True], ids=["rmsnorm", "fused"])
+def test_weight_offset(N: int, w_dtype: str, fused: bool) -> None:
+    """Gemma's x_hat * (1 + w) with w small (|w| < 2^-7, as Gemma's weights start at 0):
+    adding 1 to a bf16 w before widening would round w away (bf16 spacing at 1 is 2^-7), a
+    visible error at these tolerances. Forward and gradients against fp64; dw is of w alone."""
+    M, dtype = 300, torch.bfloat16
+    x = rand((M, N), dtype, seed=N).requires_grad_()
+    g = torch.Generator(device="cuda").manual_seed(N + 1)
+    w = ((torch.rand(N, generator=g, device="cuda") - 0.5) * 2**-6).to(TORCH_DTYPES[w_dtype])
+    w.requires_grad_()
+    dy = rand((M, N), dtype, seed=N + 2)
+    poison_allocator(M * N, dtype)
+    if fused:
+        zero = torch.zeros_like(x)
+        y = kbuild.fused_add_rmsnorm(x, zero, w, 1e-6, prenorm=False, offset=1.0)
+    else:
+        y = kbuild.rmsnorm(x, w, 1e-6, offset=1.0)
+    dx, dw = torch.autograd.grad(y, [x, w], dy)
+    ref_y, ref_dx, ref_dw, _ = rmsnorm_grads(x.detach(), w, dy, 1e-6, offset=1.0)
+    torch.testing.assert_close(y, ref_y.to(dtype), **FWD_TOL[dtype])
+    wrong = kbuild.rmsnorm(x.detach(), (w.detach().to(dtype) + 1).to(dtype), 1e-6)
+    assert (wrong != ref_y.to(dtype)).double().mean() > 4 * (y != ref_y.to(dtype)).double().mean()
+    floor = dx_terms(x, w + 1.0, dy, 1e-6)
+    assert_close_rel(dx, ref_dx, GRAD_TOL[dtype], f"dx N={N} w={w_dtype}", floor)
+    assert dw.dtype == w.dtype
+    assert_close_rel(dw, ref_dw, GRAD_TOL[w.dtype] + GRAD_TOL[dtype], f"dw N={N} w={w_dtype}")
+
+
+class _Stream(torch.nn.Module):
+    """A pre-norm stack whose residual stream is fp32 while the sublayers run in bf16: each
+    layer adds its input h to the stream, normalises it (weight fp32) and its sublayer (a
+    bf16 linear) makes the next h. `impl`: "kbuild" (fused_add_rmsnorm with
+    residual_in_fp32, the stream chained from call to call) or "torch" (the same math)."""
+
+    def __init__(self, width: int, layers: int, impl: str):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.impl = impl
+        self.norms = torch.nn.ParameterList(
+            torch.nn.Parameter(1 + 0.1 * torch.randn(width, generator=g)) for _ in range(layers)
+        )
+        self.mats = torch.nn.ParameterList(
+            torch.nn.Parameter((torch.randn(width, width, generator=g) / width**0.5).bfloat16())
+            for _ in range(layers)
+        )
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        stream = h
+        for w, m in zip(self.norms, self.mats, strict=True):
+            if self.impl == "kbuild":
+                out, stream = kbuild.fused_add_rmsnorm(h, stream, w, 1e-6, residual_in_fp32=True)
+            else:
+                stream = stream.float() + h.float()
+                out = (
+                    torch.nn.functional.rms_norm(stream, (h.shape[-1],), eps=1e-6) * w
+                ).bfloat16()
+            h = out @ m
+        return h.float().square().mean() + stream.square().mean()
+
+
+@pytest.mark.parametrize("width", STREAM_N)
+def test_fp32_residual_stream_trains(width: int) -> None:
+    """4 layers, fp32 residual stream chained through fused_add_rmsnorm(residual_in_fp32=True)
+    (its later calls take the fp32 stream as their residual, and return its gradient in
+    fp32): 8 SGD steps track torch's same model within bf16 noise, and the stream is fp32."""
+    x = rand((512, width), torch.bfloat16, seed=width)
+    losses = {}
+    for impl in ("kbuild", "torch"):
+        model = _Stream(width, 4, impl).cuda()
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        losses[impl] = []
+        for _ in range(8):
+            loss = model(x)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses[impl].append(loss.item())
+            assert all(
+                p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters()
+            )
+    torch.testing.assert_close(losses["kbuild"], losses["torch"], rtol=2e-2, atol=0)
+    assert losses["kbuild"][-1] < losses["kbuild"][0]  # it trains

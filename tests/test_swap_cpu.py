@@ -203,11 +203,12 @@ def test_models_swapped_same_params_same_outputs(make, names, cls, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_different_math_left_alone(dtype):
-    """Catches a decision by name or by structure: Gemma's (1 + weight), a norm over the last
-    two dims with a 1-D weight, a class named LlamaRMSNorm with eps outside the root (only a
+    """Catches a decision by name or by structure: a norm over the last two dims with a 1-D
+    weight, a class named LlamaRMSNorm with eps outside the root (only a
     probe whose rows are small enough for eps to matter sees it), a weight that forward
     ignores (only a check on randomised parameters sees it: at its ones it equals kbuild's),
-    and torch.nn.LayerNorm over two dims; the real LlamaRMSNorm beside them is swapped."""
+    and torch.nn.LayerNorm over two dims; the real LlamaRMSNorm beside them is swapped, and
+    Gemma's (1 + weight) becomes RMSNorm(offset=1.0) (test_gemma_swapped_with_offset)."""
     model = nn.ModuleDict(
         dict(
             gemma=GemmaRMSNorm(D),
@@ -220,9 +221,10 @@ def test_different_math_left_alone(dtype):
     ).to(dtype)
     assert LookalikeLlamaRMSNorm.__name__ == LlamaRMSNorm.__name__
     originals = dict(model.items())
-    assert kbuild.nn.swap_norms(model) == ["llama"]
+    assert kbuild.nn.swap_norms(model) == ["gemma", "llama"]
+    assert model["gemma"].offset == 1.0 and model["llama"].offset == 0.0
     for name, module in model.items():
-        assert (module is originals[name]) == (name != "llama"), name
+        assert (module is originals[name]) == (name not in ("gemma", "llama")), name
 
 
 @pytest.mark.parametrize(
@@ -287,7 +289,9 @@ def test_check_cached_per_class(monkeypatch):
     )
     names = kbuild.nn.swap_norms(model)
     assert len(names) == 21 + 21 + 5
-    assert sorted(calls) == sorted(["LlamaRMSNorm"] * 3 + ["LayerNorm"])
+    # LlamaRMSNorm: one check per dtype (the first reading, x_hat * w, passes); the lookalike
+    # two (it fails both readings: x_hat * w and Gemma's x_hat * (1 + w)).
+    assert sorted(calls) == sorted(["LlamaRMSNorm"] * 4 + ["LayerNorm"])
 
 
 def test_modes_hooks_and_shared_modules():
@@ -309,3 +313,25 @@ def test_modes_hooks_and_shared_modules():
     assert fired == [1]
     assert model.a[0] is model.b[0]
     assert isinstance(model.a[0], kbuild.nn.RMSNorm) and model.a[0].weight is shared.weight
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_gemma_swapped_with_offset(dtype):
+    """Catches Gemma's (1 + weight) swapped as plain RMSNorm (or left alone now that kbuild
+    has the offset): it becomes kbuild.nn.RMSNorm(offset=1.0) holding the same weight, and
+    forward and gradients match the original."""
+    model = _randomise(nn.Sequential(GemmaRMSNorm(D))).to(dtype)
+    before = copy.deepcopy(model)
+    assert kbuild.nn.swap_norms(model) == ["0"]
+    new = model[0]
+    assert isinstance(new, kbuild.nn.RMSNorm) and new.offset == 1.0
+    assert new.weight is not before[0].weight and new.weight.data_ptr() != 0
+    x = (torch.randn(3, D, generator=torch.Generator().manual_seed(2)) * 0.3).to(dtype)
+    x.requires_grad_()
+    ours, theirs = model(x), before(x)
+    torch.testing.assert_close(ours.float(), theirs.float(), **TOL[dtype])
+    dy = torch.randn_like(ours)
+    g1 = torch.autograd.grad(ours, [x, new.weight], dy)
+    g2 = torch.autograd.grad(theirs, [x, before[0].weight], dy)
+    for a, b in zip(g1, g2, strict=True):
+        assert_close_rel(a, b, 3 * MODEL_TOL[dtype])

@@ -19,7 +19,8 @@ import kbuild
 import kbuild.ops  # registers the kbuild::* custom ops
 from kbuild.ops.autograd import FusedAddRMSNormFunction, RMSNormFunction
 
-from .reference import rmsnorm_grads
+from .gpu_utils import GRAD_TOL
+from .reference import assert_close_rel, rmsnorm_grads
 from .value_checks import (
     MAX_FLIPS,
     assert_forward,
@@ -254,7 +255,8 @@ def test_backward_ops_return_the_inputs_dtypes(dtype, wkind):
     assert_grad(dx, dx64, x, "rmsnorm_bwd dx")
     assert_grad(dw, dw64, weight, "rmsnorm_bwd dw")
     dres = randn(SHAPE, dtype, 4)
-    dsum, dw = OPS.fused_add_rmsnorm_bwd(dy, dres, x, weight, rstd, True)
+    dsum, dres_in, dw = OPS.fused_add_rmsnorm_bwd(dy, dres, x, weight, rstd, True)
+    assert dres_in.numel() == 0  # no separate residual gradient unless asked for
     _, dsum64, dw64, _ = rmsnorm_grads(x, weight, dy, EPS, dresidual_out=dres)
     assert_grad(dsum, dsum64, x, "fused_add_rmsnorm_bwd dsum")
     assert_grad(dw, dw64, weight, "fused_add_rmsnorm_bwd dw")
@@ -267,16 +269,19 @@ def _ctx(saved, needs, **extra):
     return SimpleNamespace(saved_tensors=saved, needs_input_grad=needs, **extra)
 
 
+@pytest.mark.parametrize("offset", [0.0, 1.0])
 @pytest.mark.parametrize("needs", [(True, True), (True, False), (False, True)], ids=str)
-def test_eager_rmsnorm_function_backward(needs):
+def test_eager_rmsnorm_function_backward(needs, offset):
     """Catches RMSNormFunction.backward (eager CUDA training) putting dx or dw in the wrong
-    slot, ignoring a need flag, or returning fp32 gradients for bf16 inputs."""
+    slot, ignoring a need flag, returning fp32 gradients for bf16 inputs, or dropping the
+    weight offset (Gemma's 1 + w: dx changes, dw does not)."""
     dtype = torch.bfloat16
     x, weight, dy = randn(SHAPE, dtype, 0), param("same", N, dtype, 1), randn(SHAPE, dtype, 2)
     rstd = torch.rsqrt(x.float().square().mean(-1) + EPS).reshape(-1)
-    dx, dw, deps = RMSNormFunction.backward(_ctx((x, weight, rstd), (*needs, False)), dy)
-    _, dx64, dw64, _ = rmsnorm_grads(x, weight, dy, EPS)
-    assert deps is None
+    ctx = _ctx((x, weight, rstd), (*needs, False, False), offset=offset)
+    dx, dw, deps, doffset = RMSNormFunction.backward(ctx, dy)
+    _, dx64, dw64, _ = rmsnorm_grads(x, weight, dy, EPS, offset=offset)
+    assert deps is None and doffset is None
     for grad, ref, like, need in ((dx, dx64, x, needs[0]), (dw, dw64, weight, needs[1])):
         if need:
             assert_grad(grad, ref, like)
@@ -284,8 +289,9 @@ def test_eager_rmsnorm_function_backward(needs):
             assert grad is None
 
 
+@pytest.mark.parametrize("offset", [0.0, 1.0])
 @pytest.mark.parametrize("case", ["all", "residual_only", "residual_out_only"])
-def test_eager_fused_function_backward(case):
+def test_eager_fused_function_backward(case, offset):
     """Catches FusedAddRMSNormFunction.backward giving d(residual) other than d(x) (the same
     values), dropping the gradient through residual_out, ignoring a need flag, or mishandling
     an unused out (dy None: the gradient is dresidual_out alone)."""
@@ -293,16 +299,170 @@ def test_eager_fused_function_backward(case):
     residual_out, weight = randn(SHAPE, dtype, 0), param("same", N, dtype, 1)
     dy, dres = randn(SHAPE, dtype, 2), randn(SHAPE, dtype, 4)
     rstd = torch.rsqrt(residual_out.float().square().mean(-1) + EPS).reshape(-1)
-    needs = (case != "residual_only", True, case != "residual_only", False, False)
-    ctx = _ctx((residual_out, weight, rstd), needs, out_dtype=dtype)
+    needs = (case != "residual_only", True, case != "residual_only", False, False, False)
+    ctx = _ctx(
+        (residual_out, weight, rstd), needs, out_dtype=dtype, offset=offset, residual_dtype=None
+    )
     upstream = None if case == "residual_out_only" else dy
     dx, dresidual, dw, *rest = FusedAddRMSNormFunction.backward(ctx, upstream, dres)
-    assert rest == [None, None]
+    assert rest == [None, None, None]
     seen_dy = torch.zeros(SHAPE, dtype=dtype) if upstream is None else upstream
-    _, dsum64, dw64, _ = rmsnorm_grads(residual_out, weight, seen_dy, EPS, dresidual_out=dres)
+    _, dsum64, dw64, _ = rmsnorm_grads(
+        residual_out, weight, seen_dy, EPS, dresidual_out=dres, offset=offset
+    )
     assert_grad(dresidual, dsum64, residual_out, "dresidual")
     if case == "residual_only":
         assert dx is None and dw is None
     else:
         torch.testing.assert_close(dx, dresidual, rtol=0, atol=0)
         assert_grad(dw, dw64, weight, "dw")
+
+
+# --- the weight offset (Gemma: y = x_hat * (1 + w)) -----------------------------------------
+
+
+def _gemma_weight(n: int, dtype, seed: int) -> torch.Tensor:
+    """Small weights, as Gemma's are (initialised to 0): |w| under 2^-7, so 1 + w rounded to
+    bf16 (spacing 2^-7 at 1) would lose w entirely or round it to a multiple of 2^-7."""
+    g = torch.Generator().manual_seed(seed)
+    return ((torch.rand(n, generator=g) - 0.5) * 2**-6).to(dtype)
+
+
+@pytest.mark.parametrize("wdtype", [torch.bfloat16, torch.float32], ids=_name)
+@pytest.mark.parametrize("route", ["autograd", "op", "fused"])
+def test_offset_added_in_fp32(route, wdtype):
+    """Catches the offset added to a 16-bit weight before widening (bf16 1 + 2^-8 is 1.0: the
+    output loses w), the offset ignored, or applied to the output: forward and gradients
+    against fp64 x_hat * (1 + w), with the bf16-first variant shown to fail the same check."""
+    dtype = torch.bfloat16
+    x = randn(SHAPE, dtype, 0).requires_grad_()
+    weight = _gemma_weight(N, wdtype, 1).requires_grad_()
+    dy = randn(SHAPE, dtype, 2)
+    y64, dx64, dw64, _ = rmsnorm_grads(x, weight, dy, EPS, offset=1.0)
+    if route == "autograd":
+        y = kbuild.rmsnorm(x, weight, EPS, offset=1.0)
+    elif route == "op":
+        y = OPS.rmsnorm_fwd(x, weight, EPS, True, 1.0)[0]
+    else:
+        zero = torch.zeros(SHAPE, dtype=dtype)
+        y = kbuild.fused_add_rmsnorm(x, zero, weight, EPS, prenorm=False, offset=1.0)
+    assert_forward(y, y64, x, "offset forward")
+    dx, dw = torch.autograd.grad(y, [x, weight], dy)
+    assert_grad(dx, dx64, x, "offset dx")
+    assert_grad(dw, dw64, weight, "offset dw")
+    # The wrong variant: 1 + w rounded to bf16 first. Its error is visible to this check.
+    rounded = (weight.detach().to(torch.bfloat16) + 1).to(torch.bfloat16)
+    wrong = kbuild.rmsnorm(x.detach(), rounded, EPS)
+    assert rounding_flips(wrong, y64, neighbours_only=False) > MAX_FLIPS
+
+
+def test_offset_zero_is_plain_rmsnorm_and_dw_ignores_it():
+    """offset=0 (and None) is RMSNorm itself, bit for bit; dw is of w alone under any offset
+    (d/dw of x_hat * (c + w) is x_hat * dy whatever c is)."""
+    x, w, dy = (
+        randn(SHAPE, torch.float32, 0),
+        param("same", N, torch.float32, 1),
+        randn(SHAPE, torch.float32, 2),
+    )
+    plain = kbuild.rmsnorm(x, w, EPS)
+    assert torch.equal(kbuild.rmsnorm(x, w, EPS, offset=0.0), plain)
+    assert torch.equal(kbuild.rmsnorm(x, w, EPS, offset=None), plain)
+    wa, wb = w.clone().requires_grad_(), w.clone().requires_grad_()
+    (dwa,) = torch.autograd.grad(kbuild.rmsnorm(x, wa, EPS, offset=0.0), [wa], dy)
+    (dwb,) = torch.autograd.grad(kbuild.rmsnorm(x, wb, EPS, offset=3.0), [wb], dy)
+    torch.testing.assert_close(dwa, dwb, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, text",
+    [
+        (dict(offset=1), TypeError, None),
+        (dict(offset=True), TypeError, "offset must be a float"),
+        (dict(offset="1"), TypeError, "offset must be a float"),
+        (dict(offset=float("inf")), ValueError, "offset must be a finite number"),
+        (dict(offset=float("nan")), ValueError, "offset must be a finite number"),
+        (dict(offset=1.0, weight=None), ValueError, "weight is None"),
+    ],
+    ids=["int ok", "bool", "str", "inf", "nan", "no weight"],
+)
+def test_offset_errors(kwargs, error, text):
+    x = randn((3, N), torch.float32, 0)
+    args = dict(weight=param("same", N, torch.float32, 1), eps=EPS) | kwargs
+    if text is None:  # an int is a number: accepted as a float
+        torch.testing.assert_close(
+            kbuild.rmsnorm(x, **args), kbuild.rmsnorm(x, args["weight"], EPS, 1.0)
+        )
+        return
+    for fn in (kbuild.rmsnorm, lambda x, **a: kbuild.fused_add_rmsnorm(x, x, **a)):
+        with pytest.raises(error, match=text):
+            fn(x, **args)
+
+
+# --- an fp32 residual stream through a pre-norm stack ---------------------------------------
+
+
+def _stack(x, residual, weights, mats, norm):
+    """A pre-norm stack: each layer adds the sublayer output h to the residual stream,
+    normalises it, and its sublayer (a matmul) makes the next h. Returns (h, stream)."""
+    h = x
+    for w, m in zip(weights, mats, strict=True):
+        out, residual = norm(h, residual, w)
+        h = out @ m
+    return h, residual
+
+
+def _fp64_norm(h, residual, w):
+    s = residual.double() + h.double()
+    return s * torch.rsqrt(s.square().mean(-1, keepdim=True) + EPS) * w.double(), s
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=_name)
+def test_fp32_residual_stream_chains(dtype):
+    """Catches an fp32 residual refused by the next call (the TypeError this used to be), the
+    stream rounded to x's dtype along the stack, or wrong gradients through it: 4 layers
+    chained by residual_in_fp32, forward and every gradient against fp64."""
+    layers = 4
+    x = randn((6, N), dtype, 0).requires_grad_()
+    residual0 = randn((6, N), dtype, 1).requires_grad_()
+    weights = [param("f32", N, torch.float32, 10 + i).requires_grad_() for i in range(layers)]
+    mats = [randn((N, N), dtype, 20 + i, scale=N**-0.5) for i in range(layers)]
+
+    def norm(h, residual, w):
+        out, stream = kbuild.fused_add_rmsnorm(h, residual, w, EPS, residual_in_fp32=True)
+        assert stream.dtype == torch.float32 and out.dtype == dtype
+        return out, stream
+
+    h, stream = _stack(x, residual0, weights, mats, norm)
+    ref_h, ref_stream = _stack(x, residual0, weights, [m.double() for m in mats], _fp64_norm)
+    tol = GRAD_TOL[dtype]
+    assert_close_rel(stream, ref_stream, 2 * tol, "stream")
+    assert_close_rel(h, ref_h, 4 * tol, "h")
+    inputs = [x, residual0, *weights]
+    dh, ds = randn((6, N), dtype, 5), randn((6, N), torch.float32, 6)
+    grads = torch.autograd.grad([h, stream], inputs, [dh, ds])
+    refs = torch.autograd.grad([ref_h, ref_stream], inputs, [dh.double(), ds.double()])
+    for name, g, r, t in zip(
+        ["x", "residual", *(f"w{i}" for i in range(layers))], grads, refs, inputs, strict=True
+    ):
+        assert g.dtype == t.dtype, name
+        assert_close_rel(g, r, 8 * tol, name)
+
+
+def test_fp32_residual_gradient_is_not_rounded():
+    """Catches the fp32 stream's gradient computed in x's dtype and widened (one bf16 rounding:
+    a relative error near 2^-9, far above this fp32 tolerance): d(residual) of one fused
+    call with a bf16 x and an fp32 residual, against fp64."""
+    x = randn(SHAPE, torch.bfloat16, 0).requires_grad_()
+    residual = randn(SHAPE, torch.float32, 1).requires_grad_()
+    w = param("f32", N, torch.float32, 2)
+    dy = randn(SHAPE, torch.bfloat16, 3)
+    out, stream = kbuild.fused_add_rmsnorm(x, residual, w, EPS)
+    assert stream.dtype == torch.float32  # an fp32 residual continues an fp32 stream
+    dx, dres = torch.autograd.grad(out, [x, residual], dy)
+    assert (dx.dtype, dres.dtype) == (torch.bfloat16, torch.float32)
+    s = (x.detach().double() + residual.detach().double()).float()  # the stored stream
+    _, ref, _, _ = rmsnorm_grads(s, w, dy, EPS)
+    assert_close_rel(dres, ref, 1e-5, "d(residual)")
+    assert_close_rel(dx, ref, GRAD_TOL[torch.bfloat16], "dx")
+    with pytest.raises(TypeError, match=r"residual must have the dtype of x .* or float32"):
+        kbuild.fused_add_rmsnorm(x, residual.half(), w, EPS)

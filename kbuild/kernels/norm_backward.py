@@ -6,7 +6,8 @@ With the saved per-row statistics (fp32) and wdy = dy * w:
                 dx = (wdy - x_hat * mean(wdy * x_hat)) * rstd
     LayerNorm:  x_hat = (x - mean) * rstd
                 dx = (wdy - mean(wdy) - x_hat * mean(wdy * x_hat)) * rstd
-    fused add:  dx += d_residual_out        (x is residual_out; dx is also dresidual)
+    fused add:  dx += d_residual_out        (x is residual_out; dx is also dresidual, written
+                                             a second time in fp32 for an fp32 residual)
     dw = sum over rows of dy * x_hat,  db = sum over rows of dy
 
 Bytes that must move: read x and dy, write dx (3 * M * N elements; + d_residual_out).
@@ -69,6 +70,7 @@ def build_norm_backward(
         rstd_ptr = k.ptr("rstd")
         dres_ptr = k.ptr("dresidual_out") if p.has_dres else None
         dx_ptr = k.ptr("dx")
+        dres_out_ptr = k.ptr("dresidual") if p.dres_dtype else None
         dw_ptr = k.ptr("dw_partial") if p.compute_dw else None
         db_ptr = k.ptr("db_partial") if p.compute_db else None
         partials = [ptr for ptr in (dw_ptr, db_ptr) if ptr is not None]
@@ -100,7 +102,10 @@ def build_norm_backward(
             x_hat = [(v - mean) * rstd for v in xs] if p.center else [v * rstd for v in xs]
             wdy = widen_fn(dy)
             if w is not None:
-                wdy = [d * wv for d, wv in zip(wdy, widen_fn(w), strict=True)]
+                wf = widen_fn(w)
+                if p.offset:  # the forward's offset + w, in fp32 (dw is of w alone: unchanged)
+                    wf = [wv + p.offset for wv in wf]
+                wdy = [d * wv for d, wv in zip(wdy, wf, strict=True)]
             return x_hat, wdy
 
         def sums(x_hat: list[V], wdy: list[V]) -> list[V]:
@@ -122,6 +127,8 @@ def build_norm_backward(
                 dres = widen(t.load(dres_ptr, p.x_dtype, start))
                 dx = [a + b for a, b in zip(dx, dres, strict=True)]
             t.store(dx_ptr, dx, p.dtype, start)
+            if dres_out_ptr is not None:  # the fp32 residual stream's own gradient, unrounded
+                t.store(dres_out_ptr, dx, p.dres_dtype, start)
 
         def partial_terms(t: RowTile, dy_raw: list[V], x_hat: list[V]) -> list[list[V]]:
             """This row's contribution to each partial (dw: dy * x_hat; db: dy)."""

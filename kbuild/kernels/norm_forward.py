@@ -2,11 +2,12 @@
 
 For one row of N elements, fp32 math whatever the I/O dtype:
 
-    RMSNorm:    rstd = 1 / sqrt(sum(x^2) / N + eps),            y = x * rstd * w
+    RMSNorm:    rstd = 1 / sqrt(sum(x^2) / N + eps),            y = x * rstd * (offset + w)
     LayerNorm:  mean = sum(x) / N
                 rstd = 1 / sqrt(sum((x - mean)^2) / N + eps),   y = (x - mean) * rstd * w + b
     fused add:  s = round_to_residual_dtype(x + residual) is stored as residual_out and
-                normalised in place of x (from exactly the stored values)
+                normalised in place of x (from exactly the stored values); the residual
+                comes in x's dtype or, continuing an fp32 residual stream, in fp32
 
 The LayerNorm variance is never taken as E[x^2] - mean^2, which loses all precision for rows
 with a large mean: each thread centres its own elements on their mean (count, mean, M2), and
@@ -105,7 +106,8 @@ def build_norm_forward(
             ptr, dtype = params[name]
             return t.load_param(ptr, dtype, start)
 
-        inputs = [(x_ptr, p.dtype)] + ([(res_ptr, p.dtype)] if fused else [])
+        res_in_dtype = p.residual_in_dtype or p.dtype  # an fp32 residual stream comes in fp32
+        inputs = [(x_ptr, p.dtype)] + ([(res_ptr, res_in_dtype)] if fused else [])
         staging = RowStage(k, cfg, inputs, plan.stage) if plan.stage else None
 
         def row(t: RowTile, phase: V | None, staged: Staged | None = None) -> None:
@@ -124,7 +126,7 @@ def build_norm_forward(
                 if staged is not None:
                     residual = widen(staged.values[1])
                 else:
-                    residual = widen(t.load(res_ptr, p.dtype, start))
+                    residual = widen(t.load(res_ptr, res_in_dtype, start))
                 s = [cast(a + b, row_dtype) for a, b in zip(widen(x), residual, strict=True)]
                 t.store(res_out_ptr, s, row_dtype, start)
                 return s
@@ -177,6 +179,8 @@ def build_norm_forward(
                 y = [(v - mean) * rstd for v in xs] if mean is not None else [v * rstd for v in xs]
                 if w_ptr is not None:
                     w = widen(param(t, "weight", start))
+                    if p.offset:  # in fp32, never added to the stored 16-bit weight
+                        w = [wi + p.offset for wi in w]
                     y = [yi * wi for yi, wi in zip(y, w, strict=True)]
                 if b_ptr is not None:
                     b = widen(param(t, "bias", start))

@@ -53,9 +53,11 @@ class NormForward:
     weight_dtype: str | None = None
     bias_dtype: str | None = None
     residual_dtype: str | None = None  # fused add: the dtype residual_out is stored in
+    residual_in_dtype: str | None = None  # fused add: the residual's, when not x's (fp32)
     center: bool = False  # LayerNorm
     store_stats: bool = False  # rstd (and mean, for LayerNorm)
     eps: float
+    offset: float = 0.0  # y = x_hat * (offset + w): Gemma's 1 + w, added in fp32
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -70,8 +72,10 @@ class NormBackward:
     weight_dtype: str | None = None
     center: bool = False  # LayerNorm: subtract the mean
     has_dres: bool = False  # fused form with a gradient flowing into residual_out
+    dres_dtype: str | None = None  # fused form: d(residual) written too, in this dtype
     compute_dw: bool = False
     compute_db: bool = False
+    offset: float = 0.0  # the forward's weight offset: dx uses offset + w, dw does not change
 
     def __post_init__(self) -> None:
         if self.compute_dw and self.weight_dtype is None:
@@ -140,7 +144,7 @@ def plan_forward(
         cluster,
         target.forward_register_scale,
     )
-    staged = [p.dtype] * (2 if fused else 1)  # x (and residual)
+    staged = [p.dtype] + ([p.residual_in_dtype or p.dtype] if fused else [])  # x (, residual)
     stage = _check_stage(stage, target, row, staged)
     _check_resident(resident_params)
     # LayerNorm rows of a whole 512-thread block or split over a cluster: a persistent grid

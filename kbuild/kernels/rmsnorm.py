@@ -1,6 +1,7 @@
 """RMSNorm forward, plain and with a fused residual add (the kernel is norm_forward.py's).
 
-    rmsnorm:    rstd = 1 / sqrt(sum(x[j]^2) / N + eps);  y[j] = x[j] * rstd * w[j]
+    rmsnorm:    rstd = 1 / sqrt(sum(x[j]^2) / N + eps);  y[j] = x[j] * rstd * (offset + w[j])
+                (offset: 0, or Gemma's 1, added to w in fp32 inside the kernel)
     fused add:  s = round_to_residual_dtype(x + residual)  -> residual_out
                 y = rmsnorm(s)      (from exactly the stored s, so the backward pass, which
                                      reads residual_out, sees the same input)
@@ -25,9 +26,11 @@ def build_rmsnorm_module(
     eps: float,
     target: Target,
     vectorize: bool = True,
+    offset: float = 0.0,
     **shape: int | bool | None,
 ) -> Kernel:
-    """RMSNorm forward over rows of N `dtype` elements; weight of `weight_dtype` or none.
+    """RMSNorm forward over rows of N `dtype` elements; weight of `weight_dtype` or none,
+    scaled as offset + weight.
 
     Launch arguments: x, [weight], y, [rstd], M. `vectorize=False` gives the kernel for
     tensors whose addresses are not 16-byte aligned; `shape` holds launch-shape overrides for
@@ -40,6 +43,7 @@ def build_rmsnorm_module(
         weight_dtype=weight_dtype,
         store_stats=store_rstd,
         eps=eps,
+        offset=offset,
     )
     return build_norm_forward(p, target, vectorize, **shape)
 
@@ -53,20 +57,31 @@ def build_fused_add_rmsnorm_module(
     eps: float,
     target: Target,
     vectorize: bool = True,
+    offset: float = 0.0,
+    residual_in_dtype: str | None = None,
     **shape: int | bool | None,
 ) -> Kernel:
     """residual_out = x + residual (stored as `residual_dtype`: x's dtype, or "f32" to keep
-    the residual stream in fp32), y = rmsnorm(residual_out).
+    the residual stream in fp32), y = rmsnorm(residual_out). `residual_in_dtype`: the
+    residual's dtype when it is not x's ("f32": the stream continues in fp32, so
+    residual_dtype must be "f32" too).
 
     Launch arguments: x, residual, [weight], y, residual_out, [rstd], M.
     """
+    if residual_in_dtype not in (None, dtype) and residual_dtype != residual_in_dtype:
+        raise ValueError(
+            f"an {residual_in_dtype} residual continues an {residual_in_dtype} stream: "
+            f"residual_dtype must be {residual_in_dtype}, got {residual_dtype}"
+        )
     p = NormForward(
         name="fused_add_rmsnorm_fwd",
         N=N,
         dtype=dtype,
         weight_dtype=weight_dtype,
         residual_dtype=residual_dtype,
+        residual_in_dtype=None if residual_in_dtype == dtype else residual_in_dtype,
         store_stats=store_rstd,
         eps=eps,
+        offset=offset,
     )
     return build_norm_forward(p, target, vectorize, **shape)

@@ -3,6 +3,7 @@
     x_hat = x * rstd
     c1    = sum(x_hat * dy * w) / N
     dx    = (dy * w - x_hat * c1) * rstd        (+ d_residual_out in the fused form)
+            with w read as offset + w when the forward had a weight offset (Gemma)
     dw    = sum over rows of dy * x_hat         (deterministic: persistent grid + reduce.py)
 
 In the fused form x is residual_out (the normalised input, perhaps fp32) and, since
@@ -24,9 +25,10 @@ def build_rmsnorm_bwd_module(
     compute_dw: bool,
     target: Target,
     vectorize: bool = True,
+    offset: float = 0.0,
     **shape: int | bool | None,
 ) -> Kernel:
-    """dx (and dw partials) for y = rmsnorm(x) * w with x, dy, dx of `dtype`.
+    """dx (and dw partials) for y = rmsnorm(x) * (offset + w) with x, dy, dx of `dtype`.
 
     Launch arguments: x, [weight], dy, rstd, dx, [dw_partial], M. Grid: persistent.
     """
@@ -37,6 +39,7 @@ def build_rmsnorm_bwd_module(
         x_dtype=dtype,
         weight_dtype=weight_dtype,
         compute_dw=compute_dw,
+        offset=offset,
     )
     return build_norm_backward(p, target, vectorize, **shape)
 
@@ -50,12 +53,16 @@ def build_fused_add_rmsnorm_bwd_module(
     compute_dw: bool,
     target: Target,
     vectorize: bool = True,
+    offset: float = 0.0,
+    dresidual_dtype: str | None = None,
     **shape: int | bool | None,
 ) -> Kernel:
     """Gradient of (y, residual_out) = fused_add_rmsnorm(x, residual) w.r.t. x + residual.
 
-    Launch arguments: residual_out, [weight], dy, rstd, [dresidual_out], dx, [dw_partial], M.
-    dx (of `dtype`) is both dx and dresidual.
+    Launch arguments: residual_out, [weight], dy, rstd, [dresidual_out], dx, [dresidual],
+    [dw_partial], M. dx (of `dtype`) is both dx and dresidual, unless `dresidual_dtype` asks
+    for d(residual) in its own dtype as well (an fp32 residual stream: its gradient is not
+    rounded to x's dtype).
     """
     p = NormBackward(
         name="fused_add_rmsnorm_bwd",
@@ -64,6 +71,8 @@ def build_fused_add_rmsnorm_bwd_module(
         x_dtype=residual_dtype,
         weight_dtype=weight_dtype,
         has_dres=has_dresidual_out,
+        dres_dtype=dresidual_dtype,
         compute_dw=compute_dw,
+        offset=offset,
     )
     return build_norm_backward(p, target, vectorize, **shape)

@@ -145,6 +145,9 @@ class KernelDef:
 _N, _DTYPE = Param("N", "int"), Param("dtype", "dtype")
 _WEIGHT = Param("weight_dtype", "dtype?")
 _EPS = Param("eps", "float")
+# RMSNorm's weight offset (y = x_hat * (offset + w), Gemma: 1). Last, and out of the spec at
+# 0: the specs (and warmed caches) of plain RMSNorm stay what they were.
+_OFFSET = Param("offset", "float", 0.0, keyed=False)
 _TRACE = Arg("trace", when="trace")  # diagnostic builds (dsl.trace): timestamps first
 _M = Arg("M", "i64")
 
@@ -156,7 +159,7 @@ def _vectorize(*dtypes: str) -> Param:
 RMSNORM_FWD = KernelDef(
     "rmsnorm_fwd",
     "kbuild.kernels.rmsnorm:build_rmsnorm_module",
-    (_N, _DTYPE, _WEIGHT, Param("store_rstd", "bool"), _EPS, _vectorize("dtype")),
+    (_N, _DTYPE, _WEIGHT, Param("store_rstd", "bool"), _EPS, _vectorize("dtype"), _OFFSET),
     (
         _TRACE,
         Arg("x"),
@@ -178,6 +181,9 @@ FUSED_ADD_RMSNORM_FWD = KernelDef(
         Param("store_rstd", "bool"),
         _EPS,
         _vectorize("dtype", "residual_dtype"),
+        _OFFSET,
+        # The residual's dtype when it is not x's (an fp32 stream); keyed only when set.
+        Param("residual_in_dtype", "dtype?", None, keyed=False),
     ),
     (
         _TRACE,
@@ -220,7 +226,7 @@ _PARTIALS = (Arg("dw_partial", when="compute_dw"), Arg("db_partial", when="compu
 RMSNORM_BWD = KernelDef(
     "rmsnorm_bwd",
     "kbuild.kernels.rmsnorm_bwd:build_rmsnorm_bwd_module",
-    (_N, _DTYPE, _WEIGHT, _COMPUTE_DW, _vectorize("dtype")),
+    (_N, _DTYPE, _WEIGHT, _COMPUTE_DW, _vectorize("dtype"), _OFFSET),
     (
         _TRACE,
         Arg("x"),
@@ -244,6 +250,9 @@ FUSED_ADD_RMSNORM_BWD = KernelDef(
         Param("has_dresidual_out", "bool"),
         _COMPUTE_DW,
         _vectorize("dtype", "residual_dtype"),
+        _OFFSET,
+        # d(residual) written apart from dx, in this dtype (an fp32 stream); keyed when set.
+        Param("dresidual_dtype", "dtype?", None, keyed=False),
     ),
     (
         _TRACE,
@@ -253,6 +262,7 @@ FUSED_ADD_RMSNORM_BWD = KernelDef(
         Arg("rstd"),
         Arg("dresidual_out", when="has_dresidual_out"),
         Arg("dx"),
+        Arg("dresidual", when="dresidual_dtype"),
         *_PARTIALS,
         _M,
     ),

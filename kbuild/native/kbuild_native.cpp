@@ -31,6 +31,7 @@
 #include <torch/csrc/utils/pybind.h>
 #include <torch/library.h>
 
+#include <cmath>
 #include <cstring>
 #include <limits>
 #include <mutex>
@@ -54,12 +55,12 @@ namespace kbuild {
 enum Slot : int {
   X, WEIGHT, BIAS, RESIDUAL, Y, RESIDUAL_OUT, MEAN, RSTD, DY, DRESIDUAL_OUT, DX,
   DW_PARTIAL, DB_PARTIAL, ROWS, PARTIAL, OUT, OUT1, PARTIAL_ROWS, DOUT, ROWS_PER_CHUNK,
-  NUM_SLOTS
+  DRESIDUAL, NUM_SLOTS
 };
 const char* const kSlotNames[NUM_SLOTS] = {
     "x", "weight", "bias", "residual", "y", "residual_out", "mean", "rstd", "dy",
     "dresidual_out", "dx", "dw_partial", "db_partial", "M", "partial", "out", "out1", "R",
-    "dout", "rows_per_chunk"};
+    "dout", "rows_per_chunk", "dresidual"};
 
 // The kernels, in the order of kbuild/ops/resolve.py KERNELS.
 enum Kind : int8_t {
@@ -70,8 +71,10 @@ const char* const kKindNames[NUM_KINDS] = {
     "rmsnorm_fwd", "fused_add_rmsnorm_fwd", "layernorm_fwd", "rmsnorm_bwd",
     "fused_add_rmsnorm_bwd", "layernorm_bwd", "column_sum", "bias_grad"};
 
-// Flag bits of a key (what each kernel's bool parameters are made of, in resolve.py).
-constexpr uint8_t STATS = 1, DW = 2, DB = 4, DRES = 8;
+// Flag bits of a key (what each kernel's bool parameters are made of, in resolve.py). RES32:
+// the fused forms' residual is fp32 while x is not (its forward reads it as fp32, its
+// backward writes d(residual) in fp32 beside dx).
+constexpr uint8_t STATS = 1, DW = 2, DB = 4, DRES = 8, RES32 = 16;
 
 // ----------------------------------------------------------------------------------- driver
 using CUresult = int;
@@ -117,12 +120,12 @@ std::string error_name(CUresult err) {
 // ----------------------------------------------------------------------------- the records
 struct Key {
   int64_t N;
-  uint64_t eps_bits;
+  uint64_t eps_bits, offset_bits;  // RMSNorm's weight offset; 0 for the other kernels
   int8_t kind, dtype, weight, aux, device;
   uint8_t flags;
   bool aligned;
   bool operator==(const Key& o) const {
-    return N == o.N && eps_bits == o.eps_bits && kind == o.kind && dtype == o.dtype &&
+    return N == o.N && eps_bits == o.eps_bits && offset_bits == o.offset_bits && kind == o.kind && dtype == o.dtype &&
            weight == o.weight && aux == o.aux && device == o.device && flags == o.flags &&
            aligned == o.aligned;
   }
@@ -130,7 +133,8 @@ struct Key {
 
 struct KeyHash {
   size_t operator()(const Key& k) const {
-    uint64_t h = static_cast<uint64_t>(k.N) * 0x9E3779B97F4A7C15ull ^ k.eps_bits;
+    uint64_t h = static_cast<uint64_t>(k.N) * 0x9E3779B97F4A7C15ull ^ k.eps_bits ^
+                 (k.offset_bits * 0xD6E8FEB86659FD93ull);
     uint64_t small = static_cast<uint8_t>(k.kind) | static_cast<uint8_t>(k.dtype) << 8 |
                      static_cast<uint64_t>(static_cast<uint8_t>(k.weight)) << 16 |
                      static_cast<uint64_t>(static_cast<uint8_t>(k.aux)) << 24 |
@@ -194,11 +198,12 @@ const Record& record(const Key& key) {
     TORCH_CHECK(g_resolver != nullptr, "kbuild native: no resolver set");
     py::object out;
     try {
-      double eps;
+      double eps, offset;
       std::memcpy(&eps, &key.eps_bits, sizeof eps);
+      std::memcpy(&offset, &key.offset_bits, sizeof offset);
       out = (*g_resolver)(kKindNames[key.kind], key.device, key.N, dtype_object(key.dtype),
                           dtype_object(key.weight), dtype_object(key.aux), key.flags, eps,
-                          key.aligned);
+                          key.aligned, offset);
     } catch (py::error_already_set& e) {
       rethrow_python(e);
     }
@@ -288,8 +293,8 @@ uint64_t eps_bits(double eps) {
 }
 
 Key make_key(Kind kind, int64_t N, int8_t dtype, int8_t weight, int8_t aux, uint8_t flags,
-             double eps, uint64_t addresses, const Tensor& like) {
-  return Key{N, eps_bits(eps), kind, dtype, weight, aux,
+             double eps, uint64_t addresses, const Tensor& like, double offset = 0.0) {
+  return Key{N, eps_bits(eps), eps_bits(offset), kind, dtype, weight, aux,
              static_cast<int8_t>(like.is_cuda() ? like.get_device() : -1), flags,
              (addresses & 15) == 0};
 }
@@ -414,7 +419,7 @@ void check_param(const char* name, const optional<Tensor>& p, const Tensor& x, i
 
 // ------------------------------------------------------------------------ the CUDA kernels
 std::tuple<Tensor, Tensor> rmsnorm_fwd_cuda(const Tensor& x_, const optional<Tensor>& w_,
-                                            double eps, bool store_rstd) {
+                                            double eps, bool store_rstd, double offset) {
   Tensor x = x_.contiguous();
   auto [M, N] = rows_of(x);
   check_param("weight", w_, x, N);
@@ -428,20 +433,22 @@ std::tuple<Tensor, Tensor> rmsnorm_fwd_cuda(const Tensor& x_, const optional<Ten
   s[RSTD] = store_rstd ? ptr(rstd) : 0;
   Key key = make_key(RMSNORM_FWD, N, dtype_code(x.scalar_type()),
                      w.defined() ? dtype_code(w.scalar_type()) : -1, -1,
-                     store_rstd ? STATS : 0, eps, s[X] | s[Y] | s[WEIGHT], x);
+                     store_rstd ? STATS : 0, eps, s[X] | s[Y] | s[WEIGHT], x, offset);
   launch_rows(key, x, M, s);
   return {y, rstd};
 }
 
 std::tuple<Tensor, Tensor, Tensor> fused_add_rmsnorm_fwd_cuda(
     const Tensor& x_, const Tensor& r_, const optional<Tensor>& w_, double eps,
-    at::ScalarType residual_dtype, bool store_rstd) {
+    at::ScalarType residual_dtype, bool store_rstd, double offset) {
   Tensor x = x_.contiguous(), residual = r_.contiguous();
   auto [M, N] = rows_of(x);
   TORCH_CHECK_VALUE(residual.sizes() == x.sizes(), "kbuild: residual must have x's shape ",
                     x.sizes(), "; got ", residual.sizes());
-  TORCH_CHECK_TYPE(residual.scalar_type() == x.scalar_type(),
-                   "kbuild: residual must have x's dtype");
+  bool res32 = residual.scalar_type() != x.scalar_type();  // an fp32 residual stream
+  TORCH_CHECK_TYPE(!res32 || (residual.scalar_type() == at::kFloat && residual_dtype == at::kFloat),
+                   "kbuild: residual must have x's dtype, or be float32 with a float32 "
+                   "residual_out");
   check_cuda_like("residual", residual, x);
   check_param("weight", w_, x, N);
   Tensor w = optional_param(w_);
@@ -455,8 +462,8 @@ std::tuple<Tensor, Tensor, Tensor> fused_add_rmsnorm_fwd_cuda(
   s[Y] = ptr(y), s[RESIDUAL_OUT] = ptr(residual_out), s[RSTD] = store_rstd ? ptr(rstd) : 0;
   Key key = make_key(FUSED_ADD_RMSNORM_FWD, N, dtype_code(x.scalar_type()),
                      w.defined() ? dtype_code(w.scalar_type()) : -1,
-                     dtype_code(residual_dtype), store_rstd ? STATS : 0, eps,
-                     s[X] | s[RESIDUAL] | s[WEIGHT] | s[Y] | s[RESIDUAL_OUT], x);
+                     dtype_code(residual_dtype), (store_rstd ? STATS : 0) | (res32 ? RES32 : 0), eps,
+                     s[X] | s[RESIDUAL] | s[WEIGHT] | s[Y] | s[RESIDUAL_OUT], x, offset);
   launch_rows(key, x, M, s);
   return {y, residual_out, rstd};
 }
@@ -494,7 +501,7 @@ void check_rows(const char* op, const Tensor& stats_, int64_t M, const char* fla
 
 std::tuple<Tensor, Tensor> rmsnorm_bwd_cuda(const Tensor& dy_, const Tensor& x,
                                             const optional<Tensor>& w_, const Tensor& rstd,
-                                            bool need_dx, bool need_dw) {
+                                            bool need_dx, bool need_dw, double offset) {
   Tensor dy = dy_.contiguous();
   auto [M, N] = rows_of(dy);
   check_rows("rmsnorm_bwd", rstd, M, "store_rstd");
@@ -507,17 +514,19 @@ std::tuple<Tensor, Tensor> rmsnorm_bwd_cuda(const Tensor& dy_, const Tensor& x,
   s[DX] = ptr(dx);
   Key key = make_key(RMSNORM_BWD, N, dtype_code(x.scalar_type()),
                      w.defined() ? dtype_code(w.scalar_type()) : -1, -1, compute_dw ? DW : 0,
-                     0.0, s[X] | s[WEIGHT] | s[DY] | s[RSTD] | s[DX], dy);
+                     0.0, s[X] | s[WEIGHT] | s[DY] | s[RSTD] | s[DX], dy, offset);
   auto grads = launch_persistent(key, dy, N ? M : 0, N, s, {compute_dw ? w : Tensor()});
   Tensor dw = grads[0].defined() ? grads[0] : at::empty({0}, x.options());
   return {need_dx ? dx : at::empty({0}, x.options()), dw};
 }
 
-std::tuple<Tensor, Tensor> fused_add_rmsnorm_bwd_cuda(const Tensor& dy_,
+std::tuple<Tensor, Tensor, Tensor> fused_add_rmsnorm_bwd_cuda(const Tensor& dy_,
                                                       const optional<Tensor>& dres_,
                                                       const Tensor& residual_out,
                                                       const optional<Tensor>& w_,
-                                                      const Tensor& rstd, bool need_dw) {
+                                                      const Tensor& rstd, bool need_dw,
+                                                      double offset,
+                                                      optional<at::ScalarType> residual_dtype) {
   Tensor dy = dy_.contiguous();
   auto [M, N] = rows_of(dy);
   check_rows("fused_add_rmsnorm_bwd", rstd, M, "store_rstd");
@@ -526,16 +535,24 @@ std::tuple<Tensor, Tensor> fused_add_rmsnorm_bwd_cuda(const Tensor& dy_,
   bool compute_dw = need_dw && w.defined();
   c10::OptionalDeviceGuard guard(cuda_device(dy));
   Tensor dx = at::empty(dy.sizes(), dy.options());
+  // An fp32 residual's gradient, written beside dx unrounded (else dx serves both inputs).
+  bool res32 = residual_dtype.has_value();
+  TORCH_CHECK_TYPE(!res32 || *residual_dtype == at::kFloat,
+                   "kbuild: a separate residual gradient is float32 only");
+  Tensor dres_in = at::empty(res32 ? dy.sizes() : at::IntArrayRef{0},
+                             dy.options().dtype(res32 ? at::kFloat : dy.scalar_type()));
   uint64_t s[NUM_SLOTS] = {};
   s[X] = ptr(residual_out), s[WEIGHT] = w.defined() ? ptr(w) : 0, s[DY] = ptr(dy);
   s[RSTD] = ptr(rstd), s[DRESIDUAL_OUT] = dres.defined() ? ptr(dres) : 0, s[DX] = ptr(dx);
-  uint8_t flags = (compute_dw ? DW : 0) | (dres.defined() ? DRES : 0);
+  s[DRESIDUAL] = res32 ? ptr(dres_in) : 0;
+  uint8_t flags = (compute_dw ? DW : 0) | (dres.defined() ? DRES : 0) | (res32 ? RES32 : 0);
   Key key = make_key(FUSED_ADD_RMSNORM_BWD, N, dtype_code(dy.scalar_type()),
                      w.defined() ? dtype_code(w.scalar_type()) : -1,
                      dtype_code(residual_out.scalar_type()), flags, 0.0,
-                     s[X] | s[WEIGHT] | s[DY] | s[RSTD] | s[DRESIDUAL_OUT] | s[DX], dy);
+                     s[X] | s[WEIGHT] | s[DY] | s[RSTD] | s[DRESIDUAL_OUT] | s[DX] | s[DRESIDUAL],
+                     dy, offset);
   auto grads = launch_persistent(key, dy, N ? M : 0, N, s, {compute_dw ? w : Tensor()});
-  return {dx, grads[0].defined() ? grads[0] : at::empty({0}, dy.options())};
+  return {dx, dres_in, grads[0].defined() ? grads[0] : at::empty({0}, dy.options())};
 }
 
 std::tuple<Tensor, Tensor, Tensor> layernorm_bwd_cuda(
@@ -604,15 +621,18 @@ c10::TypedOperatorHandle<Sig> op(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Sig>();
 }
 
-using RmsFwd = std::tuple<Tensor, Tensor>(const Tensor&, const optional<Tensor>&, double, bool);
+// The RMSNorm ops' last double is the weight offset (y = x_hat * (offset + w)).
+using RmsFwd = std::tuple<Tensor, Tensor>(const Tensor&, const optional<Tensor>&, double, bool,
+                                          double);
 using RmsBwd = std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const optional<Tensor>&,
-                                          const Tensor&, bool, bool);
+                                          const Tensor&, bool, bool, double);
 using FusedFwd = std::tuple<Tensor, Tensor, Tensor>(const Tensor&, const Tensor&,
                                                     const optional<Tensor>&, double,
-                                                    at::ScalarType, bool);
-using FusedBwd = std::tuple<Tensor, Tensor>(const Tensor&, const optional<Tensor>&,
-                                            const Tensor&, const optional<Tensor>&,
-                                            const Tensor&, bool);
+                                                    at::ScalarType, bool, double);
+using FusedBwd = std::tuple<Tensor, Tensor, Tensor>(const Tensor&, const optional<Tensor>&,
+                                                    const Tensor&, const optional<Tensor>&,
+                                                    const Tensor&, bool, double,
+                                                    optional<at::ScalarType>);
 using LnFwd = std::tuple<Tensor, Tensor, Tensor>(const Tensor&, const optional<Tensor>&,
                                                  const optional<Tensor>&, double, bool);
 using LnBwd = std::tuple<Tensor, Tensor, Tensor>(const Tensor&, const Tensor&,
@@ -642,11 +662,12 @@ struct BelowAutograd {
 
 struct RMSNormFunction : torch::autograd::Function<RMSNormFunction> {
   static variable_list forward(AutogradContext* ctx, const Tensor& x, const optional<Tensor>& w,
-                               double eps, bool store_rstd) {
+                               double eps, bool store_rstd, double offset) {
     at::AutoDispatchBelowADInplaceOrView guard;
     static auto fwd = op<RmsFwd>("kbuild::rmsnorm_fwd");
-    auto [y, rstd] = fwd.call(x, w, eps, store_rstd);
+    auto [y, rstd] = fwd.call(x, w, eps, store_rstd, offset);
     ctx->save_for_backward({x, w.value_or(Tensor()), rstd});
+    ctx->saved_data["offset"] = offset;
     ctx->mark_non_differentiable({rstd});
     // No zeros made for the statistics' (never defined) gradients: each would cost an
     // allocation and a fill kernel per backward.
@@ -654,43 +675,49 @@ struct RMSNormFunction : torch::autograd::Function<RMSNormFunction> {
     return {y, rstd};
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    if (!grads[0].defined()) return variable_list(4);  // y unused: no gradient flows
+    if (!grads[0].defined()) return variable_list(5);  // y unused: no gradient flows
     auto saved = ctx->get_saved_variables();
     bool need_dx = ctx->needs_input_grad(0);
     bool need_dw = saved[1].defined() && ctx->needs_input_grad(1);  // edges: x, [weight]
+    double offset = ctx->saved_data["offset"].toDouble();
     BelowAutograd below;
     static auto bwd = op<RmsBwd>("kbuild::rmsnorm_bwd");
-    auto [dx, dw] = bwd.call(grads[0], saved[0], maybe(saved[1]), saved[2], need_dx, need_dw);
-    return {need_dx ? dx : Tensor(), need_dw ? dw : Tensor(), Tensor(), Tensor()};
+    auto [dx, dw] =
+        bwd.call(grads[0], saved[0], maybe(saved[1]), saved[2], need_dx, need_dw, offset);
+    return {need_dx ? dx : Tensor(), need_dw ? dw : Tensor(), Tensor(), Tensor(), Tensor()};
   }
 };
 
 std::tuple<Tensor, Tensor> rmsnorm_fwd_autograd(const Tensor& x, const optional<Tensor>& w,
-                                                double eps, bool store_rstd) {
+                                                double eps, bool store_rstd, double offset) {
   if (!wants_grad({&x, w.has_value() ? &*w : &x})) {
     at::AutoDispatchBelowADInplaceOrView guard;
     static auto fwd = op<RmsFwd>("kbuild::rmsnorm_fwd");
-    return fwd.call(x, w, eps, store_rstd);
+    return fwd.call(x, w, eps, store_rstd, offset);
   }
-  auto out = RMSNormFunction::apply(x, w, eps, store_rstd);
+  auto out = RMSNormFunction::apply(x, w, eps, store_rstd, offset);
   return {out[0], out[1]};
 }
 
 struct FusedAddRMSNormFunction : torch::autograd::Function<FusedAddRMSNormFunction> {
   static variable_list forward(AutogradContext* ctx, const Tensor& x, const Tensor& residual,
                                const optional<Tensor>& w, double eps,
-                               at::ScalarType residual_dtype, bool store_rstd) {
+                               at::ScalarType residual_dtype, bool store_rstd, double offset) {
     at::AutoDispatchBelowADInplaceOrView guard;
     static auto fwd = op<FusedFwd>("kbuild::fused_add_rmsnorm_fwd");
-    auto [y, residual_out, rstd] = fwd.call(x, residual, w, eps, residual_dtype, store_rstd);
+    auto [y, residual_out, rstd] =
+        fwd.call(x, residual, w, eps, residual_dtype, store_rstd, offset);
     ctx->save_for_backward({residual_out, w.value_or(Tensor()), rstd});
+    ctx->saved_data["offset"] = offset;
     ctx->mark_non_differentiable({rstd});
     ctx->set_materialize_grads(false);  // an unused residual_out has no gradient to add
     ctx->saved_data["out_dtype"] = static_cast<int64_t>(y.scalar_type());
+    // An fp32 residual stream: its gradient is written in fp32 (not rounded to x's dtype).
+    ctx->saved_data["res32"] = residual.scalar_type() != x.scalar_type();
     return {y, residual_out, rstd};
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    if (!grads[0].defined() && !grads[1].defined()) return variable_list(6);
+    if (!grads[0].defined() && !grads[1].defined()) return variable_list(7);
     auto saved = ctx->get_saved_variables();
     Tensor dy = grads[0];
     if (!dy.defined()) {
@@ -700,25 +727,30 @@ struct FusedAddRMSNormFunction : torch::autograd::Function<FusedAddRMSNormFuncti
     bool need_dw = saved[1].defined() && ctx->needs_input_grad(2);  // x, residual, [weight]
     BelowAutograd below;
     static auto bwd = op<FusedBwd>("kbuild::fused_add_rmsnorm_bwd");
-    auto [dsum, dw] = bwd.call(dy, maybe(grads[1]), saved[0], maybe(saved[1]), saved[2],
-                               need_dw);
-    // added = x + residual: one gradient, computed once, serves both inputs.
+    bool res32 = ctx->saved_data["res32"].toBool();
+    auto [dsum, dres, dw] =
+        bwd.call(dy, maybe(grads[1]), saved[0], maybe(saved[1]), saved[2], need_dw,
+                 ctx->saved_data["offset"].toDouble(),
+                 res32 ? optional<at::ScalarType>(at::kFloat) : std::nullopt);
+    // added = x + residual: one gradient, computed once, serves both inputs (an fp32
+    // residual gets its unrounded copy).
     return {ctx->needs_input_grad(0) ? dsum : Tensor(),
-            ctx->needs_input_grad(1) ? dsum : Tensor(),
+            ctx->needs_input_grad(1) ? (res32 ? dres : dsum) : Tensor(),
             need_dw ? dw : Tensor(),
-            Tensor(), Tensor(), Tensor()};
+            Tensor(), Tensor(), Tensor(), Tensor()};
   }
 };
 
 std::tuple<Tensor, Tensor, Tensor> fused_add_rmsnorm_fwd_autograd(
     const Tensor& x, const Tensor& residual, const optional<Tensor>& w, double eps,
-    at::ScalarType residual_dtype, bool store_rstd) {
+    at::ScalarType residual_dtype, bool store_rstd, double offset) {
   if (!wants_grad({&x, &residual, w.has_value() ? &*w : &x})) {
     at::AutoDispatchBelowADInplaceOrView guard;
     static auto fwd = op<FusedFwd>("kbuild::fused_add_rmsnorm_fwd");
-    return fwd.call(x, residual, w, eps, residual_dtype, store_rstd);
+    return fwd.call(x, residual, w, eps, residual_dtype, store_rstd, offset);
   }
-  auto out = FusedAddRMSNormFunction::apply(x, residual, w, eps, residual_dtype, store_rstd);
+  auto out =
+      FusedAddRMSNormFunction::apply(x, residual, w, eps, residual_dtype, store_rstd, offset);
   return {out[0], out[1], out[2]};
 }
 
@@ -827,6 +859,15 @@ bool common_eps(py::handle h, double& eps) {
   return eps >= 0.0 && eps < std::numeric_limits<double>::infinity();
 }
 
+// A weight offset in the common case: None (0) or a finite float, nonzero only with a weight.
+bool common_offset(py::handle h, const optional<Tensor>& w, double& offset) {
+  offset = 0.0;
+  if (h.is_none()) return true;
+  if (!PyFloat_CheckExact(h.ptr())) return false;
+  offset = PyFloat_AS_DOUBLE(h.ptr());
+  return std::isfinite(offset) && (offset == 0.0 || w.has_value());
+}
+
 bool needs_grad(const Tensor& x, std::initializer_list<const optional<Tensor>*> params) {
   if (!at::GradMode::is_enabled()) return false;
   if (x.requires_grad()) return true;
@@ -837,13 +878,15 @@ bool needs_grad(const Tensor& x, std::initializer_list<const optional<Tensor>*> 
 
 py::object wrap(Tensor t) { return py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move(t))); }
 
-py::object rmsnorm_entry(py::handle x_, py::handle w_, py::handle eps_) {
+py::object rmsnorm_entry(py::handle x_, py::handle w_, py::handle eps_, py::handle offset_) {
   const Tensor* x = cuda_tensor(x_);
   optional<Tensor> w;
-  double eps;
-  if (x == nullptr || !common_param(w_, *x, w) || !common_eps(eps_, eps)) return py::none();
+  double eps, offset;
+  if (x == nullptr || !common_param(w_, *x, w) || !common_eps(eps_, eps) ||
+      !common_offset(offset_, w, offset))
+    return py::none();
   static auto fwd = op<RmsFwd>("kbuild::rmsnorm_fwd");
-  return wrap(std::get<0>(fwd.call(x->contiguous(), w, eps, needs_grad(*x, {&w}))));
+  return wrap(std::get<0>(fwd.call(x->contiguous(), w, eps, needs_grad(*x, {&w}), offset)));
 }
 
 py::object layernorm_entry(py::handle x_, py::handle w_, py::handle b_, py::handle eps_) {
@@ -858,22 +901,25 @@ py::object layernorm_entry(py::handle x_, py::handle w_, py::handle b_, py::hand
 }
 
 py::object fused_add_rmsnorm_entry(py::handle x_, py::handle r_, py::handle w_,
-                                   py::handle eps_, py::handle prenorm_, py::handle fp32_) {
+                                   py::handle eps_, py::handle prenorm_, py::handle fp32_,
+                                   py::handle offset_) {
   const Tensor* x = cuda_tensor(x_);
   const Tensor* r = cuda_tensor(r_);
   optional<Tensor> w;
-  double eps;
+  double eps, offset;
   if (x == nullptr || r == nullptr || !common_param(w_, *x, w) || !common_eps(eps_, eps) ||
-      !PyBool_Check(prenorm_.ptr()) || !PyBool_Check(fp32_.ptr()))
+      !common_offset(offset_, w, offset) || !PyBool_Check(prenorm_.ptr()) ||
+      !PyBool_Check(fp32_.ptr()))
     return py::none();
-  if (r->sizes() != x->sizes() || r->scalar_type() != x->scalar_type() ||
+  bool r32 = r->scalar_type() == at::kFloat;  // x's dtype, or an fp32 residual stream
+  if (r->sizes() != x->sizes() || (r->scalar_type() != x->scalar_type() && !r32) ||
       r->device() != x->device())
     return py::none();
   bool grad = needs_grad(*x, {&w}) || (at::GradMode::is_enabled() && r->requires_grad());
-  auto residual_dtype = fp32_.ptr() == Py_True ? at::kFloat : x->scalar_type();
+  auto residual_dtype = fp32_.ptr() == Py_True || r32 ? at::kFloat : x->scalar_type();
   static auto fwd = op<FusedFwd>("kbuild::fused_add_rmsnorm_fwd");
   auto [out, residual_out, rstd] =
-      fwd.call(x->contiguous(), r->contiguous(), w, eps, residual_dtype, grad);
+      fwd.call(x->contiguous(), r->contiguous(), w, eps, residual_dtype, grad, offset);
   if (prenorm_.ptr() != Py_True) return wrap(std::move(out));
   return py::make_tuple(wrap(std::move(out)), wrap(std::move(residual_out)));
 }
@@ -917,19 +963,24 @@ TORCH_LIBRARY_IMPL(kbuild, Autograd, m) {
 // runs, with autograd and any dispatch modes), the resolver, and a launch hook for CPU tests.
 PYBIND11_MODULE(KBUILD_EXTENSION_NAME, m) {
   using namespace kbuild;
-  m.def("rmsnorm", &rmsnorm_entry);
+  m.def("rmsnorm", &rmsnorm_entry, py::arg("x"), py::arg("w"), py::arg("eps"),
+        py::arg("offset") = py::none());
   m.def("layernorm", &layernorm_entry);
-  m.def("fused_add_rmsnorm", &fused_add_rmsnorm_entry);
+  m.def("fused_add_rmsnorm", &fused_add_rmsnorm_entry, py::arg("x"), py::arg("r"), py::arg("w"),
+        py::arg("eps"), py::arg("prenorm"), py::arg("fp32"), py::arg("offset") = py::none());
   m.def("linear", &linear_entry);
-  m.def("rmsnorm_fwd", [](const Tensor& x, const optional<Tensor>& w, double eps, bool store) {
+  m.def("rmsnorm_fwd", [](const Tensor& x, const optional<Tensor>& w, double eps, bool store,
+                          double offset) {
     static auto fwd = op<RmsFwd>("kbuild::rmsnorm_fwd");
-    return fwd.call(x, w, eps, store);
-  });
+    return fwd.call(x, w, eps, store, offset);
+  }, py::arg("x"), py::arg("w"), py::arg("eps"), py::arg("store"), py::arg("offset") = 0.0);
   m.def("fused_add_rmsnorm_fwd", [](const Tensor& x, const Tensor& r, const optional<Tensor>& w,
-                                    double eps, at::ScalarType residual_dtype, bool store) {
+                                    double eps, at::ScalarType residual_dtype, bool store,
+                                    double offset) {
     static auto fwd = op<FusedFwd>("kbuild::fused_add_rmsnorm_fwd");
-    return fwd.call(x, r, w, eps, residual_dtype, store);
-  });
+    return fwd.call(x, r, w, eps, residual_dtype, store, offset);
+  }, py::arg("x"), py::arg("r"), py::arg("w"), py::arg("eps"), py::arg("residual_dtype"),
+     py::arg("store"), py::arg("offset") = 0.0);
   m.def("layernorm_fwd", [](const Tensor& x, const optional<Tensor>& w,
                             const optional<Tensor>& b, double eps, bool store) {
     static auto fwd = op<LnFwd>("kbuild::layernorm_fwd");
@@ -937,10 +988,17 @@ PYBIND11_MODULE(KBUILD_EXTENSION_NAME, m) {
   });
   // The CUDA kernels called directly (no dispatcher): CPU tests run them on CPU tensors with
   // the launch hook set, to check the kernels and launch shapes they ask for.
-  m.def("rmsnorm_fwd_cuda", &rmsnorm_fwd_cuda);
-  m.def("rmsnorm_bwd_cuda", &rmsnorm_bwd_cuda);
-  m.def("fused_add_rmsnorm_fwd_cuda", &fused_add_rmsnorm_fwd_cuda);
-  m.def("fused_add_rmsnorm_bwd_cuda", &fused_add_rmsnorm_bwd_cuda);
+  // (The RMSNorm ones take the weight offset last, 0.0 when not given.)
+  m.def("rmsnorm_fwd_cuda", &rmsnorm_fwd_cuda, py::arg("x"), py::arg("w"), py::arg("eps"),
+        py::arg("store"), py::arg("offset") = 0.0);
+  m.def("rmsnorm_bwd_cuda", &rmsnorm_bwd_cuda, py::arg("dy"), py::arg("x"), py::arg("w"),
+        py::arg("rstd"), py::arg("need_dx"), py::arg("need_dw"), py::arg("offset") = 0.0);
+  m.def("fused_add_rmsnorm_fwd_cuda", &fused_add_rmsnorm_fwd_cuda, py::arg("x"), py::arg("r"),
+        py::arg("w"), py::arg("eps"), py::arg("residual_dtype"), py::arg("store"),
+        py::arg("offset") = 0.0);
+  m.def("fused_add_rmsnorm_bwd_cuda", &fused_add_rmsnorm_bwd_cuda, py::arg("dy"),
+        py::arg("dres"), py::arg("residual_out"), py::arg("w"), py::arg("rstd"),
+        py::arg("need_dw"), py::arg("offset") = 0.0, py::arg("residual_dtype") = py::none());
   m.def("layernorm_fwd_cuda", &layernorm_fwd_cuda);
   m.def("layernorm_bwd_cuda", &layernorm_bwd_cuda);
   m.def("bias_grad_cuda", &bias_grad_cuda);

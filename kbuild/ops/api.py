@@ -16,6 +16,7 @@ from .common import (
     check_eps,
     check_input,
     check_like,
+    check_offset,
     check_param,
     contiguous,
     device_guard,
@@ -32,40 +33,49 @@ def _needs_grad(*tensors: torch.Tensor | None) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
-def rmsnorm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1e-6) -> torch.Tensor:
-    """RMSNorm over the last dimension: x * rsqrt(mean(x^2, -1) + eps) * weight.
+def rmsnorm(
+    x: torch.Tensor,
+    weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    offset: float | None = None,
+) -> torch.Tensor:
+    """RMSNorm over the last dimension: x * rsqrt(mean(x^2, -1) + eps) * (offset + weight).
 
     x: (..., N), float32/float16/bfloat16, any layout. weight: (N,) of x's dtype or float32,
-    or None. Returns x's shape and dtype; statistics in fp32. Differentiable in x and weight
-    (saved for backward: x, weight and one fp32 rstd per row; nothing when no grad is needed).
+    or None. offset: added to the weight in fp32 inside the kernels, never to the stored
+    weight (Gemma's RMSNorm: offset=1.0 with a weight stored around 0; dweight is unchanged
+    by it); None is 0. Returns x's shape and dtype; statistics in fp32. Differentiable in x
+    and weight (saved for backward: x, weight and one fp32 rstd per row; nothing when no grad
+    is needed).
     CUDA tensors run the kbuild kernels; CPU tensors run the plain torch reference (same
     math), so code using kbuild runs anywhere.
     """
     if _native is not None and not torch.compiler.is_compiling():
-        y = _native.rmsnorm(x, weight, eps)  # the common CUDA case, whole, in C++
+        y = _native.rmsnorm(x, weight, eps, offset)  # the common CUDA case, whole, in C++
         if y is not None:
             return y
     check_input("x", x)
     weight = check_param("weight", weight, x)
     eps = check_eps(eps)
+    offset = check_offset(offset, weight)
     # Under torch.compile CPU tensors take the custom-op route too (the ops run this same
     # reference on CPU), so a CPU compile traces the kbuild::* ops and their autograd.
     if not x.is_cuda and not torch.compiler.is_compiling():
-        return rmsnorm_reference(x, weight, eps)[0]
+        return rmsnorm_reference(x, weight, eps, offset)[0]
     x = contiguous(x)
     needs_grad = torch.is_grad_enabled() and (
         x.requires_grad or (weight is not None and weight.requires_grad)
     )
     if torch.compiler.is_compiling():
-        return rmsnorm_fwd_op(x, weight, eps, needs_grad)[0]
+        return rmsnorm_fwd_op(x, weight, eps, needs_grad, offset)[0]
     if _native is not None:
-        return _native.rmsnorm_fwd(x, weight, eps, needs_grad)[0]
+        return _native.rmsnorm_fwd(x, weight, eps, needs_grad, offset)[0]
     if needs_grad:
-        return RMSNormFunction.apply(x, weight, eps)
+        return RMSNormFunction.apply(x, weight, eps, offset)
     if x.get_device() == torch._C._cuda_getDevice():  # the guard costs ~2 us: only if needed
-        return rmsnorm_fwd(x, weight, eps, False)[0]
+        return rmsnorm_fwd(x, weight, eps, False, offset)[0]
     with device_guard(x):
-        return rmsnorm_fwd(x, weight, eps, False)[0]
+        return rmsnorm_fwd(x, weight, eps, False, offset)[0]
 
 
 def fused_add_rmsnorm(
@@ -75,43 +85,51 @@ def fused_add_rmsnorm(
     eps: float = 1e-6,
     prenorm: bool = True,
     residual_in_fp32: bool = False,
+    offset: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor:
     """residual_out = x + residual; out = rmsnorm(residual_out) * weight.
 
     The pre-norm transformer block's "add the sublayer output to the residual stream, then
-    normalise" in one pass. x, residual: (..., N) of one dtype and device. residual_out is
-    stored in x's dtype, or fp32 with `residual_in_fp32`, and out is computed from exactly the
-    stored values. Returns (out, residual_out) when `prenorm`, else out. Gradients flow to x,
-    residual and weight; d(x) and d(residual) are the same values, computed once.
+    normalise" in one pass. x, residual: (..., N) on one device; residual of x's dtype, or
+    fp32 (an fp32 residual stream: the residual_out of a call with `residual_in_fp32`).
+    residual_out is stored in x's dtype, or fp32 with `residual_in_fp32` or an fp32 residual,
+    and out is computed from exactly the stored values. An fp32 residual's gradient comes in
+    fp32 (not rounded to x's dtype), so the stream stays fp32 through a whole stack, forward
+    and backward. Returns (out, residual_out) when `prenorm`, else out. Gradients flow to x,
+    residual and weight; d(x) and d(residual) are the same values, computed once. `offset`:
+    as in rmsnorm, out = rmsnorm(residual_out) * (offset + weight).
     """
     if _native is not None and not torch.compiler.is_compiling():
-        out = _native.fused_add_rmsnorm(x, residual, weight, eps, prenorm, residual_in_fp32)
+        out = _native.fused_add_rmsnorm(x, residual, weight, eps, prenorm, residual_in_fp32, offset)
         if out is not None:
             return out
     check_input("x", x)
-    check_like("residual", residual, x)
+    check_like("residual", residual, x, or_fp32=True)
     weight = check_param("weight", weight, x)
     eps = check_eps(eps)
+    offset = check_offset(offset, weight)
     if not isinstance(prenorm, bool) or not isinstance(residual_in_fp32, bool):
         raise TypeError("prenorm and residual_in_fp32 must be bools")
-    residual_dtype = torch.float32 if residual_in_fp32 else x.dtype
+    residual_dtype = torch.float32 if residual_in_fp32 else residual.dtype
     needs_grad = _needs_grad(x, residual, weight)
     if x.is_cuda:
         x, residual = contiguous(x), contiguous(residual)
     if not x.is_cuda or torch.compiler.is_compiling():
         out, residual_out, _ = fused_add_rmsnorm_fwd_op(
-            x, residual, weight, eps, residual_dtype, needs_grad
+            x, residual, weight, eps, residual_dtype, needs_grad, offset
         )
     elif _native is not None:
         out, residual_out, _ = _native.fused_add_rmsnorm_fwd(
-            x, residual, weight, eps, residual_dtype, needs_grad
+            x, residual, weight, eps, residual_dtype, needs_grad, offset
         )
     elif needs_grad:
-        out, residual_out = FusedAddRMSNormFunction.apply(x, residual, weight, eps, residual_dtype)
+        out, residual_out = FusedAddRMSNormFunction.apply(
+            x, residual, weight, eps, residual_dtype, offset
+        )
     else:
         with device_guard(x):
             out, residual_out, _ = fused_add_rmsnorm_fwd(
-                x, residual, weight, eps, residual_dtype, False
+                x, residual, weight, eps, residual_dtype, False, offset
             )
     return (out, residual_out) if prenorm else out
 

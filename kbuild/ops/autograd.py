@@ -26,63 +26,70 @@ from .rmsnorm import (
 # ----------------------------------------------------------------------------- shared backward
 
 
-def _rmsnorm_backward(saved, needs, dy):
+def _rmsnorm_backward(saved, needs, dy, offset: float = 0.0):
     x, weight, rstd = saved
     if not dy.is_cuda:
-        dx, dw = rmsnorm_bwd_reference(dy, x, weight, rstd)
+        dx, dw = rmsnorm_bwd_reference(dy, x, weight, rstd, offset)
         return (dx.to(x.dtype) if needs[0] else None), (dw if needs[1] else None)
     with device_guard(dy):
-        dx, dw = rmsnorm_bwd(dy.contiguous(), x, weight, rstd, needs[1])
+        dx, dw = rmsnorm_bwd(dy.contiguous(), x, weight, rstd, needs[1], offset)
     return (dx if needs[0] else None), dw
 
 
-def _fused_backward(saved, needs, dy, dresidual_out):
+def _fused_backward(saved, needs, dy, dresidual_out, offset=0.0, residual_dtype=None):
+    """(dx, dresidual, dw). `residual_dtype`: the residual's dtype where it is not x's (an fp32
+    stream), whose gradient then comes in that dtype, not rounded to x's."""
     residual_out, weight, rstd = saved
     dres = None if dresidual_out is None else dresidual_out.contiguous()
     if not dy.is_cuda:
-        dsum, dw = rmsnorm_bwd_reference(dy, residual_out, weight, rstd)
-        dsum = (dsum if dres is None else dsum + dres.float()).to(dy.dtype)
+        dsum, dw = rmsnorm_bwd_reference(dy, residual_out, weight, rstd, offset)
+        dsum = dsum if dres is None else dsum + dres.float()
+        dres_in = None if residual_dtype is None else dsum.to(residual_dtype)
+        dsum = dsum.to(dy.dtype)
         dw = dw if needs[2] else None
     else:
         with device_guard(dy):
-            dsum, dw = fused_add_rmsnorm_bwd(
-                dy.contiguous(), dres, residual_out, weight, rstd, needs[2]
+            dsum, dres_in, dw = fused_add_rmsnorm_bwd(
+                dy.contiguous(), dres, residual_out, weight, rstd, needs[2], offset, residual_dtype
             )
-    # added = x + residual: one gradient serves both inputs.
-    return (dsum if needs[0] else None), (dsum if needs[1] else None), dw
+    # added = x + residual: one gradient serves both inputs (written twice for an fp32 stream).
+    dres_in = dsum if dres_in is None else dres_in
+    return (dsum if needs[0] else None), (dres_in if needs[1] else None), dw
 
 
 # ----------------------------------------------------------------------------- eager
 
 
 class RMSNormFunction(torch.autograd.Function):
-    """y = rmsnorm(x) * weight on a contiguous CUDA x; saves x, weight and rstd."""
+    """y = rmsnorm(x) * (offset + weight) on a contiguous CUDA x; saves x, weight and rstd."""
 
     @staticmethod
-    def forward(ctx, x, weight, eps):
+    def forward(ctx, x, weight, eps, offset=0.0):
         with device_guard(x):
-            y, rstd = rmsnorm_fwd(x, weight, eps, store_rstd=True)
+            y, rstd = rmsnorm_fwd(x, weight, eps, True, offset)
         ctx.save_for_backward(x, weight, rstd)
+        ctx.offset = offset
         return y
 
     @staticmethod
     @once_differentiable  # the kernels' backward has no graph of its own: no double backward
     def backward(ctx, dy):
-        dx, dw = _rmsnorm_backward(ctx.saved_tensors, ctx.needs_input_grad, dy)
-        return dx, dw, None
+        dx, dw = _rmsnorm_backward(ctx.saved_tensors, ctx.needs_input_grad, dy, ctx.offset)
+        return dx, dw, None, None
 
 
 class FusedAddRMSNormFunction(torch.autograd.Function):
     """(y, residual_out) = (rmsnorm(x + residual) * weight, x + residual)."""
 
     @staticmethod
-    def forward(ctx, x, residual, weight, eps, residual_dtype):
+    def forward(ctx, x, residual, weight, eps, residual_dtype, offset=0.0):
         with device_guard(x):
             y, residual_out, rstd = fused_add_rmsnorm_fwd(
-                x, residual, weight, eps, residual_dtype, store_rstd=True
+                x, residual, weight, eps, residual_dtype, True, offset
             )
         ctx.save_for_backward(residual_out, weight, rstd)
-        ctx.out_dtype = y.dtype
+        ctx.out_dtype, ctx.offset = y.dtype, offset
+        ctx.residual_dtype = None if residual.dtype == x.dtype else residual.dtype
         ctx.set_materialize_grads(False)  # an unused residual_out has no gradient to add
         return y, residual_out
 
@@ -91,11 +98,9 @@ class FusedAddRMSNormFunction(torch.autograd.Function):
     def backward(ctx, dy, dresidual_out):
         if dy is None:
             dy = torch.zeros_like(ctx.saved_tensors[0], dtype=ctx.out_dtype)
-        return (
-            *_fused_backward(ctx.saved_tensors, ctx.needs_input_grad, dy, dresidual_out),
-            None,
-            None,
-        )
+        saved, needs = ctx.saved_tensors, ctx.needs_input_grad
+        grads = _fused_backward(saved, needs, dy, dresidual_out, ctx.offset, ctx.residual_dtype)
+        return (*grads, None, None, None)
 
 
 # ----------------------------------------------------------------------------- layernorm

@@ -26,15 +26,18 @@ def check_input(name: str, x: object) -> torch.Tensor:
     return x
 
 
-def check_like(name: str, t: object, x: torch.Tensor, x_name: str = "x") -> torch.Tensor:
-    """`t` must match `x` in shape, dtype and device (residual, dy, ...)."""
+def check_like(
+    name: str, t: object, x: torch.Tensor, x_name: str = "x", or_fp32: bool = False
+) -> torch.Tensor:
+    """`t` must match `x` in shape, dtype (or be fp32, with `or_fp32`) and device."""
     check_input(name, t)
     if t.shape != x.shape:
         raise ValueError(
             f"{name} must have the shape of {x_name} {tuple(x.shape)}; got {tuple(t.shape)}"
         )
-    if t.dtype != x.dtype:
-        raise TypeError(f"{name} must have the dtype of {x_name} ({x.dtype}); got {t.dtype}")
+    if t.dtype != x.dtype and not (or_fp32 and t.dtype == torch.float32):
+        also = " or float32" if or_fp32 else ""
+        raise TypeError(f"{name} must have the dtype of {x_name} ({x.dtype}){also}; got {t.dtype}")
     if t.device != x.device:
         raise ValueError(f"{name} must be on {x_name}'s device {x.device}; got {t.device}")
     return t
@@ -81,6 +84,23 @@ def check_eps(eps: object) -> float:
     if not 0.0 <= eps < math.inf:
         raise ValueError(f"eps must be a finite number >= 0; got {eps}")
     return eps if isinstance(eps, torch.SymFloat) else float(eps)
+
+
+def check_offset(offset: object, weight: torch.Tensor | None) -> float:
+    """RMSNorm's weight offset: None (0) or a finite float, nonzero only with a weight.
+
+    The public functions default it to None, not 0.0: under torch.compile(dynamic=True) a
+    float default becomes a symbolic input, and the kernel parameter it feeds then costs a
+    second compile of the frame."""
+    if offset is None:
+        return 0.0
+    if isinstance(offset, bool) or not isinstance(offset, (int, float, torch.SymFloat)):
+        raise TypeError(f"offset must be a float, got {type(offset).__name__}")
+    if not -math.inf < offset < math.inf:
+        raise ValueError(f"offset must be a finite number; got {offset}")
+    if offset != 0 and weight is None:
+        raise ValueError(f"offset = {offset} scales a weight (offset + weight): weight is None")
+    return float(offset)  # a compile-time constant of the kernel (specialised under compile)
 
 
 def contiguous(t: torch.Tensor) -> torch.Tensor:

@@ -23,13 +23,18 @@ from .layernorm import layernorm_fwd, layernorm_reference
 from .rmsnorm import fused_add_rmsnorm_fwd, rmsnorm_fwd, rmsnorm_reference
 
 SCHEMAS = {
-    "rmsnorm_fwd": "(Tensor x, Tensor? weight, float eps, bool store_rstd) -> (Tensor, Tensor)",
+    # offset: RMSNorm's weight offset, y = x_hat * (offset + weight) (Gemma: 1)
+    "rmsnorm_fwd": "(Tensor x, Tensor? weight, float eps, bool store_rstd, float offset=0.0) "
+    "-> (Tensor, Tensor)",
     "rmsnorm_bwd": "(Tensor dy, Tensor x, Tensor? weight, Tensor rstd, bool need_dx, "
-    "bool need_dw) -> (Tensor, Tensor)",
+    "bool need_dw, float offset=0.0) -> (Tensor, Tensor)",
     "fused_add_rmsnorm_fwd": "(Tensor x, Tensor residual, Tensor? weight, float eps, "
-    "ScalarType residual_dtype, bool store_rstd) -> (Tensor, Tensor, Tensor)",
+    "ScalarType residual_dtype, bool store_rstd, float offset=0.0) -> (Tensor, Tensor, Tensor)",
+    # (d(x + residual) in dy's dtype, the same in residual_dtype when given (an fp32 residual
+    # stream) else empty, dw or empty)
     "fused_add_rmsnorm_bwd": "(Tensor dy, Tensor? dresidual_out, Tensor residual_out, "
-    "Tensor? weight, Tensor rstd, bool need_dw) -> (Tensor, Tensor)",
+    "Tensor? weight, Tensor rstd, bool need_dw, float offset=0.0, "
+    "ScalarType? residual_dtype=None) -> (Tensor, Tensor, Tensor)",
     "layernorm_fwd": "(Tensor x, Tensor? weight, Tensor? bias, float eps, bool store_stats) "
     "-> (Tensor, Tensor, Tensor)",
     "layernorm_bwd": "(Tensor dy, Tensor x, Tensor? weight, Tensor? bias, Tensor mean, "
@@ -52,14 +57,14 @@ def _or_empty(t: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------------- CPU: reference
 
 
-def _rmsnorm_fwd_cpu(x, weight, eps, store_rstd):
-    y, rstd = rmsnorm_reference(x, weight, eps)
+def _rmsnorm_fwd_cpu(x, weight, eps, store_rstd, offset=0.0):
+    y, rstd = rmsnorm_reference(x, weight, eps, offset)
     return y, rstd.reshape(-1) if store_rstd else _empty(x)
 
 
-def _fused_add_rmsnorm_fwd_cpu(x, residual, weight, eps, residual_dtype, store_rstd):
+def _fused_add_rmsnorm_fwd_cpu(x, residual, weight, eps, residual_dtype, store_rstd, offset=0.0):
     added = (x.float() + residual.float()).to(residual_dtype)
-    y, rstd = rmsnorm_reference(added, weight, eps)
+    y, rstd = rmsnorm_reference(added, weight, eps, offset)
     return y.to(x.dtype), added, rstd.reshape(-1) if store_rstd else _empty(x)
 
 
@@ -71,15 +76,17 @@ def _layernorm_fwd_cpu(x, weight, bias, eps, store_stats):
 
 
 # The backward ops: the shared backward functions (CPU reference or Python launches by device).
-def _rmsnorm_bwd(dy, x, weight, rstd, need_dx, need_dw):
-    dx, dw = _rmsnorm_backward((x, weight, rstd), (need_dx, need_dw), dy)
+def _rmsnorm_bwd(dy, x, weight, rstd, need_dx, need_dw, offset=0.0):
+    dx, dw = _rmsnorm_backward((x, weight, rstd), (need_dx, need_dw), dy, offset)
     return _or_empty(dx, x), _or_empty(dw, x)
 
 
-def _fused_add_rmsnorm_bwd(dy, dresidual_out, residual_out, weight, rstd, need_dw):
-    saved = (residual_out, weight, rstd)
-    dsum, _, dw = _fused_backward(saved, (True, False, need_dw), dy, dresidual_out)
-    return dsum, _or_empty(dw, dy)
+def _fused_add_rmsnorm_bwd(
+    dy, dresidual_out, residual_out, weight, rstd, need_dw, offset=0.0, residual_dtype=None
+):
+    saved, needs = (residual_out, weight, rstd), (True, residual_dtype is not None, need_dw)
+    dsum, dres, dw = _fused_backward(saved, needs, dy, dresidual_out, offset, residual_dtype)
+    return dsum, (dres if residual_dtype is not None else dy.new_empty(0)), _or_empty(dw, dy)
 
 
 def _layernorm_bwd(dy, x, weight, bias, mean, rstd, need_dx, need_dw, need_db):
@@ -102,19 +109,19 @@ for _name, _fn in (
 
 
 @torch.library.register_fake("kbuild::rmsnorm_fwd", lib=_lib)
-def _(x, weight, eps, store_rstd):
+def _(x, weight, eps, store_rstd, offset=0.0):
     rows = row_count(x) if store_rstd else 0
     return torch.empty_like(x), x.new_empty(rows, dtype=torch.float32)
 
 
 @torch.library.register_fake("kbuild::rmsnorm_bwd", lib=_lib)
-def _(dy, x, weight, rstd, need_dx, need_dw):
+def _(dy, x, weight, rstd, need_dx, need_dw, offset=0.0):
     dw = torch.empty_like(weight) if need_dw and weight is not None else x.new_empty(0)
     return (torch.empty_like(x) if need_dx else x.new_empty(0)), dw
 
 
 @torch.library.register_fake("kbuild::fused_add_rmsnorm_fwd", lib=_lib)
-def _(x, residual, weight, eps, residual_dtype, store_rstd):
+def _(x, residual, weight, eps, residual_dtype, store_rstd, offset=0.0):
     rows = row_count(x) if store_rstd else 0
     return (
         x.new_empty(x.shape),
@@ -124,9 +131,12 @@ def _(x, residual, weight, eps, residual_dtype, store_rstd):
 
 
 @torch.library.register_fake("kbuild::fused_add_rmsnorm_bwd", lib=_lib)
-def _(dy, dresidual_out, residual_out, weight, rstd, need_dw):
+def _(dy, dresidual_out, residual_out, weight, rstd, need_dw, offset=0.0, residual_dtype=None):
     dw = torch.empty_like(weight) if need_dw and weight is not None else dy.new_empty(0)
-    return dy.new_empty(dy.shape), dw
+    dres = (
+        dy.new_empty(0) if residual_dtype is None else dy.new_empty(dy.shape, dtype=residual_dtype)
+    )
+    return dy.new_empty(dy.shape), dres, dw
 
 
 @torch.library.register_fake("kbuild::layernorm_fwd", lib=_lib)
@@ -162,16 +172,19 @@ if NATIVE is not None:
     on_forget(NATIVE.clear_records)
 else:  # the Python launch path, registered as the same operators
 
-    def _rmsnorm_fwd_cuda(x, weight, eps, store_rstd):
+    def _rmsnorm_fwd_cuda(x, weight, eps, store_rstd, offset=0.0):
         with device_guard(x):
-            y, rstd = rmsnorm_fwd(x.contiguous(), weight, eps, store_rstd)
+            y, rstd = rmsnorm_fwd(x.contiguous(), weight, eps, store_rstd, offset)
         return y, rstd if rstd is not None else _empty(x)
 
-    def _fused_add_rmsnorm_fwd_cuda(x, residual, weight, eps, residual_dtype, store_rstd):
+    def _fused_add_rmsnorm_fwd_cuda(
+        x, residual, weight, eps, residual_dtype, store_rstd, offset=0.0
+    ):
         with device_guard(x):
             y, res, rstd = fused_add_rmsnorm_fwd(
-                x.contiguous(), residual.contiguous(), weight, eps, residual_dtype, store_rstd
-            )
+                x.contiguous(), residual.contiguous(), weight, eps, residual_dtype, store_rstd,
+                offset,
+            )  # fmt: skip
         return y, res, rstd if rstd is not None else _empty(x)
 
     def _layernorm_fwd_cuda(x, weight, bias, eps, store_stats):
@@ -192,30 +205,37 @@ else:  # the Python launch path, registered as the same operators
         _lib.impl(_name, _fn, "CUDA")
 
     def _rmsnorm_setup(ctx, inputs, output):
-        x, weight, _, _ = inputs
+        x, weight = inputs[:2]
         ctx.save_for_backward(x, weight, output[1])
+        ctx.offset = inputs[4] if len(inputs) > 4 else 0.0
 
     def _rmsnorm_op_backward(ctx, dy, _drstd):
         x, weight, rstd = ctx.saved_tensors
         need_dx = ctx.needs_input_grad[0]
         need_dw = ctx.needs_input_grad[1] and weight is not None
-        dx, dw = rmsnorm_bwd_op(dy, x, weight, rstd, need_dx, need_dw)
-        return (dx if need_dx else None), (dw if need_dw else None), None, None
+        dx, dw = rmsnorm_bwd_op(dy, x, weight, rstd, need_dx, need_dw, ctx.offset)
+        return (dx if need_dx else None), (dw if need_dw else None), None, None, None
 
     def _fused_setup(ctx, inputs, output):
         ctx.save_for_backward(output[1], inputs[2], output[2])
         ctx.out_dtype = output[0].dtype
+        ctx.offset = inputs[6] if len(inputs) > 6 else 0.0
+        x, residual = inputs[:2]
+        ctx.residual_dtype = None if residual.dtype == x.dtype else residual.dtype
 
     def _fused_op_backward(ctx, dy, dresidual_out, _drstd):
         residual_out, weight, rstd = ctx.saved_tensors
         need_dw = ctx.needs_input_grad[2] and weight is not None
         if dy is None:
             dy = torch.zeros_like(residual_out, dtype=ctx.out_dtype)
-        dsum, dw = fused_add_rmsnorm_bwd_op(dy, dresidual_out, residual_out, weight, rstd, need_dw)
-        # added = x + residual: one gradient, written once, serves both inputs.
+        dsum, dres, dw = fused_add_rmsnorm_bwd_op(
+            dy, dresidual_out, residual_out, weight, rstd, need_dw, ctx.offset, ctx.residual_dtype
+        )
+        # added = x + residual: one gradient serves both inputs (an fp32 residual gets its own,
+        # unrounded copy).
         dx = dsum if ctx.needs_input_grad[0] else None
-        dres = dsum if ctx.needs_input_grad[1] else None
-        return dx, dres, (dw if need_dw else None), None, None, None
+        dres = (dsum if ctx.residual_dtype is None else dres) if ctx.needs_input_grad[1] else None
+        return dx, dres, (dw if need_dw else None), None, None, None, None
 
     def _layernorm_setup(ctx, inputs, output):
         x, weight, bias, _, _ = inputs

@@ -23,11 +23,11 @@ NATIVE_KERNELS = (
 )  # fmt: skip
 KERNELS = {name: TABLE[name] for name in NATIVE_KERNELS}
 # Flag bits of a key, and the argument slots (the extension's `slot_names`, in its order).
-STATS, DW, DB, DRES = 1, 2, 4, 8
+STATS, DW, DB, DRES, RES32 = 1, 2, 4, 8, 16
 SLOT_NAMES = (
     "x", "weight", "bias", "residual", "y", "residual_out", "mean", "rstd", "dy",
     "dresidual_out", "dx", "dw_partial", "db_partial", "M", "partial", "out", "out1", "R",
-    "dout", "rows_per_chunk",
+    "dout", "rows_per_chunk", "dresidual",
 )  # fmt: skip
 SLOTS = {name: i for i, name in enumerate(SLOT_NAMES)}
 
@@ -41,18 +41,24 @@ def values(
     flags: int,
     eps: float,
     aligned: bool,
+    offset: float = 0.0,
 ) -> tuple[Scalar, ...]:
     """The kernel table's parameter values (its order) for a key's fields. `aux` is the bias
     dtype (layernorm_fwd) or the residual dtype (fused forms); for column_sum, `flags` is the
-    number of planes."""
+    number of planes; `offset` is RMSNorm's weight offset; RES32: the fused forms' fp32
+    residual stream (read in fp32, its gradient written in fp32)."""
+    res32 = "f32" if flags & RES32 else None
     if kernel == "rmsnorm_fwd":
-        return (N, dtype, weight, bool(flags & STATS), eps, aligned)
-    if kernel in ("fused_add_rmsnorm_fwd", "layernorm_fwd"):
+        return (N, dtype, weight, bool(flags & STATS), eps, aligned, offset)
+    if kernel == "fused_add_rmsnorm_fwd":
+        return (N, dtype, weight, aux, bool(flags & STATS), eps, aligned, offset, res32)
+    if kernel == "layernorm_fwd":
         return (N, dtype, weight, aux, bool(flags & STATS), eps, aligned)
     if kernel == "rmsnorm_bwd":
-        return (N, dtype, weight, bool(flags & DW), aligned)
+        return (N, dtype, weight, bool(flags & DW), aligned, offset)
     if kernel == "fused_add_rmsnorm_bwd":
-        return (N, dtype, weight, aux, bool(flags & DRES), bool(flags & DW), aligned)
+        dres, dw = bool(flags & DRES), bool(flags & DW)
+        return (N, dtype, weight, aux, dres, dw, aligned, offset, res32)
     if kernel == "layernorm_bwd":
         return (N, dtype, weight, bool(flags & DW), bool(flags & DB), aligned)
     if kernel == "column_sum":
@@ -82,7 +88,8 @@ def launch_record(launcher, name: str, units: int = 1) -> tuple:
     )
 
 
-def resolve(kernel, device, N, dtype, weight, aux, flags, eps, aligned) -> tuple:
-    kdef, vals = KERNELS[kernel], values(kernel, N, dtype, weight, aux, flags, eps, aligned)
+def resolve(kernel, device, N, dtype, weight, aux, flags, eps, aligned, offset=0.0) -> tuple:
+    vals = values(kernel, N, dtype, weight, aux, flags, eps, aligned, offset)
+    kdef = KERNELS[kernel]
     units = encoder._units(device) if kernel == "bias_grad" else 1
     return launch_record(launcher_for(kdef, device, vals), kdef.spec(*vals).short(), units)

@@ -33,9 +33,13 @@ fused_add_rmsnorm_bwd_spec = FUSED_ADD_RMSNORM_BWD.spec
 
 
 def rmsnorm_fwd(
-    x: torch.Tensor, weight: torch.Tensor | None, eps: float, store_rstd: bool
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    eps: float,
+    store_rstd: bool,
+    offset: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """y = x * rstd * weight; rstd (M,) fp32 when `store_rstd` (for the backward pass).
+    """y = x * rstd * (offset + weight); rstd (M,) fp32 when `store_rstd` (for the backward).
 
     The launch path where host microseconds show (inference at small shapes), so it is
     written flat, without the list helpers the other launches use (3.5 us less per call).
@@ -55,7 +59,7 @@ def rmsnorm_fwd(
         ptrs, w_name, is_aligned = (xp, wp, yp), DTYPE_NAMES[weight.dtype], not (xp | yp | wp) & 15
     if rstd is not None:
         ptrs += (rstd.data_ptr(),)  # the table's order: x, [weight], y, [rstd]
-    values = (N, DTYPE_NAMES[x.dtype], w_name, store_rstd, eps, is_aligned)
+    values = (N, DTYPE_NAMES[x.dtype], w_name, store_rstd, eps, is_aligned, offset)
     launcher = launcher_for(RMSNORM_FWD, device, values)
     launcher(rows_grid(launcher, M), stream_of(device), *ptrs, M)
     return y, rstd
@@ -67,9 +71,11 @@ def rmsnorm_bwd(
     weight: torch.Tensor | None,
     rstd: torch.Tensor,
     need_dw: bool,
+    offset: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """dx (x's dtype) and, when `need_dw`, dw (weight's dtype) for y = rmsnorm(x) * weight."""
-    return _backward(dy, None, x, weight, rstd, need_dw, fused=False)
+    """dx (x's dtype) and, when `need_dw`, dw (weight's dtype) for
+    y = rmsnorm(x) * (offset + weight)."""
+    return _backward(dy, None, x, weight, rstd, need_dw, offset, fused=False)
 
 
 def fused_add_rmsnorm_fwd(
@@ -79,8 +85,10 @@ def fused_add_rmsnorm_fwd(
     eps: float,
     residual_dtype: torch.dtype,
     store_rstd: bool,
+    offset: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(y, residual_out = x + residual in `residual_dtype`, rstd or None)."""
+    """(y, residual_out = x + residual in `residual_dtype`, rstd or None). The residual is of
+    x's dtype or, continuing an fp32 stream, fp32 (then `residual_dtype` is fp32 too)."""
     N = x.shape[-1]
     M = x.numel() // N if N else row_count(x)
     y = torch.empty_like(x)
@@ -97,6 +105,8 @@ def fused_add_rmsnorm_fwd(
         store_rstd,
         eps,
         aligned(*ptrs),
+        offset,
+        None if residual.dtype == x.dtype else DTYPE_NAMES[residual.dtype],
     )
     launch_rows(FUSED_ADD_RMSNORM_FWD, values, x.get_device(), M, ptrs + data_ptrs(rstd))
     return y, residual_out, rstd
@@ -109,50 +119,64 @@ def fused_add_rmsnorm_bwd(
     weight: torch.Tensor | None,
     rstd: torch.Tensor,
     need_dw: bool,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """d(x + residual), in dy's dtype (it is both dx and dresidual), and dw when asked."""
-    return _backward(dy, dresidual_out, residual_out, weight, rstd, need_dw, fused=True)
+    offset: float = 0.0,
+    residual_dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """(d(x + residual) in dy's dtype: both dx and dresidual, the same d(residual) in
+    `residual_dtype` when given (an fp32 residual stream's gradient, not rounded to dy's
+    dtype) else None, dw when asked)."""
+    return _backward(
+        dy, dresidual_out, residual_out, weight, rstd, need_dw, offset, True, residual_dtype
+    )
 
 
-def _backward(dy, dres, x, weight, rstd, need_dw: bool, fused: bool):
-    """The one launch behind both backward passes (x is residual_out in the fused form)."""
+def _backward(
+    dy, dres, x, weight, rstd, need_dw: bool, offset: float, fused: bool, dres_dtype=None
+):
+    """The launch behind both backward passes (x is residual_out in the fused form)."""
     N = dy.shape[-1]
     M = dy.numel() // N if N else 0
     compute_dw = need_dw and weight is not None
     dx = torch.empty_like(dy)
+    dres_in = None if dres_dtype is None else torch.empty_like(dy, dtype=dres_dtype)
     device = dy.get_device()
-    ptrs = data_ptrs(x, weight, dy, rstd, dres, dx)
+    ptrs = data_ptrs(x, weight, dy, rstd, dres, dx, dres_in)
     is_aligned = aligned(*ptrs)
     if fused:
         kernel = FUSED_ADD_RMSNORM_BWD
         values = (N, DTYPE_NAMES[dy.dtype], dtype_name(weight), DTYPE_NAMES[x.dtype])
-        values += (dres is not None, compute_dw, is_aligned)
+        values += (dres is not None, compute_dw, is_aligned, offset, dtype_name(dres_in))
     else:
         kernel = RMSNORM_BWD
-        values = (N, DTYPE_NAMES[x.dtype], dtype_name(weight), compute_dw, is_aligned)
+        values = (N, DTYPE_NAMES[x.dtype], dtype_name(weight), compute_dw, is_aligned, offset)
     dw = launch_persistent(kernel, values, device, M, N, ptrs, weight if compute_dw else None)
-    return dx, dw
+    return (dx, dres_in, dw) if fused else (dx, dw)
 
 
 def rmsnorm_reference(
-    x: torch.Tensor, weight: torch.Tensor | None, eps: float
+    x: torch.Tensor, weight: torch.Tensor | None, eps: float, offset: float = 0.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Plain torch, fp32 math, differentiable: what CPU tensors run, and the kernels' contract."""
+    """Plain torch, fp32 math, differentiable: what CPU tensors run, and the kernels' contract.
+    The offset is added to the weight in fp32 (a bf16 1 + w would round w away)."""
     xf = x.float()
     rstd = torch.rsqrt(xf.square().mean(-1) + eps)
     y = xf * rstd.unsqueeze(-1)
     if weight is not None:
-        y = y * weight.float()
+        y = y * (weight.float() + offset)
     return y.to(x.dtype), rstd
 
 
 def rmsnorm_bwd_reference(
-    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, rstd: torch.Tensor
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    rstd: torch.Tensor,
+    offset: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The backward formulas of kernels/rmsnorm_bwd.py in plain torch (fp32): (dx fp32, dw)."""
     rstd = rstd.reshape(*x.shape[:-1], 1)
     x_hat = x.float() * rstd
-    wdy = dy.float() * (weight.float() if weight is not None else 1.0)
+    wdy = dy.float() * (weight.float() + offset if weight is not None else 1.0)
     c1 = (x_hat * wdy).mean(-1, keepdim=True)
     dx = (wdy - x_hat * c1) * rstd
     dw = None

@@ -1,0 +1,131 @@
+"""The RMSNorm variants today's models need, beside plain RMSNorm in the same run (bf16, H200).
+
+    KBUILD_CACHE_DIR=.kbuild-aot KBUILD_OFFLINE=1 python bench/bench_variants.py [out.json]
+
+- Weight offset (Gemma: y = x_hat * (1 + w)): kbuild.rmsnorm(..., offset=1.0) against the
+  plain kernel (the target: equal within noise) and torch eager / torch.compile of Gemma's
+  formula, forward (inference) and backward (dx and dw, kernels' device time and calls back
+  to back). Bytes: forward reads x and writes y; backward reads x and dy and writes dx.
+- QK-norm rows (RMSNorm over head_dim = 64, 128, 256 on millions of rows): kbuild.rmsnorm
+  forward and backward against torch eager and torch.compile of F.rms_norm.
+- An fp32 residual stream: fused_add_rmsnorm with bf16 x and an fp32 residual (a later
+  layer of a stack run with residual_in_fp32) against torch's same math, forward and
+  backward. Bytes: forward reads x (2) and the residual (4), writes y (2) and the stream (4);
+  backward reads the stream (4), dy (2) and d(stream) (4), writes dx (2) and d(residual) (4).
+Shapes: BENCH_N (QK_N for the QK rows) at 64 Mi elements (L2-cold by size).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import kbuild  # noqa: E402
+from bench.bench_rmsnorm_bwd import grad_fn  # noqa: E402
+from bench.harness import Case, add_event_of_copy, measure_copy, run_cases, write_results  # noqa: E402
+from kbuild.manifest import BENCH_ELEMENTS, BENCH_N, QK_N, STREAM_BENCH_N  # noqa: E402
+
+
+def gemma_rmsnorm(x, w, eps=1e-6):
+    """transformers' GemmaRMSNorm forward: fp32 math, (1 + w) in fp32, one rounding."""
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
+    return (y * (1.0 + w.float())).to(x.dtype)
+
+
+def cases() -> tuple[list[Case], list[Case]]:
+    torch._functorch.config.donated_buffer = False  # replayed backward graphs (retain_graph)
+    compiled = torch.compile(gemma_rmsnorm)
+    forwards, backwards = [], []
+    for N in BENCH_N:
+        M = BENCH_ELEMENTS // N
+        x = torch.randn(M, N, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        w = (torch.rand(N, device="cuda") * 0.02 - 0.01).to(torch.bfloat16).requires_grad_()
+        dy = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
+        xi, wi = x.detach(), w.detach()
+        elem = x.numel() * 2
+        fwd = {
+            "kbuild_plain": lambda xi=xi, wi=wi: kbuild.rmsnorm(xi, wi, 1e-6),
+            "kbuild_offset": lambda xi=xi, wi=wi: kbuild.rmsnorm(xi, wi, 1e-6, offset=1.0),
+            "eager": lambda xi=xi, wi=wi: gemma_rmsnorm(xi, wi),
+            "compile": lambda xi=xi, wi=wi: compiled(xi, wi),
+        }
+        forwards.append(Case("rmsnorm_offset_fwd", (M, N), 2 * elem, fwd))
+        offset = lambda x, w: kbuild.rmsnorm(x, w, 1e-6, offset=1.0)  # noqa: E731
+        bwd = {
+            "kbuild_plain": grad_fn(kbuild.rmsnorm, (x, w), [x, w], [dy]),
+            "kbuild_offset": grad_fn(offset, (x, w), [x, w], [dy]),
+            "eager": grad_fn(gemma_rmsnorm, (x, w), [x, w], [dy]),
+            "compile": grad_fn(compiled, (x, w), [x, w], [dy]),
+        }
+        backwards.append(Case("rmsnorm_offset_bwd", (M, N), 3 * elem, bwd))
+    compiled_rms = torch.compile(F.rms_norm)
+    for N in QK_N:
+        M = BENCH_ELEMENTS // N
+        x = torch.randn(M, N, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        w = torch.randn(N, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        dy = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
+        xi, wi = x.detach(), w.detach()
+        elem = x.numel() * 2
+        fwd = {
+            "kbuild": lambda xi=xi, wi=wi: kbuild.rmsnorm(xi, wi, 1e-6),
+            "eager": lambda xi=xi, wi=wi, N=N: F.rms_norm(xi, (N,), wi, 1e-6),
+            "compile": lambda xi=xi, wi=wi, N=N: compiled_rms(xi, (N,), wi, 1e-6),
+        }
+        forwards.append(Case("qk_rmsnorm_fwd", (M, N), 2 * elem, fwd))
+        bwd = {
+            "kbuild": grad_fn(kbuild.rmsnorm, (x, w), [x, w], [dy]),
+            "eager": grad_fn(F.rms_norm, (x, (N,), w, 1e-6), [x, w], [dy]),
+            "compile": grad_fn(compiled_rms, (x, (N,), w, 1e-6), [x, w], [dy]),
+        }
+        backwards.append(Case("qk_rmsnorm_bwd", (M, N), 3 * elem, bwd))
+
+    def torch_stream(x, r, w):
+        s = r + x.float()
+        return (F.rms_norm(s, (s.shape[-1],), eps=1e-6) * w).to(x.dtype), s
+
+    compiled_stream = torch.compile(torch_stream)
+    for N in STREAM_BENCH_N:
+        M = BENCH_ELEMENTS // N
+        x = torch.randn(M, N, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        r = torch.randn(M, N, device="cuda", dtype=torch.float32, requires_grad=True)
+        w = torch.randn(N, device="cuda", dtype=torch.float32, requires_grad=True)
+        dy = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
+        ds = torch.randn(M, N, device="cuda", dtype=torch.float32)
+        xi, ri, wi = x.detach(), r.detach(), w.detach()
+        fwd = {
+            "kbuild": lambda xi=xi, ri=ri, wi=wi: kbuild.fused_add_rmsnorm(xi, ri, wi, 1e-6),
+            "eager": lambda xi=xi, ri=ri, wi=wi: torch_stream(xi, ri, wi),
+            "compile": lambda xi=xi, ri=ri, wi=wi: compiled_stream(xi, ri, wi),
+        }
+        forwards.append(Case("fp32_stream_fwd", (M, N), 12 * M * N, fwd))
+        bwd = {
+            "kbuild": grad_fn(
+                lambda x, r, w: kbuild.fused_add_rmsnorm(x, r, w, 1e-6),
+                (x, r, w),
+                [x, r, w],
+                [dy, ds],
+            ),
+            "eager": grad_fn(torch_stream, (x, r, w), [x, r, w], [dy, ds]),
+            "compile": grad_fn(compiled_stream, (x, r, w), [x, r, w], [dy, ds]),
+        }
+        backwards.append(Case("fp32_stream_bwd", (M, N), 16 * M * N, bwd))
+    return forwards, backwards
+
+
+def main() -> None:
+    path = sys.argv[1] if len(sys.argv) > 1 else "bench/results/variants.json"
+    copy = measure_copy()
+    forwards, backwards = cases()
+    run_cases(forwards, copy)
+    add_event_of_copy(run_cases(backwards, copy, device_time=True), copy)
+    write_results(path, forwards + backwards, copy)
+
+
+if __name__ == "__main__":
+    main()
