@@ -42,7 +42,8 @@ TEST_N = (1, 7, 127, 768, 1000, 4096, 5120, 8192, 12288, 16384, 65536)
 TEST_M = (0, 1, 3, 4096)
 TEST_EPS = (1e-6, 1e-2)
 BENCH_N = (1024, 2048, 4096, 8192, 16384, 65536)
-OFFSET_N = (128, 4096, 65536)  # the weight offset (Gemma) in the GPU tests
+# The weight offset (Gemma) in the GPU tests; 768: test_models_gpu's Gemma config.
+OFFSET_N = (128, 768, 4096, 65536)
 STREAM_N = (1024, 4096)  # an fp32 residual stream (test_fp32_residual_stream_trains)
 QK_N = (64, 128, 256)  # QK-norm rows (head_dim) in bench/bench_variants.py
 STREAM_BENCH_N = (4096, 8192)  # the fp32 residual stream in bench/bench_variants.py

@@ -3,9 +3,10 @@ training under torch.compile(mode="reduce-overhead") (CUDA graphs), and graph br
 
 Small configs with random weights (no download), width 768 bf16, whose norm kernels the
 `tests` manifest warms. What this catches: swap_norms deciding by name (Gemma's (1 + w)
-swapped, or Llama's norm left alone), a swapped model whose outputs or gradients drift from
-stock, a kbuild op that breaks a graph stock does not, and a launch path that CUDA graph
-trees (reduce-overhead) cannot capture or replays stale.
+swapped as plain RMSNorm instead of with offset=1.0, or Llama's norm left alone), a
+swapped model whose outputs or gradients drift from stock, a kbuild op that breaks a graph
+stock does not, and a launch path that CUDA graph trees (reduce-overhead) cannot capture or
+replays stale.
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ def _norms(model) -> list[str]:
     return [n for n, m in model.named_modules() if "Norm" in type(m).__name__]
 
 
-@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+@pytest.mark.parametrize("kind", ["llama", "gpt2", "gemma"])
 def test_swap_norms_swaps_every_norm_and_keeps_the_model(kind):
     stock = _model(kind)
     swapped = copy.deepcopy(stock)
@@ -76,6 +77,9 @@ def test_swap_norms_swaps_every_norm_and_keeps_the_model(kind):
     assert names == _norms(stock) and len(names) == 5
     kinds = {type(swapped.get_submodule(n)) for n in names}
     assert kinds <= {kbuild.nn.RMSNorm, kbuild.nn.LayerNorm}
+    # Gemma scales by (1 + weight): its norms become RMSNorm(offset=1.0), the others 0.
+    offsets = {getattr(swapped.get_submodule(n), "offset", 0.0) for n in names}
+    assert offsets == {1.0 if kind == "gemma" else 0.0}
     ids = _ids()
     out_stock = stock(input_ids=ids, labels=ids)
     out_ours = swapped(input_ids=ids, labels=ids)
@@ -90,14 +94,6 @@ def test_swap_norms_swaps_every_norm_and_keeps_the_model(kind):
             g, h = p.grad.float(), q.grad.float()
             err = (g - h).norm() / g.norm().clamp_min(1e-12)
             assert err < 0.05, (name, err.item())
-
-
-def test_swap_norms_leaves_gemma_alone():
-    """GemmaRMSNorm scales by (1 + weight): a different formula, whatever the class's name."""
-    model = _model("gemma")
-    before = {n: type(m) for n, m in model.named_modules()}
-    assert kbuild.nn.swap_norms(model) == []
-    assert {n: type(m) for n, m in model.named_modules()} == before
 
 
 def _train(model, steps, compile_mode=None):
