@@ -110,6 +110,11 @@ layernorm_fwd  16384  f32   sm_90   1024t 4x4 persistent stage1 min1
 layernorm_fwd  65536  bf16  sm_90   256t 4x8 c8 persistent stage1 held min3 mbarrier
 layernorm_fwd  65536  f32   sm_90   512t 4x4 c8 persistent stage1 min2 mbarrier
 rmsnorm_bwd        1  bf16  sm_90   1t 1x1 r128 prefetch min8
+rmsnorm_bwd       64  bf16  sm_90   8t 1x8 r16 prefetch min8
+rmsnorm_bwd      128  bf16  sm_90   16t 1x8 r8 prefetch min8
+fused_bwd        128  bf16  sm_90   16t 1x8 r8 prefetch shared min8
+layernorm_bwd    128  bf16  sm_90   16t 1x8 r8 prefetch
+rmsnorm_fwd      128  bf16  sm_90   4t 4x8 r32 min8
 rmsnorm_bwd     1000  bf16  sm_90   32t 4x8 r4 prefetch
 rmsnorm_bwd     1000  f32   sm_90   64t 4x4 r2 prefetch
 rmsnorm_bwd     4096  bf16  sm_90   512t 1x8 prefetch min2

@@ -62,12 +62,15 @@ class RowBudget:
     threads (half that at 1024); `words_per_elem` is the register words one row element
     costs (None: 0.5 for packed bf16, else 1). `shapes` lists (iters, min threads, max
     threads) to try first, in order; then `iters_preference` orders the vectors-per-thread
-    counts tried."""
+    counts tried. `short_iters`: the vectors per thread of rows of at most that many warps'
+    vectors (a slice of a warp per row, several rows per block); longer rows up to four
+    warps' vectors take four per thread."""
 
     max_elems: int = FORWARD_ELEMS
     words_per_elem: float | None = None
     iters_preference: tuple[int, ...] = _ITERS_PREFERENCE
     shapes: tuple[tuple[int, int, int], ...] = ()
+    short_iters: int = 4
 
 
 FORWARD_BUDGET = RowBudget()
@@ -201,9 +204,10 @@ def _single_block(
             tpr = nv // iters
             if tpr % warp_size == 0 and fits(tpr, iters):
                 return _pack(N, vec, tpr, iters, False)
-    if nv <= warp_size * 4:  # short rows: a power-of-two slice of a warp per row
-        tpr = min(warp_size, _pow2_ceil(-(-nv // 4)))
-        return _pack(N, vec, tpr, -(-nv // tpr), False)
+    for short in dict.fromkeys((budget.short_iters, 4)):
+        if nv <= warp_size * short:  # short rows: a power-of-two slice of a warp per row
+            tpr = min(warp_size, _pow2_ceil(-(-nv // short)))
+            return _pack(N, vec, tpr, -(-nv // tpr), False)
     tpr = min(MAX_THREADS, -(-nv // 4 // warp_size) * warp_size)
     iters = -(-nv // tpr)
     if fits(tpr, iters):

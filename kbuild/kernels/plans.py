@@ -219,7 +219,10 @@ def plan_backward(
     def shape(partial_words: float, blocks: int | None) -> RowConfig:
         words = (2.0 if io == "f32" else 1.0) + partial_words
         shapes = RMS_BACKWARD_SHAPES if plain_rms else BACKWARD_SHAPES
-        budget = RowBudget(BACKWARD_ELEMS, words, tuple(range(1, 17)), shapes)
+        # Short rows (QK-norm's head_dim of 64-128): one vector per thread. At four, each
+        # thread's x, dy and fp32 dw partials of 32 elements spilled under the 64-register
+        # cap (bf16, N = 128: 1072 bytes, 22% of copy on an H200; one vector: none).
+        budget = RowBudget(BACKWARD_ELEMS, words, tuple(range(1, 17)), shapes, short_iters=1)
         return _row(p.N, io, target, vectorize, budget, threads_per_row, blocks)
 
     row = shape(float(n_partials), cluster)  # partials in registers
