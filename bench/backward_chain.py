@@ -4,6 +4,7 @@ the H200 machine, more than these kernels take) is paid once per graph, as in tr
 once per norm as in bench/backward_users.py.
 
     KBUILD_CACHE_DIR=.kbuild-aot KBUILD_OFFLINE=1 python bench/backward_chain.py [out.json]
+        [--n 64,128,256] [--ops rmsnorm]     (default: BENCH_N, both norms)
 
 bf16, M x N = 64 Mi elements per norm, K = 8; reported per norm: ms (the chain's backward
 time / K, CUDA events around the autograd.grad call, calls back to back) and % of the copy
@@ -12,6 +13,7 @@ bandwidth of the same run, kbuild beside torch eager.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -59,12 +61,18 @@ NORMS = {
 
 
 def main() -> None:
-    path = sys.argv[1] if len(sys.argv) > 1 else "bench/results/backward_chain.json"
+    parser = argparse.ArgumentParser()
+    parser.add_argument("path", nargs="?", default="bench/results/backward_chain.json")
+    parser.add_argument("--n", default=",".join(map(str, BENCH_N)), help="row lengths")
+    parser.add_argument("--ops", default=",".join(NORMS), help="comma-separated norms")
+    args = parser.parse_args()
+    path = args.path
     copy = measure_copy()
     bytes_per_norm = 3 * BENCH_ELEMENTS * 2  # read x, dy; write dx
     rows = []
-    for op, impls in NORMS.items():
-        for N in BENCH_N:
+    for op in args.ops.split(","):
+        impls = NORMS[op]
+        for N in (int(n) for n in args.n.split(",")):
             row = {"op": op, "N": N}
             for name, norm in impls.items():
                 ms = median_ms(chain(norm, N, op == "layernorm"), reps=10) / K
