@@ -6,6 +6,8 @@
   plain kernel (the target: equal within noise) and torch eager / torch.compile of Gemma's
   formula, forward (inference) and backward (dx and dw, kernels' device time and calls back
   to back). Bytes: forward reads x and writes y; backward reads x and dy and writes dx.
+- Liger 0.8.5 (Triton) beside them where its wheel is installed: its RMSNorm has the
+  offset (casting_mode "gemma") and plain rows ("llama").
 - QK-norm rows (RMSNorm over head_dim = 64, 128, 256 on millions of rows): kbuild.rmsnorm
   forward and backward against torch eager and torch.compile of F.rms_norm.
 - An fp32 residual stream: fused_add_rmsnorm with bf16 x and an fp32 residual (a later
@@ -31,6 +33,17 @@ from bench.harness import Case, add_event_of_copy, measure_copy, run_cases, writ
 from kbuild.manifest import BENCH_ELEMENTS, BENCH_N, QK_N, STREAM_BENCH_N  # noqa: E402
 
 
+def _liger():
+    """Liger's RMSNorm (Triton) where it is installed (bench/NOTES.md: the wheel travels to
+    the GPU machine), else None: (x, w, offset, casting_mode) -> y, differentiable."""
+    try:
+        from liger_kernel.ops.rms_norm import LigerRMSNormFunction
+    except ImportError:
+        return None
+    # in_place=False: the timed backward is replayed (retain_graph), so dy must survive.
+    return lambda x, w, offset, mode: LigerRMSNormFunction.apply(x, w, 1e-6, offset, mode, False)
+
+
 def gemma_rmsnorm(x, w, eps=1e-6):
     """transformers' GemmaRMSNorm forward: fp32 math, (1 + w) in fp32, one rounding."""
     xf = x.float()
@@ -41,6 +54,7 @@ def gemma_rmsnorm(x, w, eps=1e-6):
 def cases() -> tuple[list[Case], list[Case]]:
     torch._functorch.config.donated_buffer = False  # replayed backward graphs (retain_graph)
     compiled = torch.compile(gemma_rmsnorm)
+    liger = _liger()
     forwards, backwards = [], []
     for N in BENCH_N:
         M = BENCH_ELEMENTS // N
@@ -55,6 +69,8 @@ def cases() -> tuple[list[Case], list[Case]]:
             "eager": lambda xi=xi, wi=wi: gemma_rmsnorm(xi, wi),
             "compile": lambda xi=xi, wi=wi: compiled(xi, wi),
         }
+        if liger is not None:  # Gemma's casting mode: fp32 math, 1 + w in fp32
+            fwd["liger"] = lambda xi=xi, wi=wi: liger(xi, wi, 1.0, "gemma")
         forwards.append(Case("rmsnorm_offset_fwd", (M, N), 2 * elem, fwd))
         offset = lambda x, w: kbuild.rmsnorm(x, w, 1e-6, offset=1.0)  # noqa: E731
         bwd = {
@@ -63,6 +79,8 @@ def cases() -> tuple[list[Case], list[Case]]:
             "eager": grad_fn(gemma_rmsnorm, (x, w), [x, w], [dy]),
             "compile": grad_fn(compiled, (x, w), [x, w], [dy]),
         }
+        if liger is not None:
+            bwd["liger"] = grad_fn(lambda x, w: liger(x, w, 1.0, "gemma"), (x, w), [x, w], [dy])
         backwards.append(Case("rmsnorm_offset_bwd", (M, N), 3 * elem, bwd))
     compiled_rms = torch.compile(F.rms_norm)
     for N in QK_N:
@@ -77,12 +95,16 @@ def cases() -> tuple[list[Case], list[Case]]:
             "eager": lambda xi=xi, wi=wi, N=N: F.rms_norm(xi, (N,), wi, 1e-6),
             "compile": lambda xi=xi, wi=wi, N=N: compiled_rms(xi, (N,), wi, 1e-6),
         }
+        if liger is not None:
+            fwd["liger"] = lambda xi=xi, wi=wi: liger(xi, wi, 0.0, "llama")
         forwards.append(Case("qk_rmsnorm_fwd", (M, N), 2 * elem, fwd))
         bwd = {
             "kbuild": grad_fn(kbuild.rmsnorm, (x, w), [x, w], [dy]),
             "eager": grad_fn(F.rms_norm, (x, (N,), w, 1e-6), [x, w], [dy]),
             "compile": grad_fn(compiled_rms, (x, (N,), w, 1e-6), [x, w], [dy]),
         }
+        if liger is not None:
+            bwd["liger"] = grad_fn(lambda x, w: liger(x, w, 0.0, "llama"), (x, w), [x, w], [dy])
         backwards.append(Case("qk_rmsnorm_bwd", (M, N), 3 * elem, bwd))
 
     def torch_stream(x, r, w):
