@@ -84,7 +84,12 @@ def _specs_from(args) -> list[KernelSpec]:
         ops = tuple(filter(None, args.ops.split(",")))
         try:
             specs += for_width(
-                args.hidden, args.dtype, args.weight_dtype, ops, residual_fp32=args.residual_fp32
+                args.hidden,
+                args.dtype,
+                args.weight_dtype,
+                ops,
+                residual_fp32=args.residual_fp32,
+                rms_offset=args.rms_offset,
             )
         except (ValueError, TypeError) as err:
             raise SystemExit(f"kbuild warmup: --hidden: {err}") from None
@@ -279,6 +284,12 @@ def main(argv: list[str] | None = None) -> int:
                 "embedding; linear: a GPT-2 block's bias gradients)",
             )
             p.add_argument("--residual-fp32", action="store_true")
+            p.add_argument(
+                "--rms-offset",
+                type=float,
+                default=0.0,
+                help="RMSNorm's weight offset (Gemma: 1.0) for --hidden",
+            )
     p = sub.add_parser(
         "show",
         help="print what a kernel became: MLIR, LLVM, PTX or AMDGPU asm, SASS",

@@ -150,11 +150,13 @@ def for_width(
     rms_eps: float = 1e-6,
     ln_eps: float = 1e-5,
     residual_fp32: bool = False,
+    rms_offset: float = 0.0,
 ) -> list[KernelSpec]:
     """Every kernel a training and an inference step of a model of width `hidden` launch
     through `ops`: forwards with and without saved statistics, backwards (a frozen weight
     too), the dw/db reductions. `weight_dtype` defaults to `dtype`; LayerNorm's bias has the
-    weight's dtype; `residual_fp32` adds the fused form's fp32 residual stream. "encoder":
+    weight's dtype; `residual_fp32` adds the fused form's fp32 residual stream; `rms_offset`
+    is the RMSNorm weight offset (Gemma: 1.0) of the rmsnorm and fused kernels. "encoder":
     GPT-2's embedding of width `hidden` (int32 and int64 ids); "linear": the bias gradients
     of a GPT-2 block's linears (widths hidden, 3 * hidden and 4 * hidden)."""
     unknown = set(ops) - set(WIDTH_OPS)
@@ -163,10 +165,10 @@ def for_width(
     w = weight_dtype or dtype
     specs: list[KernelSpec] = []
     if "rmsnorm" in ops:
-        specs += _rmsnorm_family(hidden, dtype, w, eps=rms_eps)
+        specs += _rmsnorm_family(hidden, dtype, w, eps=rms_eps, offset=rms_offset)
     if "fused_add_rmsnorm" in ops:
         for residual in (dtype, "f32") if residual_fp32 else (dtype,):
-            specs += _fused_family(hidden, dtype, w, residual, eps=rms_eps)
+            specs += _fused_family(hidden, dtype, w, residual, eps=rms_eps, offset=rms_offset)
     if "layernorm" in ops:
         specs += _layernorm_family(hidden, dtype, w, w, eps=ln_eps)
     if "encoder" in ops:

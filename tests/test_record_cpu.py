@@ -139,3 +139,29 @@ def test_width_warmup_on_the_command_line(capsys, tmp_path, monkeypatch):
     assert LAYERNORM_FWD.spec(2048, "bf16", "f32", "f32", True, 1e-5) in seen
     with pytest.raises(SystemExit, match="ops must be among"):
         cli.main(["warmup", "--hidden", "64", "--ops", "softmax"])
+
+
+def test_width_warmup_covers_a_gemma_step_with_an_fp32_stream(monkeypatch):
+    """--rms-offset 1.0 --residual-fp32 warms what a Gemma-style stack with an fp32 residual
+    stream launches: offset kernels, the stream's first layer (a bf16 residual made fp32) and
+    its later layers (the fp32 stream as the residual, its gradient in fp32)."""
+    tier = Tier()
+    install(monkeypatch, tier.get_launcher, tier.loaded)
+    pretend_cuda(monkeypatch)
+    N = 2048
+    x = torch.randn(6, N, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(N, dtype=torch.bfloat16, requires_grad=True)
+    out, stream = kbuild.fused_add_rmsnorm(x, x, w, residual_in_fp32=True, offset=1.0)
+    out, stream = kbuild.fused_add_rmsnorm(out, stream, w, offset=1.0)
+    (kbuild.rmsnorm(out, w, offset=1.0).float().sum() + stream.sum()).backward()
+    asked = set(tier.specs)
+    warmed = set(for_width(N, "bf16", ops=("rmsnorm", "fused_add_rmsnorm"), residual_fp32=True,
+                           rms_offset=1.0))  # fmt: skip
+    assert asked <= warmed, sorted(s.short() for s in asked - warmed)
+    assert any(s.kwargs.get("dresidual_dtype") == "f32" for s in asked)
+    assert all(s.kwargs.get("offset") == 1.0 for s in asked if s.kernel != "column_sum")
+    seen = []
+    monkeypatch.setattr(cli, "warmup", lambda specs, arch, root, jobs: seen.extend(specs))
+    argv = ["warmup", "--hidden", "2048", "--ops", "rmsnorm,fused_add_rmsnorm"]
+    assert cli.main([*argv, "--residual-fp32", "--rms-offset", "1.0"]) == 0
+    assert set(seen) == warmed
