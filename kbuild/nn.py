@@ -70,9 +70,12 @@ class RMSNorm(torch.nn.RMSNorm):
             )
         super().__init__(normalized_shape, eps, elementwise_affine, device, dtype)
         self.offset = float(offset)
-        if self.offset and self.weight is not None:
-            with torch.no_grad():  # the module starts as the identity scale, as Gemma's does
-                self.weight.fill_(1.0 - self.offset)
+        self.reset_parameters()  # torch's __init__ ran it before the offset was known
+
+    def reset_parameters(self) -> None:
+        """The identity scale: offset + weight = 1 (Gemma's weight starts at 0)."""
+        if self.elementwise_affine:
+            torch.nn.init.constant_(self.weight, 1.0 - getattr(self, "offset", 0.0))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         _check_last_dim(self, x)

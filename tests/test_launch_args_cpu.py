@@ -13,10 +13,11 @@ import functools
 import pytest
 import torch
 
+import kbuild
 from kbuild import compiler
 from kbuild.targets import target_for_arch
 
-from .launch_recorder import FakeLauncher, install, layernorm, rmsnorm
+from .launch_recorder import FakeLauncher, Tier, install, layernorm, pretend_cuda, rmsnorm
 
 SM90 = target_for_arch("sm_90")
 
@@ -166,3 +167,20 @@ def test_empty_rows_launch_nothing(recorder, store):
     dx, dw = rmsnorm.rmsnorm_bwd(_t(0, 64), _t(0, 64), _t(64), torch.rand(0), need_dw=True)
     assert dx.shape == (0, 64) and torch.equal(dw, torch.zeros(64, dtype=dw.dtype))
     assert not recorder.calls
+
+
+@pytest.mark.parametrize("residual_grad", [True, False])
+def test_fp32_stream_gradient_written_only_when_wanted(monkeypatch, residual_grad):
+    """The backward of a call with an fp32 residual writes d(residual) in fp32 (4 bytes an
+    element more) only when the residual needs a gradient (Python launch path)."""
+    tier = Tier()
+    install(monkeypatch, tier.get_launcher, tier.loaded)
+    pretend_cuda(monkeypatch)
+    x = torch.randn(4, 64).bfloat16().requires_grad_()
+    r = torch.randn(4, 64).requires_grad_(residual_grad)
+    w = torch.randn(64).bfloat16().requires_grad_()
+    out, stream = kbuild.fused_add_rmsnorm(x, r, w)
+    assert stream.dtype == torch.float32
+    out.float().sum().backward()
+    (bwd,) = [s for s in tier.specs if s.kernel == "fused_add_rmsnorm_bwd"]
+    assert bwd.kwargs.get("dresidual_dtype") == ("f32" if residual_grad else None)

@@ -606,3 +606,35 @@ def test_fused_entry_continues_an_fp32_stream(hooked, monkeypatch):
     assert g1[1].dtype == torch.float32
     for a, b in zip(g1, g2, strict=True):
         torch.testing.assert_close(a, b)
+
+
+def test_an_offset_without_a_weight_is_no_kernel_of_its_own(recorder):
+    """Catches a spec keyed by an offset that scales nothing: a second, identical kernel that
+    no manifest lists (an offline miss). Both paths launch the plain kernel."""
+    x = _t((4, 64), "bf16")
+    t = {"x": x}
+    for py_call, native_call in (
+        (lambda: rmsnorm.rmsnorm_fwd(x, None, 1e-6, True, 1.0),
+         lambda: NATIVE.rmsnorm_fwd_cuda(x, None, 1e-6, True, 1.0)),
+        (lambda: rmsnorm.rmsnorm_bwd(x, x, None, torch.zeros(4), False, 1.0),
+         lambda: NATIVE.rmsnorm_bwd_cuda(x, x, None, torch.zeros(4), True, False, 1.0)),
+    ):  # fmt: skip
+        python_log, native_log = _both(recorder, py_call, native_call, t)
+        assert native_log == python_log
+        assert "offset" not in native_log[0][0].kwargs
+        recorder.launches.clear()
+
+
+def test_the_stream_checks_agree(recorder):
+    """An fp32 residual with a 16-bit residual_out, or a 16-bit separate residual gradient:
+    refused by the C++ kernels, the Python launches and the CPU op alike, naming the argument."""
+    x, r32, w = _t((4, 64), "bf16"), _t((4, 64), "f32"), _t((64,), "bf16")
+    with pytest.raises(TypeError, match="residual"):
+        NATIVE.fused_add_rmsnorm_fwd_cuda(x, r32, w, 1e-6, torch.bfloat16, True)
+    with pytest.raises(TypeError, match="residual_dtype float32"):
+        torch.ops.kbuild.fused_add_rmsnorm_fwd(x, r32, w, 1e-6, torch.bfloat16, True)
+    rstd = torch.zeros(4)
+    with pytest.raises(TypeError, match="residual_dtype must be None or"):
+        NATIVE.fused_add_rmsnorm_bwd_cuda(x, None, x, w, rstd, True, 0.0, torch.bfloat16)
+    with pytest.raises(TypeError, match="residual_dtype must be None or"):
+        rmsnorm.fused_add_rmsnorm_bwd(x, None, x, w, rstd, True, 0.0, torch.bfloat16)

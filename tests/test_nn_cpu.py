@@ -169,6 +169,9 @@ def test_rmsnorm_offset_module():
     accepted where there is no weight to offset."""
     m = kbuild.nn.RMSNorm(16, eps=1e-6, offset=1.0)
     assert torch.equal(m.weight, torch.zeros(16)) and "offset=1.0" in repr(m)
+    meta = kbuild.nn.RMSNorm(16, offset=1.0, device="meta").to_empty(device="cpu")
+    meta.reset_parameters()  # deferred initialisation keeps the identity scale too
+    assert torch.equal(meta.weight, torch.zeros(16))
     x = torch.randn(3, 16)
     torch.testing.assert_close(m(x), kbuild.nn.RMSNorm(16, eps=1e-6)(x))
     with torch.no_grad():

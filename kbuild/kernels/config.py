@@ -205,7 +205,9 @@ def _single_block(
             if tpr % warp_size == 0 and fits(tpr, iters):
                 return _pack(N, vec, tpr, iters, False)
     for short in dict.fromkeys((budget.short_iters, 4)):
-        if nv <= warp_size * short:  # short rows: a power-of-two slice of a warp per row
+        # Short rows: a power-of-two slice of a warp per row; `short_iters` vectors a thread
+        # where the row is a power of two of them (no idle lanes), else four.
+        if nv <= warp_size * short and (short == 4 or nv & (nv - 1) == 0):
             tpr = min(warp_size, _pow2_ceil(-(-nv // short)))
             return _pack(N, vec, tpr, -(-nv // tpr), False)
     tpr = min(MAX_THREADS, -(-nv // 4 // warp_size) * warp_size)

@@ -48,9 +48,9 @@ def build_norm_backward(
     trace: bool = False,
     **overrides: int | bool | str | None,
 ) -> Kernel:
-    """Launch arguments: x, [weight], dy, [mean], rstd, [dresidual_out], dx, [dw_partial],
-    [db_partial], M. Grid: persistent (at most the device's resident clusters, times the
-    cluster size).
+    """Launch arguments: x, [weight], dy, [mean], rstd, [dresidual_out], dx, [dresidual],
+    [dw_partial], [db_partial], M. Grid: persistent (at most the device's resident clusters,
+    times the cluster size).
 
     `overrides`: launch-plan fields forced for tuning (the backward builders pass them
     through): the keywords of plans.BackwardPlan, checked by plans.plan_backward. `trace`: a

@@ -7,7 +7,8 @@
     dw    = sum over rows of dy * x_hat         (deterministic: persistent grid + reduce.py)
 
 In the fused form x is residual_out (the normalised input, perhaps fp32) and, since
-added = x + residual, dx is also dresidual: it is written once and returned for both.
+added = x + residual, dx is also dresidual: it is written once and returned for both, or,
+for an fp32 residual stream, written a second time in fp32 as d(residual).
 Bytes that must move: read x and dy, write dx (plus d_residual_out in the fused form).
 """
 

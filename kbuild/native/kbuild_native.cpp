@@ -9,8 +9,12 @@
 //     -> Autograd kernel (RMSNormFunction below) -> CUDA kernel (rmsnorm_fwd_cuda) -> driver
 //   loss.backward() -> engine -> RMSNormFunction::backward -> kbuild::rmsnorm_bwd -> driver
 //
-// Kernels are found by a key of what picks them (kernel, N, dtypes, flags, eps, aligned,
-// device). On a miss the Python resolver (kbuild/ops/resolve.py) asks the kernel table for the
+// Also here: kbuild::bias_grad's CUDA kernel (llm.c's bias gradient, two launches) and an
+// eager LinearFunction for kbuild.linear (torch's matmuls, kbuild's bias gradient), applied
+// by the `linear` entry; their schemas, CPU kernels and fakes are in kbuild/ops/llmc.py.
+//
+// Kernels are found by a key of what picks them (kernel, N, dtypes, flags, eps, weight
+// offset, aligned, device). On a miss the Python resolver (kbuild/ops/resolve.py) asks the kernel table for the
 // spec, loads the binary through kbuild's memory and disk tiers and returns the kernel's
 // launch record: driver function handle, block, shared memory, grid shape and argument slots
 // in the table's order. Only the launch record lives here; which spec a call needs is decided
@@ -294,6 +298,7 @@ uint64_t eps_bits(double eps) {
 
 Key make_key(Kind kind, int64_t N, int8_t dtype, int8_t weight, int8_t aux, uint8_t flags,
              double eps, uint64_t addresses, const Tensor& like, double offset = 0.0) {
+  if (weight < 0) offset = 0.0;  // an offset scales the weight: without one it is nothing
   return Key{N, eps_bits(eps), eps_bits(offset), kind, dtype, weight, aux,
              static_cast<int8_t>(like.is_cuda() ? like.get_device() : -1), flags,
              (addresses & 15) == 0};
@@ -538,7 +543,8 @@ std::tuple<Tensor, Tensor, Tensor> fused_add_rmsnorm_bwd_cuda(const Tensor& dy_,
   // An fp32 residual's gradient, written beside dx unrounded (else dx serves both inputs).
   bool res32 = residual_dtype.has_value();
   TORCH_CHECK_TYPE(!res32 || *residual_dtype == at::kFloat,
-                   "kbuild: a separate residual gradient is float32 only");
+                   "kbuild: residual_dtype must be None or float32 (the fp32 residual stream's "
+                   "gradient); got ", *residual_dtype);
   Tensor dres_in = at::empty(res32 ? dy.sizes() : at::IntArrayRef{0},
                              dy.options().dtype(res32 ? at::kFloat : dy.scalar_type()));
   uint64_t s[NUM_SLOTS] = {};
@@ -727,7 +733,8 @@ struct FusedAddRMSNormFunction : torch::autograd::Function<FusedAddRMSNormFuncti
     bool need_dw = saved[1].defined() && ctx->needs_input_grad(2);  // x, residual, [weight]
     BelowAutograd below;
     static auto bwd = op<FusedBwd>("kbuild::fused_add_rmsnorm_bwd");
-    bool res32 = ctx->saved_data["res32"].toBool();
+    // An fp32 stream's gradient is written apart only when the residual wants one.
+    bool res32 = ctx->saved_data["res32"].toBool() && ctx->needs_input_grad(1);
     auto [dsum, dres, dw] =
         bwd.call(dy, maybe(grads[1]), saved[0], maybe(saved[1]), saved[2], need_dw,
                  ctx->saved_data["offset"].toDouble(),

@@ -87,7 +87,7 @@ def fused_add_rmsnorm(
     residual_in_fp32: bool = False,
     offset: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor:
-    """residual_out = x + residual; out = rmsnorm(residual_out) * weight.
+    """residual_out = x + residual; out = rmsnorm(residual_out) * (offset + weight).
 
     The pre-norm transformer block's "add the sublayer output to the residual stream, then
     normalise" in one pass. x, residual: (..., N) on one device; residual of x's dtype, or
@@ -96,8 +96,8 @@ def fused_add_rmsnorm(
     and out is computed from exactly the stored values. An fp32 residual's gradient comes in
     fp32 (not rounded to x's dtype), so the stream stays fp32 through a whole stack, forward
     and backward. Returns (out, residual_out) when `prenorm`, else out. Gradients flow to x,
-    residual and weight; d(x) and d(residual) are the same values, computed once. `offset`:
-    as in rmsnorm, out = rmsnorm(residual_out) * (offset + weight).
+    residual and weight; d(x) and d(residual) are one computation (for an fp32 residual, d(x)
+    is its rounding to x's dtype). `offset`: as in rmsnorm (None is 0).
     """
     if _native is not None and not torch.compiler.is_compiling():
         out = _native.fused_add_rmsnorm(x, residual, weight, eps, prenorm, residual_in_fp32, offset)

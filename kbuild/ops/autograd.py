@@ -41,6 +41,8 @@ def _fused_backward(saved, needs, dy, dresidual_out, offset=0.0, residual_dtype=
     stream), whose gradient then comes in that dtype, not rounded to x's."""
     residual_out, weight, rstd = saved
     dres = None if dresidual_out is None else dresidual_out.contiguous()
+    if not needs[1]:
+        residual_dtype = None  # no residual gradient wanted: no fp32 copy written either
     if not dy.is_cuda:
         dsum, dw = rmsnorm_bwd_reference(dy, residual_out, weight, rstd, offset)
         dsum = dsum if dres is None else dsum + dres.float()
@@ -79,7 +81,7 @@ class RMSNormFunction(torch.autograd.Function):
 
 
 class FusedAddRMSNormFunction(torch.autograd.Function):
-    """(y, residual_out) = (rmsnorm(x + residual) * weight, x + residual)."""
+    """(y, residual_out) = (rmsnorm(x + residual) * (offset + weight), x + residual)."""
 
     @staticmethod
     def forward(ctx, x, residual, weight, eps, residual_dtype, offset=0.0):

@@ -62,7 +62,19 @@ def _rmsnorm_fwd_cpu(x, weight, eps, store_rstd, offset=0.0):
     return y, rstd.reshape(-1) if store_rstd else _empty(x)
 
 
+def _check_stream(x, residual, residual_dtype):
+    """What the CUDA kernels take: a residual of x's dtype, or an fp32 stream kept in fp32."""
+    if residual.dtype != x.dtype and (
+        residual.dtype != torch.float32 or residual_dtype != torch.float32
+    ):
+        raise TypeError(
+            f"kbuild::fused_add_rmsnorm_fwd: residual must have x's dtype ({x.dtype}), or be "
+            f"float32 with residual_dtype float32; got {residual.dtype} and {residual_dtype}"
+        )
+
+
 def _fused_add_rmsnorm_fwd_cpu(x, residual, weight, eps, residual_dtype, store_rstd, offset=0.0):
+    _check_stream(x, residual, residual_dtype)
     added = (x.float() + residual.float()).to(residual_dtype)
     y, rstd = rmsnorm_reference(added, weight, eps, offset)
     return y.to(x.dtype), added, rstd.reshape(-1) if store_rstd else _empty(x)
@@ -122,6 +134,7 @@ def _(dy, x, weight, rstd, need_dx, need_dw, offset=0.0):
 
 @torch.library.register_fake("kbuild::fused_add_rmsnorm_fwd", lib=_lib)
 def _(x, residual, weight, eps, residual_dtype, store_rstd, offset=0.0):
+    _check_stream(x, residual, residual_dtype)
     rows = row_count(x) if store_rstd else 0
     return (
         x.new_empty(x.shape),

@@ -1,12 +1,13 @@
 """The C++ hot path's one call into Python: from what a call needs to a kernel's launch record.
 
 The extension (kbuild/native/kbuild_native.cpp) keys its kernels by (kernel, N, dtype,
-weight dtype, aux dtype, flags, eps, aligned, device). On a miss it calls `resolve` with those
-fields; this turns them into the kernel table's parameter values, exactly as the Python launch
-functions (ops/rmsnorm.py, layernorm.py, encoder.py's bias_grad) do (a CPU test holds the two
-to the same specs and launches), loads the kernel through `launcher_for` (the memory and disk
-tiers), and returns what a launch needs: the driver function handle, block, shared memory,
-grid shape and the argument slots in the table's order.
+weight dtype, aux dtype, flags, eps, RMSNorm's weight offset, aligned, device). On a miss it
+calls `resolve` with those fields; this turns them into the kernel table's parameter values,
+exactly as the Python launch functions (ops/rmsnorm.py, layernorm.py, encoder.py's bias_grad)
+do (a CPU test holds the two to the same specs and launches), loads the kernel through
+`launcher_for` (the memory and disk tiers), and returns what a launch needs: the driver
+function handle, block, shared memory, grid shape and the argument slots in the table's
+order.
 """
 
 from __future__ import annotations
