@@ -84,3 +84,23 @@ def test_python_path_passes_the_value_tests(subprocess_env):
         timeout=900,
     )
     assert result.returncode == 0, result.stdout[-3000:]
+
+
+def test_an_installed_kbuild_carries_the_cpp_sources():
+    """The extension is compiled on the user's machine: every source of it must be package
+    data (a wheel without them falls back to the Python path everywhere, saying only that
+    the build failed)."""
+    import fnmatch
+    import tomllib
+    from pathlib import Path
+
+    import kbuild.native as native
+
+    root = Path(native.__file__).resolve().parents[2]
+    patterns = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"][
+        "package-data"
+    ]["kbuild.native"]
+    sources = [p for p in native.SOURCE.parent.iterdir() if p.suffix in (".cpp", ".h")]
+    assert set(sources) == set(native.SOURCES) and len(sources) >= 2
+    for p in sources:
+        assert any(fnmatch.fnmatch(p.name, pat) for pat in patterns), p.name

@@ -32,6 +32,8 @@ from pathlib import Path
 from filelock import FileLock
 
 SOURCE = Path(__file__).with_name("kbuild_native.cpp")
+# The translation unit and the parts it includes: all of them make the library's tag.
+SOURCES = (SOURCE, *sorted(SOURCE.parent.glob("*.h")))
 DISABLE_ENV = "KBUILD_NATIVE"  # "0": never build or load it
 DIR_ENV = "KBUILD_NATIVE_DIR"
 
@@ -58,7 +60,9 @@ def _flags(torch) -> list[str]:
 
 
 def _tag(torch, compiler: str, flags: list[str]) -> str:
-    digest = hashlib.sha256(SOURCE.read_bytes())
+    digest = hashlib.sha256()
+    for source in SOURCES:
+        digest.update(source.name.encode() + b"\0" + source.read_bytes())
     digest.update("\0".join([compiler, *flags, torch.__version__, sys.version]).encode())
     return digest.hexdigest()[:16]
 
