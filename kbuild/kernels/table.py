@@ -33,11 +33,13 @@ INDEX_DTYPES = ("i32", "i64")
 @dataclass(frozen=True)
 class Param:
     """A compile-time parameter. `kind`: int, float, bool, dtype (a FLOAT_DTYPES name) or
-    dtype? (a name or None). `needs`: a bool that only means something with that parameter
-    set (compute_dw needs weight_dtype), so it is False without it. `vectors_of`: this bool
-    asks for 128-bit accesses of those dtype parameters' arrays, legal only for rows a whole
-    number of vectors long, so it is False for other N. `keyed`: False for a parameter left
-    out of the spec at its default (a parameter added after caches were warmed)."""
+    dtype? (a name or None). `needs`: a parameter that only means something with that one
+    set (compute_dw and the weight offset need weight_dtype), so it is its default (False
+    for a bool without one) without it: one kernel, not two that compute the same.
+    `vectors_of`: this bool asks for 128-bit accesses of those dtype parameters' arrays,
+    legal only for rows a whole number of vectors long, so it is False for other N. `keyed`:
+    False for a parameter left out of the spec at its default (a parameter added after caches
+    were warmed)."""
 
     name: str
     kind: str
@@ -119,7 +121,7 @@ class KernelDef:
             bound[p.name] = p.check(self.name, bound[p.name])
         for p in self.params:  # the rules, after every value is known
             if p.needs is not None and bound[p.needs] is None:
-                bound[p.name] = False
+                bound[p.name] = False if p.default is _REQUIRED else p.default
             if p.vectors_of and bound[p.name]:  # the row width is the first parameter
                 widest = max(ELEMENT_BYTES[bound[d]] for d in p.vectors_of)
                 bound[p.name] = bound[self.params[0].name] % (16 // widest) == 0
@@ -147,7 +149,7 @@ _WEIGHT = Param("weight_dtype", "dtype?")
 _EPS = Param("eps", "float")
 # RMSNorm's weight offset (y = x_hat * (offset + w), Gemma: 1). Last, and out of the spec at
 # 0: the specs (and warmed caches) of plain RMSNorm stay what they were.
-_OFFSET = Param("offset", "float", 0.0, keyed=False)
+_OFFSET = Param("offset", "float", 0.0, needs="weight_dtype", keyed=False)
 _TRACE = Arg("trace", when="trace")  # diagnostic builds (dsl.trace): timestamps first
 _M = Arg("M", "i64")
 

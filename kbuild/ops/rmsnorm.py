@@ -59,8 +59,6 @@ def rmsnorm_fwd(
         ptrs, w_name, is_aligned = (xp, wp, yp), DTYPE_NAMES[weight.dtype], not (xp | yp | wp) & 15
     if rstd is not None:
         ptrs += (rstd.data_ptr(),)  # the table's order: x, [weight], y, [rstd]
-    # An offset scales the weight: without one it changes nothing (one kernel, not two).
-    offset = offset if w_name else 0.0
     values = (N, DTYPE_NAMES[x.dtype], w_name, store_rstd, eps, is_aligned, offset)
     launcher = launcher_for(RMSNORM_FWD, device, values)
     launcher(rows_grid(launcher, M), stream_of(device), *ptrs, M)
@@ -107,7 +105,7 @@ def fused_add_rmsnorm_fwd(
         store_rstd,
         eps,
         aligned(*ptrs),
-        offset if weight is not None else 0.0,
+        offset,
         None if residual.dtype == x.dtype else DTYPE_NAMES[residual.dtype],
     )
     launch_rows(FUSED_ADD_RMSNORM_FWD, values, x.get_device(), M, ptrs + data_ptrs(rstd))
@@ -141,7 +139,6 @@ def _backward(
     N = dy.shape[-1]
     M = dy.numel() // N if N else 0
     compute_dw = need_dw and weight is not None
-    offset = offset if weight is not None else 0.0  # (an offset without a weight is nothing)
     dx = torch.empty_like(dy)
     dres_in = None if dres_dtype is None else torch.empty_like(dy, dtype=dres_dtype)
     device = dy.get_device()
