@@ -71,16 +71,26 @@ def residual_dtypes(dtype: str) -> tuple[str, ...]:
 
 
 def _rmsnorm_family(
-    N: int, dtype: str, w: str | None, bench: bool = False, eps: float = 1e-6, offset=0.0
+    N: int,
+    dtype: str,
+    w: str | None,
+    bench: bool = False,
+    eps: float = 1e-6,
+    offset=0.0,
+    strided: bool = False,
+    vectorize: bool = True,
 ) -> Iterator[KernelSpec]:
-    """Every kernel one RMSNorm training step (and its inference call) launches."""
-    yield rmsnorm_fwd_spec(N, dtype, w, False, eps, offset=offset)
-    yield rmsnorm_fwd_spec(N, dtype, w, True, eps, offset=offset)
-    yield rmsnorm_bwd_spec(N, dtype, w, True, offset=offset)
+    """Every kernel one RMSNorm training step (and its inference call) launches; `strided`:
+    of an x read in place at a row stride (the q or k of a fused qkv), `vectorize=False`:
+    of one whose stride or address is not a whole number of 16-byte vectors."""
+    more = dict(offset=offset, vectorize=vectorize, strided=strided)
+    yield rmsnorm_fwd_spec(N, dtype, w, False, eps, **more)
+    yield rmsnorm_fwd_spec(N, dtype, w, True, eps, **more)
+    yield rmsnorm_bwd_spec(N, dtype, w, True, **more)
     if w is not None:
         yield column_sum_spec(N, w)
         if not bench:
-            yield rmsnorm_bwd_spec(N, dtype, w, False, offset=offset)  # frozen weight
+            yield rmsnorm_bwd_spec(N, dtype, w, False, **more)  # frozen weight
 
 
 def _fused_family(
@@ -194,6 +204,9 @@ def _tests() -> Iterator[KernelSpec]:
     yield rmsnorm_fwd_spec(4096, "bf16", "bf16", False, 1e-6, vectorize=False)
     for N in STREAM_N:
         yield from _fused_family(N, "bf16", "f32", "f32")
+    for N in QK_N:  # QK-norm of a fused qkv's heads, read in place (test_qk_norm_in_place)
+        yield from _rmsnorm_family(N, "bf16", "bf16", strided=True)
+    yield from _rmsnorm_family(QK_N[1], "bf16", "bf16", strided=True, vectorize=False)
     for N in OFFSET_N:  # Gemma's weight offset (test_rmsnorm_bwd_gpu.test_weight_offset)
         yield rmsnorm_fwd_spec(N, "bf16", "bf16", False, 1e-6)  # its bf16-first variant
         for w in ("bf16", "f32"):

@@ -32,7 +32,7 @@ from kbuild.manifest import (
 )
 from kbuild.ops.rmsnorm import rmsnorm_fwd_spec
 
-from . import multi_gpu_worker, test_multi_gpu
+from . import multi_gpu_worker, test_multi_gpu, test_rmsnorm_bwd_gpu
 from .gpu_cases import (
     DETERMINISTIC_N,
     LARGE_MEAN_N,
@@ -142,6 +142,14 @@ def _rmsnorm_bwd_gpu(tier):
             y = kbuild.fused_add_rmsnorm(x, torch.zeros_like(x), w, 1e-6, False, offset=1.0)
             _grad(y, [x, w], dy)
             kbuild.rmsnorm(x.detach(), _p(N, "bf16"), 1e-6)  # the bf16-first variant
+    for N, pad in test_rmsnorm_bwd_gpu.QK_CASES:  # test_qk_norm_in_place: q and k views
+        B, T, H, width = test_rmsnorm_bwd_gpu.qk_case(N, pad)
+        qkv = _t((1, 2, width), "bf16").requires_grad_()
+        heads = qkv[..., : 3 * H * N].view(1, 2, 3, H, N)
+        w = _p(N, "bf16", grad=True)
+        for part in (0, 1):
+            x = heads[:, :, part]
+            _grad(kbuild.rmsnorm(x, w, 1e-6), [x, w], _t((1, 2, H, N), "bf16"))
     for width in STREAM_N:  # test_fp32_residual_stream_trains
         _Stream(width, 4, "kbuild")(_x(512, width, "bf16")).backward()
     # test_compiled_training_matches_eager's model, eagerly: torch.compile calls the kbuild::*
@@ -251,6 +259,8 @@ GPU_RUNS = {
             "fused_add_rmsnorm_fwd N=65536 offset=1.0 store_rstd=True",
             "fused_add_rmsnorm_fwd N=4096 residual_in_dtype=f32 weight_dtype=f32",
             "fused_add_rmsnorm_bwd N=1024 dresidual_dtype=f32 has_dresidual_out=True",
+            "rmsnorm_fwd N=64 strided=True store_rstd=True",
+            "rmsnorm_bwd N=128 strided=True vectorize=False",
         ),
     ),
     "test_layernorm_gpu": (

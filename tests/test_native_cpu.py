@@ -638,3 +638,70 @@ def test_the_stream_checks_agree(recorder):
         NATIVE.fused_add_rmsnorm_bwd_cuda(x, None, x, w, rstd, True, 0.0, torch.bfloat16)
     with pytest.raises(TypeError, match="residual_dtype must be None or"):
         rmsnorm.fused_add_rmsnorm_bwd(x, None, x, w, rstd, True, 0.0, torch.bfloat16)
+
+
+def _qkv(B, T, H, D, dtype, pad=0):
+    """A fused qkv projection's output (B, T, 3 * H * D + pad) and its q as a (B, T, H, D)
+    view: H contiguous rows of D per token, the tokens 3 * H * D + pad elements apart."""
+    qkv = _t((B, T, 3 * H * D + pad), dtype)
+    return qkv, qkv[..., : 3 * H * D].view(B, T, 3, H, D)[:, :, 0]
+
+
+# (name, x, the (x_group, x_stride) a launch must pass; None: dense rows, no strided kernel)
+_B, _T, _H, _D = 2, 3, 4, 64
+STRIDED = [
+    ("qkv view", _qkv(_B, _T, _H, _D, "bf16")[1], (_H, 3 * _H * _D)),
+    ("rows of a wider matrix", _t((6, 96), "bf16")[:, :_D], (1, 96)),
+    ("one broadcast row", _t((_D,), "f32").expand(5, _D), (1, 0)),
+    ("odd stride: no vectors", _qkv(_B, _T, _H, _D, "bf16", pad=1)[1], (_H, 3 * _H * _D + 1)),
+    ("size-1 dims out of order", _t((4, 1, _D), "f16").transpose(0, 1), None),
+]
+
+
+@pytest.mark.parametrize("name, x, layout", STRIDED, ids=[s[0] for s in STRIDED])
+def test_strided_rows_are_read_in_place(recorder, name, x, layout):
+    """RMSNorm's x of grouped rows (a (B, T, H, D) q of a fused qkv, rows at one stride, a
+    broadcast row) is launched in place, its (x_group, x_stride) after M, by both paths,
+    forward and backward; the stride's alignment decides the vector kernel. Catches a copy
+    made anyway (x would be a "new" pointer), a stride or group the two paths derive
+    differently, and a misaligned stride launched with vector loads."""
+    N = x.shape[-1]
+    M = x.numel() // N
+    w = _t((N,), x.dtype)
+    dy, rstd = _t(x.shape, x.dtype), torch.zeros(M)
+    t = {"x": x, "weight": w, "dy": dy, "rstd": rstd}
+    for py_call, native_call in (
+        (
+            lambda: rmsnorm.rmsnorm_fwd(x, w, 1e-6, True),
+            lambda: NATIVE.rmsnorm_fwd_cuda(x, w, 1e-6, True),
+        ),
+        (
+            lambda: rmsnorm.rmsnorm_bwd(dy, x, w, rstd, True),
+            lambda: NATIVE.rmsnorm_bwd_cuda(dy, x, w, rstd, True, True),
+        ),
+    ):
+        python_log, native_log = _both(recorder, py_call, native_call, t)
+        assert native_log == python_log
+        spec, _, args = native_log[0]
+        assert args[0] == "x"  # read in place, never copied
+        if layout is None:
+            assert "strided" not in spec.kwargs and args[-1] == M
+        else:
+            assert spec.kwargs["strided"] is True and args[-3:] == [M, *layout]
+            stride_bytes = layout[1] * x.element_size()
+            assert spec.kwargs["vectorize"] == (stride_bytes % 16 == 0 and N % 8 == 0)
+        recorder.launches.clear()
+
+
+def test_unreadable_rows_are_copied_once(recorder):
+    """Rows that do not lie at one stride (q of a qkv transposed to (B, H, T, D), three
+    levels) are made contiguous: the launch reads a new tensor, dense, not strided."""
+    q = _qkv(_B, _T, _H, _D, "bf16")[1].transpose(1, 2)
+    for call in (
+        lambda: rmsnorm.rmsnorm_fwd(q.contiguous(), None, 1e-6, False),
+        lambda: NATIVE.rmsnorm_fwd_cuda(q, None, 1e-6, False),
+    ):
+        call()
+    (py_spec, _, py_args), (spec, _, args) = _labelled(recorder.launches, {"x": q})
+    assert spec == py_spec and "strided" not in spec.kwargs
+    assert args[0] == "new" and args[-1] == _B * _T * _H

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import kbuild
-from kbuild.manifest import DTYPES, OFFSET_N, STREAM_N, TEST_N, TRAIN_DTYPE, TRAIN_N
+from kbuild.manifest import DTYPES, OFFSET_N, QK_N, STREAM_N, TEST_N, TRAIN_DTYPE, TRAIN_N
 
 from .gpu_cases import DETERMINISTIC_N, fused_cases, rmsnorm_cases
 from .gpu_utils import FWD_TOL, GRAD_TOL, TORCH_DTYPES, poison_allocator, rand
@@ -219,3 +219,40 @@ def test_fp32_residual_stream_trains(width: int) -> None:
             )
     torch.testing.assert_close(losses["kbuild"], losses["torch"], rtol=2e-2, atol=0)
     assert losses["kbuild"][-1] < losses["kbuild"][0]  # it trains
+
+
+QK_SHAPE = (4, 300, 8)  # B, T, heads: 9600 rows of head_dim
+
+
+def qk_case(N: int, pad: int) -> tuple[int, ...]:
+    """(B, T, H, width) of a fused qkv projection whose q and k views a QK-norm reads;
+    `pad` elements after each token's q, k and v (an odd one: a stride of no whole vectors)."""
+    return (*QK_SHAPE, 3 * QK_SHAPE[2] * N + pad)
+
+
+QK_CASES = [(N, 0) for N in QK_N] + [(QK_N[1], 1)]
+
+
+@pytest.mark.parametrize("N, pad", QK_CASES)
+def test_qk_norm_in_place(N: int, pad: int) -> None:
+    """QK-norm on the (B, T, H, D) q and k views of a fused qkv projection (Qwen3, Gemma 3):
+    forward, dx and dw against fp64, with no copy of the view on the way (no aten::clone or
+    copy_ in the forward or the backward: the kernels read the rows at their stride)."""
+    B, T, H, width = qk_case(N, pad)
+    dtype = torch.bfloat16
+    qkv = rand((B, T, width), dtype, seed=N + pad).requires_grad_()
+    heads = qkv[..., : 3 * H * N].view(B, T, 3, H, N)
+    w = _weight(N, "bf16", seed=N)
+    dy = rand((B, T, H, N), dtype, seed=N + 1)
+    for part in (0, 1):  # q, k
+        x = heads[:, :, part]
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            y = kbuild.rmsnorm(x, w, 1e-6)
+            dx, dw = torch.autograd.grad(y, [x, w], dy)
+        copies = [e.name for e in prof.events() if e.name in ("aten::clone", "aten::copy_")]
+        assert not copies, f"the strided view was copied: {copies}"
+        ref_y, ref_dx, ref_dw, _ = rmsnorm_grads(x.detach().contiguous(), w, dy, 1e-6)
+        torch.testing.assert_close(y, ref_y.to(dtype), **FWD_TOL[dtype])
+        floor = dx_terms(x.detach().contiguous(), w, dy, 1e-6)
+        assert_close_rel(dx, ref_dx, GRAD_TOL[dtype], f"dx N={N} pad={pad}", floor)
+        assert_close_rel(dw, ref_dw, 2 * GRAD_TOL[dtype], f"dw N={N} pad={pad}")

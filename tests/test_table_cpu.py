@@ -94,7 +94,7 @@ def test_unkeyed_default_is_left_out():
         (lambda: RMSNORM_FWD.spec(4096, "bf16", None, False), "missing parameter 'eps'"),
         (lambda: RMSNORM_FWD.spec(4096, "bf16", None, False, 1e-6, N=8), "N given twice"),
         (lambda: COLUMN_SUM.spec(4096, "f32", threads=4), "column_sum has no parameter"),
-        (lambda: RMSNORM_FWD.spec(*range(8)), "at most 7 parameters"),
+        (lambda: RMSNORM_FWD.spec(*range(9)), "at most 8 parameters"),
     ],
 )
 def test_bad_parameters_are_named(call, message):

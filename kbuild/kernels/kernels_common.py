@@ -31,6 +31,25 @@ from ..dtypes import ELEMENT_BYTES
 from .config import RowConfig
 
 
+class GroupedRows:
+    """An input whose rows are not one dense (M, N) array: groups of `x_group` contiguous rows,
+    the groups `x_stride` elements apart, so row r starts at
+
+        (r / x_group) * x_stride + (r % x_group) * N.
+
+    The (B, T, H, D) view of a fused qkv projection is one: H rows of D per token, the tokens
+    3 * H * D apart (QK-norm reads it in place, no copy). Two i64 launch arguments, declared
+    after M. A row's elements stay contiguous, so its vector loads are the dense ones."""
+
+    def __init__(self, k: Kernel, N: int):
+        self.N = N
+        self.group = k.i64("x_group")
+        self.stride = k.i64("x_stride")
+
+    def offset(self, t: RowTile) -> V:
+        return (t.row / self.group) * self.stride + (t.row % self.group) * self.N + t.first
+
+
 class RowTile:
     """One thread's place in the row grid of a kernel, and its row loads, stores and sums."""
 
@@ -55,6 +74,11 @@ class RowTile:
         self.first = k.cluster_rank() * cfg.slice if cfg.cluster > 1 else 0
         self.offset = self.row * cfg.N + self.first
 
+    def offset_in(self, rows: GroupedRows | None) -> V:
+        """Where this thread's slice of its row starts in an array laid out as `rows` says
+        (None: dense (M, N) rows, `offset`)."""
+        return self.offset if rows is None else rows.offset(self)
+
     # ------------------------------------------------------------------ columns
 
     def columns(self, start: V | int = 0) -> list[V]:
@@ -73,9 +97,12 @@ class RowTile:
 
     # ------------------------------------------------------------------ loads and stores
 
-    def load(self, base: V, dtype: str, start: V | int = 0) -> list[V]:
-        """This thread's vectors of its row of `base`, raw (in `dtype`); zeros past N."""
-        return self._load(base, self.offset, dtype, start)
+    def load(
+        self, base: V, dtype: str, start: V | int = 0, rows: GroupedRows | None = None
+    ) -> list[V]:
+        """This thread's vectors of its row of `base`, raw (in `dtype`); zeros past N.
+        `rows`: the array's rows are grouped at a stride (GroupedRows), not dense."""
+        return self._load(base, self.offset_in(rows), dtype, start)
 
     def load_row(self, base: V, row: V, dtype: str, start: V | int = 0) -> list[V]:
         """Like `load`, from row `row` of an (R, N) array (a workspace) instead of this row."""
@@ -261,7 +288,8 @@ class RowStage:
     """Rows copied into shared memory ahead of their use (`copy_async`, bypassing registers
     and L1): a persistent kernel keeps the copies of its next row groups in flight while it
     works on the current one. Each thread copies, and later reads, only its own 16-byte
-    vectors (ThreadShared): no barriers. Exact rows of 16-byte vectors.
+    vectors (ThreadShared): no barriers. Exact rows of 16-byte vectors. `arrays`: (base,
+    dtype) pairs, or (base, dtype, rows) for an array of GroupedRows.
 
     `depth` buffers (b = 0 .. depth - 1, an i64 value), each holding one row group; `loop`
     cycles through them: it fills all, then each step takes the current buffer and, once the
@@ -270,13 +298,14 @@ class RowStage:
     the rows after its reductions and releases at its end has `depth - 1` (and holds fewer
     registers)."""
 
-    def __init__(self, k: Kernel, cfg: RowConfig, arrays: list[tuple[V, str]], depth: int = 1):
-        if not (cfg.exact and all(cfg.vec * ELEMENT_BYTES[d] == 16 for _, d in arrays)):
+    def __init__(self, k: Kernel, cfg: RowConfig, arrays: list[tuple], depth: int = 1):
+        arrays = [(a[0], a[1], a[2] if len(a) > 2 else None) for a in arrays]
+        if not (cfg.exact and all(cfg.vec * ELEMENT_BYTES[d] == 16 for _, d, _ in arrays)):
             raise ValueError("staged rows must be exact rows of 16-byte vectors")
         if depth < 1:
             raise ValueError(f"stage depth must be at least 1, not {depth}")
         self.k, self.cfg, self.arrays, self.depth = k, cfg, arrays, depth
-        self.slots = [ThreadShared(k, cfg.iters * depth, d, cfg.vec) for _, d in arrays]
+        self.slots = [ThreadShared(k, cfg.iters * depth, d, cfg.vec) for _, d, _ in arrays]
 
     def _slot(self, slots: ThreadShared, i: int, buffer: V | int) -> V:
         ptr = slots.slot(i)
@@ -310,9 +339,10 @@ class RowStage:
 
     def issue(self, t: RowTile, buffer: V | int) -> None:
         """Start copying this thread's vectors of t's row of each array into `buffer`."""
-        for (base, dtype), slots in zip(self.arrays, self.slots, strict=True):
+        for (base, dtype, rows), slots in zip(self.arrays, self.slots, strict=True):
+            offset = t.offset_in(rows)
             for i, col in enumerate(t.columns()):
-                src = get_llvm_ptr(base, t.offset + col, dtype)
+                src = get_llvm_ptr(base, offset + col, dtype)
                 copy_async(self._slot(slots, i, buffer), src)
         commit_async()
 

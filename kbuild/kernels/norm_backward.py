@@ -36,7 +36,15 @@ from ..dsl import Kernel, V, const, hsum, loop, opaque, select
 from ..dsl.trace import Trace
 from ..dsl.values import vector_type
 from ..targets import Target
-from .kernels_common import RowGroups, RowStage, RowTile, ThreadShared, rewiden_all, widen
+from .kernels_common import (
+    GroupedRows,
+    RowGroups,
+    RowStage,
+    RowTile,
+    ThreadShared,
+    rewiden_all,
+    widen,
+)
 from .plans import NormBackward, plan_backward
 
 
@@ -49,8 +57,8 @@ def build_norm_backward(
     **overrides: int | bool | str | None,
 ) -> Kernel:
     """Launch arguments: x, [weight], dy, [mean], rstd, [dresidual_out], dx, [dresidual],
-    [dw_partial], [db_partial], M. Grid: persistent (at most the device's resident clusters,
-    times the cluster size).
+    [dw_partial], [db_partial], M, [x_group, x_stride] (a strided x: GroupedRows). Grid:
+    persistent (at most the device's resident clusters, times the cluster size).
 
     `overrides`: launch-plan fields forced for tuning (the backward builders pass them
     through): the keywords of plans.BackwardPlan, checked by plans.plan_backward. `trace`: a
@@ -75,14 +83,17 @@ def build_norm_backward(
         db_ptr = k.ptr("db_partial") if p.compute_db else None
         partials = [ptr for ptr in (dw_ptr, db_ptr) if ptr is not None]
         rows = k.i64("M")
+        x_rows = GroupedRows(k, p.N) if p.strided else None  # x's rows at a two-level stride
         walk = RowGroups(k, cfg, rows)
         first_group, stride = walk.first, walk.stride
         home = RowTile(k, cfg, rows, row_group=first_group)  # this thread's columns
         slot = first_group * cfg.rows_per_block + home.row_in_block  # its workspace row
         zero_vec = const(0.0, vector_type("f32", cfg.vec) if cfg.vec > 1 else "f32")
         inv_n = 1.0 / p.N
-        # Arrays whose next rows are asked into L2 a step ahead (`prefetch_l2`).
-        ahead = [(x_ptr, p.x_dtype), (dy_ptr, p.dtype)] if plan.prefetch_l2 else []
+        # Arrays whose next rows are asked into L2 a step ahead (`prefetch_l2`); a strided
+        # x's row group is not one contiguous range.
+        ahead = [(x_ptr, p.x_dtype)] if x_rows is None else []
+        ahead = ahead + [(dy_ptr, p.dtype)] if plan.prefetch_l2 else []
 
         def row_loop(init: list[V], body) -> list[V]:
             return walk.loop(init, body, ahead)
@@ -92,7 +103,7 @@ def build_norm_backward(
             L1): held across the row loop, its fp32 widening gets hoisted out of the loop and
             the block loses half its occupancy."""
             w = None if w_ptr is None else t.load_param(w_ptr, p.weight_dtype, start)
-            return t.load(x_ptr, p.x_dtype, start), t.load(dy_ptr, p.dtype, start), w
+            return t.load(x_ptr, p.x_dtype, start, x_rows), t.load(dy_ptr, p.dtype, start), w
 
         def terms(x, dy, w, stats, widen_fn):
             """x_hat and dy * w in fp32. Called twice per row (before and after the row sum)
@@ -169,7 +180,7 @@ def build_norm_backward(
                 """Raw x, dy and saved stats of row group g (a row past M reads row M - 1)."""
                 t = RowTile(k, cfg, rows, row_group=g)
                 stats = saved_stats(t)
-                return t.load(x_ptr, p.x_dtype) + t.load(dy_ptr, p.dtype) + stats
+                return t.load(x_ptr, p.x_dtype, 0, x_rows) + t.load(dy_ptr, p.dtype) + stats
 
             if shared_partials:
                 # Partial j of vector i of this thread is value j * n + i.
@@ -230,7 +241,7 @@ def build_norm_backward(
                 # The next row group's x and dy are copied into shared memory while this one
                 # is worked on (no registers held for them).
                 # The stats of the next group are carried in registers, like the staged rows.
-                arrays = [(x_ptr, p.x_dtype), (dy_ptr, p.dtype)]
+                arrays = [(x_ptr, p.x_dtype, x_rows), (dy_ptr, p.dtype)]
                 staging = RowStage(k, cfg, arrays, plan.stage)
 
                 def body(g: V, phase: V | None, carried: list[V], staged) -> list[V]:

@@ -46,7 +46,15 @@ from ..dsl import (
 )
 from ..dsl.trace import Trace
 from ..targets import Target
-from .kernels_common import RowGroups, RowStage, RowTile, Staged, rewiden_all, widen
+from .kernels_common import (
+    GroupedRows,
+    RowGroups,
+    RowStage,
+    RowTile,
+    Staged,
+    rewiden_all,
+    widen,
+)
 from .plans import NormForward, plan_forward
 
 
@@ -58,7 +66,8 @@ def build_norm_forward(
     trace: bool = False,
     **overrides: int | bool | str | None,
 ) -> Kernel:
-    """Launch arguments: x, [residual], [weight], [bias], y, [residual_out], [mean], [rstd], M.
+    """Launch arguments: x, [residual], [weight], [bias], y, [residual_out], [mean], [rstd], M,
+    [x_group, x_stride] (a strided x: GroupedRows).
     Grid: one block per row group, times the cluster size; or, persistent, as many blocks
     (clusters) as the device holds at once, each walking row groups.
 
@@ -86,6 +95,7 @@ def build_norm_forward(
         mean_ptr = k.ptr("mean") if p.store_stats and p.center else None
         rstd_ptr = k.ptr("rstd") if p.store_stats else None
         rows = k.i64("M")
+        x_rows = GroupedRows(k, N) if p.strided else None  # x's rows at a two-level stride
         inv_n = 1.0 / N
         walk = RowGroups(k, cfg, rows) if plan.persistent else None
         params = {"weight": (w_ptr, p.weight_dtype), "bias": (b_ptr, p.bias_dtype)}
@@ -107,7 +117,7 @@ def build_norm_forward(
             return t.load_param(ptr, dtype, start)
 
         res_in_dtype = p.residual_in_dtype or p.dtype  # an fp32 residual stream comes in fp32
-        inputs = [(x_ptr, p.dtype)] + ([(res_ptr, res_in_dtype)] if fused else [])
+        inputs = [(x_ptr, p.dtype, x_rows)] + ([(res_ptr, res_in_dtype)] if fused else [])
         staging = RowStage(k, cfg, inputs, plan.stage) if plan.stage else None
 
         def row(t: RowTile, phase: V | None, staged: Staged | None = None) -> None:
@@ -120,7 +130,7 @@ def build_norm_forward(
                 if staged is not None:
                     x = staged.values[0]
                 else:
-                    x = t.load(x_ptr, p.dtype, start)
+                    x = t.load(x_ptr, p.dtype, start, x_rows)
                 if not fused:
                     return x
                 if staged is not None:
@@ -139,7 +149,8 @@ def build_norm_forward(
             shifted_moments = p.center and p.dtype == "f32"
             shift = None
             if shifted_moments:
-                shift = to_f32(load(get_llvm_ptr(x_ptr, t.row * N, p.dtype), p.dtype))
+                row_start = t.row * N if x_rows is None else x_rows.offset(t) - t.first
+                shift = to_f32(load(get_llvm_ptr(x_ptr, row_start, p.dtype), p.dtype))
 
             def moments(x: list[V], start: V | int = 0) -> list[V]:
                 """(count, mean, M2) of this thread's elements of one (chunk of a) row,
@@ -206,6 +217,7 @@ def build_norm_forward(
                 step, zero = const(1, "i64"), const(0, "i64")
                 # The first pass makes residual_out; the second reads it back.
                 source, source_dtype = (res_out_ptr, row_dtype) if fused else (x_ptr, p.dtype)
+                source_rows = None if fused else x_rows
 
                 def first(c: V, acc: list[V]) -> list[V]:
                     x = row_input(c * cfg.span)
@@ -227,7 +239,8 @@ def build_norm_forward(
                 rstd = rsqrt(m2 * inv_n + p.eps)
 
                 def write(c: V, _: list[V]) -> list[V]:
-                    normalize(t.load(source, source_dtype, c * cfg.span), mean, rstd, c * cfg.span)
+                    x = t.load(source, source_dtype, c * cfg.span, source_rows)
+                    normalize(x, mean, rstd, c * cfg.span)
                     return []
 
                 loop(zero, chunks, step, [], write)

@@ -27,11 +27,14 @@ def build_rmsnorm_bwd_module(
     target: Target,
     vectorize: bool = True,
     offset: float = 0.0,
+    strided: bool = False,
     **shape: int | bool | None,
 ) -> Kernel:
     """dx (and dw partials) for y = rmsnorm(x) * (offset + w) with x, dy, dx of `dtype`.
 
-    Launch arguments: x, [weight], dy, rstd, dx, [dw_partial], M. Grid: persistent.
+    Launch arguments: x, [weight], dy, rstd, dx, [dw_partial], M, [x_group, x_stride].
+    `strided`: x's rows grouped at a stride, as the forward's (dy and dx are dense). Grid:
+    persistent.
     """
     p = NormBackward(
         name="rmsnorm_bwd",
@@ -41,6 +44,7 @@ def build_rmsnorm_bwd_module(
         weight_dtype=weight_dtype,
         compute_dw=compute_dw,
         offset=offset,
+        strided=strided,
     )
     return build_norm_backward(p, target, vectorize, **shape)
 

@@ -152,6 +152,11 @@ _EPS = Param("eps", "float")
 _OFFSET = Param("offset", "float", 0.0, needs="weight_dtype", keyed=False)
 _TRACE = Arg("trace", when="trace")  # diagnostic builds (dsl.trace): timestamps first
 _M = Arg("M", "i64")
+# x's rows in groups of x_group contiguous rows, the groups x_stride elements apart (a
+# (B, T, H, D) view of a fused qkv projection, read without a copy: kernels_common.GroupedRows).
+# Last, and out of the spec when False, as the offset.
+_STRIDED = Param("strided", "bool", False, keyed=False)
+_GROUPED_ROWS = (Arg("x_group", "i64", when="strided"), Arg("x_stride", "i64", when="strided"))
 
 
 def _vectorize(*dtypes: str) -> Param:
@@ -161,7 +166,16 @@ def _vectorize(*dtypes: str) -> Param:
 RMSNORM_FWD = KernelDef(
     "rmsnorm_fwd",
     "kbuild.kernels.rmsnorm:build_rmsnorm_module",
-    (_N, _DTYPE, _WEIGHT, Param("store_rstd", "bool"), _EPS, _vectorize("dtype"), _OFFSET),
+    (
+        _N,
+        _DTYPE,
+        _WEIGHT,
+        Param("store_rstd", "bool"),
+        _EPS,
+        _vectorize("dtype"),
+        _OFFSET,
+        _STRIDED,
+    ),
     (
         _TRACE,
         Arg("x"),
@@ -169,6 +183,7 @@ RMSNORM_FWD = KernelDef(
         Arg("y"),
         Arg("rstd", when="store_rstd"),
         _M,
+        *_GROUPED_ROWS,
     ),
     tunable=True,
 )
@@ -228,7 +243,7 @@ _PARTIALS = (Arg("dw_partial", when="compute_dw"), Arg("db_partial", when="compu
 RMSNORM_BWD = KernelDef(
     "rmsnorm_bwd",
     "kbuild.kernels.rmsnorm_bwd:build_rmsnorm_bwd_module",
-    (_N, _DTYPE, _WEIGHT, _COMPUTE_DW, _vectorize("dtype"), _OFFSET),
+    (_N, _DTYPE, _WEIGHT, _COMPUTE_DW, _vectorize("dtype"), _OFFSET, _STRIDED),
     (
         _TRACE,
         Arg("x"),
@@ -238,6 +253,7 @@ RMSNORM_BWD = KernelDef(
         Arg("dx"),
         *_PARTIALS,
         _M,
+        *_GROUPED_ROWS,
     ),
     tunable=True,
 )

@@ -68,8 +68,12 @@ py::object rmsnorm_entry(py::handle x_, py::handle w_, py::handle eps_, py::hand
   if (x == nullptr || !common_param(w_, *x, w) || !common_eps(eps_, eps) ||
       !common_offset(offset_, w, offset))
     return py::none();
+  // Contiguous, or a strided view read in place (a copy otherwise): what autograd saves.
+  uint64_t unused[NUM_SLOTS];
+  Tensor rows;
+  readable_rows(*x, rows, unused);
   static auto fwd = op<RmsFwd>("kbuild::rmsnorm_fwd");
-  return wrap(std::get<0>(fwd.call(x->contiguous(), w, eps, needs_grad(*x, {&w}), offset)));
+  return wrap(std::get<0>(fwd.call(rows, w, eps, needs_grad(*x, {&w}), offset)));
 }
 
 py::object layernorm_entry(py::handle x_, py::handle w_, py::handle b_, py::handle eps_) {

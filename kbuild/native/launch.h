@@ -11,12 +11,12 @@ namespace kbuild {
 enum Slot : int {
   X, WEIGHT, BIAS, RESIDUAL, Y, RESIDUAL_OUT, MEAN, RSTD, DY, DRESIDUAL_OUT, DX,
   DW_PARTIAL, DB_PARTIAL, ROWS, PARTIAL, OUT, OUT1, PARTIAL_ROWS, DOUT, ROWS_PER_CHUNK,
-  DRESIDUAL, NUM_SLOTS
+  DRESIDUAL, X_GROUP, X_STRIDE, NUM_SLOTS
 };
 const char* const kSlotNames[NUM_SLOTS] = {
     "x", "weight", "bias", "residual", "y", "residual_out", "mean", "rstd", "dy",
     "dresidual_out", "dx", "dw_partial", "db_partial", "M", "partial", "out", "out1", "R",
-    "dout", "rows_per_chunk", "dresidual"};
+    "dout", "rows_per_chunk", "dresidual", "x_group", "x_stride"};
 
 // The kernels, in the order of kbuild/ops/resolve.py KERNELS.
 enum Kind : int8_t {
@@ -29,8 +29,9 @@ const char* const kKindNames[NUM_KINDS] = {
 
 // Flag bits of a key (what each kernel's bool parameters are made of, in resolve.py). RES32:
 // the fused forms' residual is fp32 while x is not (its forward reads it as fp32, its
-// backward writes d(residual) in fp32 beside dx).
-constexpr uint8_t STATS = 1, DW = 2, DB = 4, DRES = 8, RES32 = 16;
+// backward writes d(residual) in fp32 beside dx). STRIDED: RMSNorm's x is read in place at a
+// two-level stride (slots X_GROUP, X_STRIDE: see grouped_rows).
+constexpr uint8_t STATS = 1, DW = 2, DB = 4, DRES = 8, RES32 = 16, STRIDED = 32;
 
 // ----------------------------------------------------------------------------------- driver
 using CUresult = int;
@@ -273,6 +274,51 @@ std::pair<int64_t, int64_t> rows_of(const Tensor& t) {
 
 Tensor stats(int64_t M, const Tensor& like, bool store) {
   return at::empty({store ? M : 0}, like.options().dtype(at::kFloat));
+}
+
+// Where the rows of a non-contiguous (..., N) tensor lie, as kbuild/ops/common.py's
+// grouped_rows (the two are held equal by a CPU test): true with group = rows when they are
+// dense after all, true with (group, stride) when row r starts at
+// (r / group) * stride + (r % group) * N, false when they cannot be read so.
+bool grouped_rows(const Tensor& t, int64_t& group, int64_t& stride) {
+  int64_t N = t.size(-1);
+  if (t.stride(-1) != 1 && N > 1) return false;
+  std::vector<std::pair<int64_t, int64_t>> dims;
+  for (int64_t i = 0; i + 1 < t.dim(); ++i)
+    if (t.size(i) != 1) dims.emplace_back(t.size(i), t.stride(i));
+  group = 1;
+  int64_t expected = N;
+  while (!dims.empty() && dims.back().second == expected) {
+    group *= dims.back().first, expected *= dims.back().first;
+    dims.pop_back();
+  }
+  stride = 0;
+  if (dims.empty()) return true;
+  int64_t count = dims.back().first, step = dims.back().second;
+  stride = step;
+  dims.pop_back();
+  while (!dims.empty()) {
+    if (dims.back().second != step * count) return false;
+    step = dims.back().second, count = dims.back().first;
+    dims.pop_back();
+  }
+  return true;
+}
+
+// RMSNorm's x as its kernels read it: itself when contiguous or of grouped rows (then
+// slots[X_GROUP], slots[X_STRIDE] are set and the result is true: the STRIDED kernels), else
+// a contiguous copy. `x` receives the tensor to read (and to save for the backward).
+bool readable_rows(const Tensor& t, Tensor& x, uint64_t* slots) {
+  x = t;
+  if (t.is_contiguous()) return false;
+  int64_t group, stride;
+  if (!grouped_rows(t, group, stride)) {
+    x = t.contiguous();
+    return false;
+  }
+  if (group == rows_of(t).first) return false;  // dense after all
+  slots[X_GROUP] = static_cast<uint64_t>(group), slots[X_STRIDE] = static_cast<uint64_t>(stride);
+  return true;
 }
 
 Tensor optional_param(const optional<Tensor>& p) {

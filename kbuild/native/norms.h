@@ -5,22 +5,29 @@
 namespace kbuild {
 
 // ------------------------------------------------------------------------ the CUDA kernels
+// The stride of a strided x's row groups, in bytes, for the alignment of its vector loads.
+uint64_t group_bytes(const Tensor& x, const uint64_t* s) {
+  return s[X_STRIDE] * static_cast<uint64_t>(x.element_size());
+}
+
 std::tuple<Tensor, Tensor> rmsnorm_fwd_cuda(const Tensor& x_, const optional<Tensor>& w_,
                                             double eps, bool store_rstd, double offset) {
-  Tensor x = x_.contiguous();
+  uint64_t s[NUM_SLOTS] = {};
+  Tensor x;
+  bool strided = readable_rows(x_, x, s);  // a (B, T, H, D) view of a fused qkv: no copy
   auto [M, N] = rows_of(x);
   check_param("weight", w_, x, N);
   Tensor w = optional_param(w_);
   c10::OptionalDeviceGuard guard(cuda_device(x));
-  Tensor y = at::empty(x.sizes(), x.options());  // x is contiguous: cheaper than empty_like
+  Tensor y = at::empty(x.sizes(), x.options());  // dense (and cheaper than empty_like)
   Tensor rstd = stats(M, x, store_rstd);
   if (M == 0 || N == 0) return {y, rstd.fill_(NAN)};
-  uint64_t s[NUM_SLOTS] = {};
   s[X] = ptr(x), s[Y] = ptr(y), s[WEIGHT] = w.defined() ? ptr(w) : 0;
   s[RSTD] = store_rstd ? ptr(rstd) : 0;
   Key key = make_key(RMSNORM_FWD, N, dtype_code(x.scalar_type()),
                      w.defined() ? dtype_code(w.scalar_type()) : -1, -1,
-                     store_rstd ? STATS : 0, eps, s[X] | s[Y] | s[WEIGHT], x, offset);
+                     (store_rstd ? STATS : 0) | (strided ? STRIDED : 0), eps,
+                     s[X] | s[Y] | s[WEIGHT] | group_bytes(x, s), x, offset);
   launch_rows(key, x, M, s);
   return {y, rstd};
 }
@@ -86,22 +93,25 @@ void check_rows(const char* op, const Tensor& stats_, int64_t M, const char* fla
                     "; the forward must run with ", flag, "=True for a backward");
 }
 
-std::tuple<Tensor, Tensor> rmsnorm_bwd_cuda(const Tensor& dy_, const Tensor& x,
+std::tuple<Tensor, Tensor> rmsnorm_bwd_cuda(const Tensor& dy_, const Tensor& x_,
                                             const optional<Tensor>& w_, const Tensor& rstd,
                                             bool need_dx, bool need_dw, double offset) {
   Tensor dy = dy_.contiguous();
   auto [M, N] = rows_of(dy);
   check_rows("rmsnorm_bwd", rstd, M, "store_rstd");
+  uint64_t s[NUM_SLOTS] = {};
+  Tensor x;
+  bool strided = readable_rows(x_, x, s);  // as the forward read it (and saved it)
   Tensor w = optional_param(w_);
   bool compute_dw = need_dw && w.defined();
   c10::OptionalDeviceGuard guard(cuda_device(dy));
   Tensor dx = at::empty(dy.sizes(), dy.options());
-  uint64_t s[NUM_SLOTS] = {};
   s[X] = ptr(x), s[WEIGHT] = w.defined() ? ptr(w) : 0, s[DY] = ptr(dy), s[RSTD] = ptr(rstd);
   s[DX] = ptr(dx);
   Key key = make_key(RMSNORM_BWD, N, dtype_code(x.scalar_type()),
-                     w.defined() ? dtype_code(w.scalar_type()) : -1, -1, compute_dw ? DW : 0,
-                     0.0, s[X] | s[WEIGHT] | s[DY] | s[RSTD] | s[DX], dy, offset);
+                     w.defined() ? dtype_code(w.scalar_type()) : -1, -1,
+                     (compute_dw ? DW : 0) | (strided ? STRIDED : 0), 0.0,
+                     s[X] | s[WEIGHT] | s[DY] | s[RSTD] | s[DX] | group_bytes(x, s), dy, offset);
   auto grads = launch_persistent(key, dy, N ? M : 0, N, s, {compute_dw ? w : Tensor()});
   Tensor dw = grads[0].defined() ? grads[0] : at::empty({0}, x.options());
   return {need_dx ? dx : at::empty({0}, x.options()), dw};

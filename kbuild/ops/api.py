@@ -20,6 +20,7 @@ from .common import (
     check_param,
     contiguous,
     device_guard,
+    readable_rows,
 )
 from .custom_ops import NATIVE, fused_add_rmsnorm_fwd_op, layernorm_fwd_op, rmsnorm_fwd_op
 from .layernorm import layernorm_fwd, layernorm_reference
@@ -41,8 +42,10 @@ def rmsnorm(
 ) -> torch.Tensor:
     """RMSNorm over the last dimension: x * rsqrt(mean(x^2, -1) + eps) * (offset + weight).
 
-    x: (..., N), float32/float16/bfloat16, any layout. weight: (N,) of x's dtype or float32,
-    or None. offset: added to the weight in fp32 inside the kernels, never to the stored
+    x: (..., N), float32/float16/bfloat16, any layout; a strided view whose rows lie in
+    groups of contiguous rows at one stride (the (B, T, H, D) q or k of a fused qkv
+    projection) is read in place, without a copy, forward and backward. weight: (N,) of x's
+    dtype or float32, or None. offset: added to the weight in fp32 inside the kernels, never to the stored
     weight (Gemma's RMSNorm: offset=1.0 with a weight stored around 0; dweight is unchanged
     by it); None is 0. Returns x's shape and dtype; statistics in fp32. Differentiable in x
     and weight (saved for backward: x, weight and one fp32 rstd per row; nothing when no grad
@@ -62,7 +65,7 @@ def rmsnorm(
     # reference on CPU), so a CPU compile traces the kbuild::* ops and their autograd.
     if not x.is_cuda and not torch.compiler.is_compiling():
         return rmsnorm_reference(x, weight, eps, offset)[0]
-    x = contiguous(x)
+    x = readable_rows(x)
     needs_grad = torch.is_grad_enabled() and (
         x.requires_grad or (weight is not None and weight.requires_grad)
     )

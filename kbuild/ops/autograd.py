@@ -63,7 +63,8 @@ def _fused_backward(saved, needs, dy, dresidual_out, offset=0.0, residual_dtype=
 
 
 class RMSNormFunction(torch.autograd.Function):
-    """y = rmsnorm(x) * (offset + weight) on a contiguous CUDA x; saves x, weight and rstd."""
+    """y = rmsnorm(x) * (offset + weight) on a CUDA x of readable rows (contiguous, or a
+    strided view read in place: common.readable_rows); saves x, weight and rstd."""
 
     @staticmethod
     def forward(ctx, x, weight, eps, offset=0.0):

@@ -107,6 +107,54 @@ def contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.is_contiguous() else t.contiguous()
 
 
+def grouped_rows(x: torch.Tensor) -> tuple[int, int] | None:
+    """Where the rows of a non-contiguous (..., N) tensor lie, for the kernels that read x at a
+    two-level stride (kernels_common.GroupedRows): (x_group, x_stride), row r starting at
+    (r // x_group) * x_stride + (r % x_group) * N; x_group is M for rows that are dense after
+    all (a size-1 dimension's stride is arbitrary); None where the rows cannot be read so (the
+    last dimension is not contiguous, or the outer dimensions do not merge into one stride).
+
+    The (B, T, H, D) view of a fused qkv projection (strides (T * S, S, D, 1)) is
+    (H, S): the token dimensions merge into one stride, the heads are contiguous rows."""
+    N = x.shape[-1]
+    if x.stride(-1) != 1 and N > 1:
+        return None
+    dims = [(n, s) for n, s in zip(x.shape[:-1], x.stride()[:-1], strict=True) if n != 1]
+    group, expected = 1, N
+    while dims and dims[-1][1] == expected:  # the contiguous rows of the innermost dimensions
+        n, _ = dims.pop()
+        group, expected = group * n, expected * n
+    if not dims:
+        return group, 0
+    count, stride = dims.pop()
+    step = stride
+    while dims:  # the rest must be one stride: each dimension steps over the one inside it
+        n, s = dims.pop()
+        if s != step * count:
+            return None
+        step, count = s, n
+    return group, stride
+
+
+def readable_rows(x: torch.Tensor) -> torch.Tensor:
+    """x itself when a strided-row kernel can read it in place (contiguous, or grouped_rows
+    finds its layout), else a contiguous copy. What the RMSNorm forward saves for backward."""
+    if x.is_contiguous() or grouped_rows(x) is not None:
+        return x
+    return x.contiguous()
+
+
+def row_layout(x: torch.Tensor) -> tuple[int, int] | None:
+    """The (x_group, x_stride) launch arguments of a readable_rows tensor; None when its rows
+    are dense (the kernels without the strided parameter)."""
+    if x.is_contiguous():
+        return None
+    layout = grouped_rows(x)
+    if layout is None:
+        raise ValueError(f"x's rows cannot be read in place (strides {x.stride()})")
+    return None if layout[0] == row_count(x) else layout
+
+
 _NO_GUARD = contextlib.nullcontext()
 
 

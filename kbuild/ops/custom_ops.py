@@ -18,7 +18,7 @@ import torch
 
 from .. import native
 from .autograd import _fused_backward, _layernorm_backward, _rmsnorm_backward
-from .common import device_guard, row_count
+from .common import device_guard, readable_rows, row_count
 from .layernorm import layernorm_fwd, layernorm_reference
 from .rmsnorm import fused_add_rmsnorm_fwd, rmsnorm_fwd, rmsnorm_reference
 
@@ -123,13 +123,13 @@ for _name, _fn in (
 @torch.library.register_fake("kbuild::rmsnorm_fwd", lib=_lib)
 def _(x, weight, eps, store_rstd, offset=0.0):
     rows = row_count(x) if store_rstd else 0
-    return torch.empty_like(x), x.new_empty(rows, dtype=torch.float32)
+    return x.new_empty(x.shape), x.new_empty(rows, dtype=torch.float32)  # y is dense
 
 
 @torch.library.register_fake("kbuild::rmsnorm_bwd", lib=_lib)
 def _(dy, x, weight, rstd, need_dx, need_dw, offset=0.0):
     dw = torch.empty_like(weight) if need_dw and weight is not None else x.new_empty(0)
-    return (torch.empty_like(x) if need_dx else x.new_empty(0)), dw
+    return (x.new_empty(x.shape) if need_dx else x.new_empty(0)), dw  # dx is dense
 
 
 @torch.library.register_fake("kbuild::fused_add_rmsnorm_fwd", lib=_lib)
@@ -187,7 +187,7 @@ else:  # the Python launch path, registered as the same operators
 
     def _rmsnorm_fwd_cuda(x, weight, eps, store_rstd, offset=0.0):
         with device_guard(x):
-            y, rstd = rmsnorm_fwd(x.contiguous(), weight, eps, store_rstd, offset)
+            y, rstd = rmsnorm_fwd(readable_rows(x), weight, eps, store_rstd, offset)
         return y, rstd if rstd is not None else _empty(x)
 
     def _fused_add_rmsnorm_fwd_cuda(

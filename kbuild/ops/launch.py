@@ -75,14 +75,15 @@ def launch_persistent(
     N: int,
     ptrs: list[int],
     *params: torch.Tensor | None,
+    layout: tuple[int, int] | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor | None, ...] | None:
     """Run a backward kernel on a persistent grid; return the gradient of each of `params`
     (None where a param is None, i.e. not wanted).
 
     The kernel takes `ptrs`, then one fp32 (clusters * rows_per_block, N) workspace per
-    wanted param, then M. The grid is what the device holds at once (fixed per device and
-    kernel), so the summation order, and with it every bit of the result, is the same on
-    every run.
+    wanted param, then M, then `layout` when given (a strided x's x_group and x_stride). The
+    grid is what the device holds at once (fixed per device and kernel), so the summation
+    order, and with it every bit of the result, is the same on every run.
     """
     wanted = [p for p in params if p is not None]
     if M == 0:
@@ -94,7 +95,8 @@ def launch_persistent(
     device_of = wanted[0].device if wanted else None
     workspace = torch.empty((len(wanted), rows, N), dtype=torch.float32, device=device_of)
     stream = stream_of(device)
-    launcher(grid, stream, *ptrs, *(plane.data_ptr() for plane in workspace), M)
+    tail = (M,) if layout is None else (M, *layout)
+    launcher(grid, stream, *ptrs, *(plane.data_ptr() for plane in workspace), *tail)
     if not wanted:
         sums = iter(())
     elif len({p.dtype for p in wanted}) == 1:

@@ -24,11 +24,11 @@ NATIVE_KERNELS = (
 )  # fmt: skip
 KERNELS = {name: TABLE[name] for name in NATIVE_KERNELS}
 # Flag bits of a key, and the argument slots (the extension's `slot_names`, in its order).
-STATS, DW, DB, DRES, RES32 = 1, 2, 4, 8, 16
+STATS, DW, DB, DRES, RES32, STRIDED = 1, 2, 4, 8, 16, 32
 SLOT_NAMES = (
     "x", "weight", "bias", "residual", "y", "residual_out", "mean", "rstd", "dy",
     "dresidual_out", "dx", "dw_partial", "db_partial", "M", "partial", "out", "out1", "R",
-    "dout", "rows_per_chunk", "dresidual",
+    "dout", "rows_per_chunk", "dresidual", "x_group", "x_stride",
 )  # fmt: skip
 SLOTS = {name: i for i, name in enumerate(SLOT_NAMES)}
 
@@ -47,16 +47,18 @@ def values(
     """The kernel table's parameter values (its order) for a key's fields. `aux` is the bias
     dtype (layernorm_fwd) or the residual dtype (fused forms); for column_sum, `flags` is the
     number of planes; `offset` is RMSNorm's weight offset; RES32: the fused forms' fp32
-    residual stream (read in fp32, its gradient written in fp32)."""
+    residual stream (read in fp32, its gradient written in fp32); STRIDED: RMSNorm's x read
+    in place at a two-level stride (x_group and x_stride follow M)."""
     res32 = "f32" if flags & RES32 else None
+    strided = (True,) if flags & STRIDED else ()  # out of the table's values when False
     if kernel == "rmsnorm_fwd":
-        return (N, dtype, weight, bool(flags & STATS), eps, aligned, offset)
+        return (N, dtype, weight, bool(flags & STATS), eps, aligned, offset, *strided)
     if kernel == "fused_add_rmsnorm_fwd":
         return (N, dtype, weight, aux, bool(flags & STATS), eps, aligned, offset, res32)
     if kernel == "layernorm_fwd":
         return (N, dtype, weight, aux, bool(flags & STATS), eps, aligned)
     if kernel == "rmsnorm_bwd":
-        return (N, dtype, weight, bool(flags & DW), aligned, offset)
+        return (N, dtype, weight, bool(flags & DW), aligned, offset, *strided)
     if kernel == "fused_add_rmsnorm_bwd":
         dres, dw = bool(flags & DRES), bool(flags & DW)
         return (N, dtype, weight, aux, dres, dw, aligned, offset, res32)

@@ -3,6 +3,9 @@
 Launch functions take contiguous (..., N) CUDA tensors, seen as (M, N) rows with
 M = numel // N (no reshapes: each costs microseconds at small shapes); the public API in
 kbuild/ops/api.py checks arguments and makes inputs contiguous before anything here runs.
+RMSNorm's x may also be a strided view whose rows the kernels read in place
+(common.readable_rows: the (B, T, H, D) q or k of a fused qkv projection); y and dx are
+dense.
 Each launch gives the kernel table's parameter values in its order (kbuild/kernels/table.py)
 and the pointers in its argument order; the *_spec names are the table's spec functions,
 which warmup manifests call too, so a warmed cache holds exactly the kernels launched here.
@@ -20,6 +23,7 @@ from .common import (
     dtype_name,
     empty_row_stats,
     row_count,
+    row_layout,
     stream_of,
 )
 from .launch import launch_persistent, launch_rows, launcher_for, rows_grid
@@ -59,9 +63,17 @@ def rmsnorm_fwd(
         ptrs, w_name, is_aligned = (xp, wp, yp), DTYPE_NAMES[weight.dtype], not (xp | yp | wp) & 15
     if rstd is not None:
         ptrs += (rstd.data_ptr(),)  # the table's order: x, [weight], y, [rstd]
-    values = (N, DTYPE_NAMES[x.dtype], w_name, store_rstd, eps, is_aligned, offset)
+    layout = None if x.is_contiguous() else row_layout(x)
+    if layout is None:
+        values = (N, DTYPE_NAMES[x.dtype], w_name, store_rstd, eps, is_aligned, offset)
+        launcher = launcher_for(RMSNORM_FWD, device, values)
+        launcher(rows_grid(launcher, M), stream_of(device), *ptrs, M)
+        return y, rstd
+    # x's rows read in place at a two-level stride: (x_group, x_stride) after M.
+    is_aligned = is_aligned and aligned(layout[1] * x.element_size())
+    values = (N, DTYPE_NAMES[x.dtype], w_name, store_rstd, eps, is_aligned, offset, True)
     launcher = launcher_for(RMSNORM_FWD, device, values)
-    launcher(rows_grid(launcher, M), stream_of(device), *ptrs, M)
+    launcher(rows_grid(launcher, M), stream_of(device), *ptrs, M, *layout)
     return y, rstd
 
 
@@ -143,7 +155,9 @@ def _backward(
     dres_in = None if dres_dtype is None else torch.empty_like(dy, dtype=dres_dtype)
     device = dy.get_device()
     ptrs = data_ptrs(x, weight, dy, rstd, dres, dx, dres_in)
-    is_aligned = aligned(*ptrs)
+    # RMSNorm's x may be read in place at a two-level stride (the forward's input, as saved).
+    layout = None if fused or x.is_contiguous() else row_layout(x)
+    is_aligned = aligned(*ptrs, *(() if layout is None else (layout[1] * x.element_size(),)))
     if fused:
         kernel = FUSED_ADD_RMSNORM_BWD
         values = (N, DTYPE_NAMES[dy.dtype], dtype_name(weight), DTYPE_NAMES[x.dtype])
@@ -151,7 +165,9 @@ def _backward(
     else:
         kernel = RMSNORM_BWD
         values = (N, DTYPE_NAMES[x.dtype], dtype_name(weight), compute_dw, is_aligned, offset)
-    dw = launch_persistent(kernel, values, device, M, N, ptrs, weight if compute_dw else None)
+        values += () if layout is None else (True,)
+    wanted = weight if compute_dw else None
+    dw = launch_persistent(kernel, values, device, M, N, ptrs, wanted, layout=layout)
     return (dx, dres_in, dw) if fused else (dx, dw)
 
 
