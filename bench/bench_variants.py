@@ -9,7 +9,8 @@
 - Liger 0.8.5 (Triton) beside them where its wheel is installed: its RMSNorm has the
   offset (casting_mode "gemma") and plain rows ("llama").
 - QK-norm rows (RMSNorm over head_dim = 64, 128, 256 on millions of rows): kbuild.rmsnorm
-  forward and backward against torch eager and torch.compile of F.rms_norm.
+  forward and backward against torch eager and torch.compile of F.rms_norm, on dense rows
+  and on the q of a fused qkv projection (a strided (T, H, D) view, read in place).
 - An fp32 residual stream: fused_add_rmsnorm with bf16 x and an fp32 residual (a later
   layer of a stack run with residual_in_fp32) against torch's same math, forward and
   backward. Bytes: forward reads x (2) and the residual (4), writes y (2) and the stream (4);
@@ -30,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import kbuild  # noqa: E402
 from bench.bench_rmsnorm_bwd import grad_fn  # noqa: E402
 from bench.harness import Case, add_event_of_copy, measure_copy, run_cases, write_results  # noqa: E402
-from kbuild.manifest import BENCH_ELEMENTS, BENCH_N, QK_N, STREAM_BENCH_N  # noqa: E402
+from kbuild.manifest import BENCH_ELEMENTS, BENCH_N, QK_HEADS, QK_N, STREAM_BENCH_N  # noqa: E402
 
 
 def _liger():
@@ -106,6 +107,26 @@ def cases() -> tuple[list[Case], list[Case]]:
         if liger is not None:
             bwd["liger"] = grad_fn(lambda x, w: liger(x, w, 0.0, "llama"), (x, w), [x, w], [dy])
         backwards.append(Case("qk_rmsnorm_bwd", (M, N), 3 * elem, bwd))
+        # The same rows as the q of a fused qkv projection: a (B, T, H, D) view, read in
+        # place by kbuild; "kbuild_copy" is the call with the copy kbuild made before.
+        tokens = M // QK_HEADS
+        qkv = torch.randn(tokens, 3 * QK_HEADS * N, device="cuda", dtype=torch.bfloat16)
+        qkv.requires_grad_()
+        q = qkv.view(tokens, 3, QK_HEADS, N)[:, 0]
+        qi, dq = q.detach(), dy.view(tokens, QK_HEADS, N)
+        fwd = {
+            "kbuild": lambda qi=qi, wi=wi: kbuild.rmsnorm(qi, wi, 1e-6),
+            "kbuild_copy": lambda qi=qi, wi=wi: kbuild.rmsnorm(qi.contiguous(), wi, 1e-6),
+            "eager": lambda qi=qi, wi=wi, N=N: F.rms_norm(qi, (N,), wi, 1e-6),
+            "compile": lambda qi=qi, wi=wi, N=N: compiled_rms(qi, (N,), wi, 1e-6),
+        }
+        forwards.append(Case("qk_view_rmsnorm_fwd", (M, N), 2 * elem, fwd))
+        bwd = {
+            "kbuild": grad_fn(kbuild.rmsnorm, (q, w), [q, w], [dq]),
+            "eager": grad_fn(F.rms_norm, (q, (N,), w, 1e-6), [q, w], [dq]),
+            "compile": grad_fn(compiled_rms, (q, (N,), w, 1e-6), [q, w], [dq]),
+        }
+        backwards.append(Case("qk_view_rmsnorm_bwd", (M, N), 3 * elem, bwd))
 
     def torch_stream(x, r, w):
         s = r + x.float()

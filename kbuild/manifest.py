@@ -46,6 +46,7 @@ BENCH_N = (1024, 2048, 4096, 8192, 16384, 65536)
 OFFSET_N = (128, 768, 4096, 65536)
 STREAM_N = (1024, 4096)  # an fp32 residual stream (test_fp32_residual_stream_trains)
 QK_N = (64, 128, 256)  # QK-norm rows (head_dim) in bench/bench_variants.py
+QK_HEADS = 8  # heads of the fused qkv projection whose q view bench_variants.py reads
 STREAM_BENCH_N = (4096, 8192)  # the fp32 residual stream in bench/bench_variants.py
 BENCH_ELEMENTS = 64 * 2**20  # M * N for every bandwidth benchmark shape
 BENCH_DTYPE = "bf16"
@@ -226,8 +227,9 @@ def _bench() -> Iterator[KernelSpec]:
         yield from _fused_family(N, BENCH_DTYPE, BENCH_DTYPE, BENCH_DTYPE)
         yield from _layernorm_family(N, BENCH_DTYPE, BENCH_DTYPE, BENCH_DTYPE)
     yield from _rmsnorm_family(TINY_SHAPE[1], BENCH_DTYPE, BENCH_DTYPE, bench=True)
-    for N in QK_N:
+    for N in QK_N:  # dense rows, and the q view of a fused qkv (read in place)
         yield from _rmsnorm_family(N, BENCH_DTYPE, BENCH_DTYPE, bench=True)
+        yield from _rmsnorm_family(N, BENCH_DTYPE, BENCH_DTYPE, bench=True, strided=True)
     for N in STREAM_BENCH_N:
         yield from _fused_family(N, BENCH_DTYPE, "f32", "f32")
     for C in BENCH_C:

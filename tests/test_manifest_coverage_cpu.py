@@ -21,6 +21,7 @@ from kbuild.manifest import (
     BENCH_N,
     DTYPES,
     OFFSET_N,
+    QK_HEADS,
     QK_N,
     STREAM_BENCH_N,
     STREAM_N,
@@ -216,11 +217,13 @@ def _bench(tier):
         kbuild.rmsnorm(x, w, 1e-6, offset=1.0)
         xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
         _grad(kbuild.rmsnorm(xg, wg, 1e-6, offset=1.0), [xg, wg], dy)
-    for N in QK_N:  # bench_variants.py: QK-norm rows
-        x, w, dy = _x(1, N, "bf16"), _p(N, "bf16"), _x(1, N, "bf16")
-        kbuild.rmsnorm(x, w, 1e-6)
-        xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
-        _grad(kbuild.rmsnorm(xg, wg, 1e-6), [xg, wg], dy)
+    for N in QK_N:  # bench_variants.py: QK-norm rows, dense and a fused qkv's q view
+        qkv = _t((2, 3 * QK_HEADS * N), "bf16").requires_grad_()
+        q = qkv.view(2, 3, QK_HEADS, N)[:, 0]
+        for x in (_x(1, N, "bf16", grad=True), q):
+            w, dy = _p(N, "bf16", grad=True), torch.zeros(x.shape, dtype=x.dtype)
+            kbuild.rmsnorm(x.detach(), w.detach(), 1e-6)
+            _grad(kbuild.rmsnorm(x, w, 1e-6), [x, w], dy)
     for N in STREAM_BENCH_N:  # bench_variants.py: the fp32 residual stream
         x, r, w = _x(1, N, "bf16"), _x(1, N, "f32"), _p(N, "f32")
         kbuild.fused_add_rmsnorm(x, r, w, 1e-6)

@@ -45,11 +45,11 @@ def rmsnorm(
     x: (..., N), float32/float16/bfloat16, any layout; a strided view whose rows lie in
     groups of contiguous rows at one stride (the (B, T, H, D) q or k of a fused qkv
     projection) is read in place, without a copy, forward and backward. weight: (N,) of x's
-    dtype or float32, or None. offset: added to the weight in fp32 inside the kernels, never to the stored
-    weight (Gemma's RMSNorm: offset=1.0 with a weight stored around 0; dweight is unchanged
-    by it); None is 0. Returns x's shape and dtype; statistics in fp32. Differentiable in x
-    and weight (saved for backward: x, weight and one fp32 rstd per row; nothing when no grad
-    is needed).
+    dtype or float32, or None. offset: added to the weight in fp32 inside the kernels, never
+    to the stored weight (Gemma's RMSNorm: offset=1.0 with a weight stored around 0; dweight
+    is unchanged by it); None is 0. Returns x's shape and dtype (dense); statistics in fp32.
+    Differentiable in x and weight (saved for backward: x, weight and one fp32 rstd per row;
+    nothing when no grad is needed).
     CUDA tensors run the kbuild kernels; CPU tensors run the plain torch reference (same
     math), so code using kbuild runs anywhere.
     """
