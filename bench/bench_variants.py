@@ -1,6 +1,7 @@
 """The RMSNorm variants today's models need, beside plain RMSNorm in the same run (bf16, H200).
 
     KBUILD_CACHE_DIR=.kbuild-aot KBUILD_OFFLINE=1 python bench/bench_variants.py [out.json]
+        [--only PREFIX]
 
 - Weight offset (Gemma: y = x_hat * (1 + w)): kbuild.rmsnorm(..., offset=1.0) against the
   plain kernel (the target: equal within noise) and torch eager / torch.compile of Gemma's
@@ -162,9 +163,18 @@ def cases() -> tuple[list[Case], list[Case]]:
 
 
 def main() -> None:
-    path = sys.argv[1] if len(sys.argv) > 1 else "bench/results/variants.json"
+    """[out.json] [--only PREFIX]: the cases whose name starts with PREFIX (e.g. qk)."""
+    args = sys.argv[1:]
+    only = ""
+    if "--only" in args:
+        at = args.index("--only")
+        only = args[at + 1]
+        del args[at : at + 2]
+    path = args[0] if args else "bench/results/variants.json"
     copy = measure_copy()
     forwards, backwards = cases()
+    forwards = [c for c in forwards if c.op.startswith(only)]
+    backwards = [c for c in backwards if c.op.startswith(only)]
     run_cases(forwards, copy)
     add_event_of_copy(run_cases(backwards, copy, device_time=True), copy)
     write_results(path, forwards + backwards, copy)
