@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import kbuild as kbuild_ref
-from kbuild.kernels.table import kernel_def
+from kbuild.kernels.table import group_magic, kernel_def
 from kbuild.ops import api, custom_ops, resolve
 
 from .launch_recorder import Tier, install, layernorm, rmsnorm
@@ -76,11 +76,18 @@ def recorder(monkeypatch):
 
 def _labelled(launches, tensors):
     """Each launch with its pointer arguments named by the input tensor they point into
-    ("new" for an output the call allocated); integers below 2**20 (M, R) kept as they are."""
+    ("new" for an output the call allocated); integer arguments (M, R, ...) kept as they are."""
     named = {t.data_ptr(): name for name, t in tensors.items() if t is not None}
     out = []
     for spec, grid, args in launches:
-        labels = [a if a < 1 << 20 else named.get(a, "new") for a in args]
+        kdef = kernel_def(spec.kernel)
+        kinds = {a.name: a.kind for a in kdef.args}
+        names = kdef.arg_names(spec)
+        assert len(names) == len(args), (spec.short(), names, args)
+        labels = [
+            a if kinds[name] == "i64" else named.get(a, "new")
+            for name, a in zip(names, args, strict=True)
+        ]
         out.append((spec, grid, labels))
     return out
 
@@ -687,7 +694,8 @@ def test_strided_rows_are_read_in_place(recorder, name, x, layout):
         if layout is None:
             assert "strided" not in spec.kwargs and args[-1] == M
         else:
-            assert spec.kwargs["strided"] is True and args[-3:] == [M, *layout]
+            assert spec.kwargs["strided"] is True and args[-4:-1] == [M, *layout]
+            assert args[-1] == group_magic(layout[0])
             stride_bytes = layout[1] * x.element_size()
             assert spec.kwargs["vectorize"] == (stride_bytes % 16 == 0 and N % 8 == 0)
         recorder.launches.clear()

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import kbuild
+from kbuild.kernels.table import MAX_GROUPED_ROWS, group_magic
 from kbuild.ops.common import grouped_rows, readable_rows, row_layout
 
 from .reference import rmsnorm_grads
@@ -69,7 +70,7 @@ def test_formula_reads_the_views_rows(name):
     if layout[0] == x.numel() // x.shape[-1]:
         assert row_layout(x) is None  # dense rows: the plain kernels
     else:
-        assert row_layout(x) == layout
+        assert row_layout(x) == (*layout, group_magic(layout[0]))
 
 
 def test_qkv_layout_is_heads_by_tokens():
@@ -83,6 +84,38 @@ def test_rows_off_one_stride_are_copied(name):
     assert grouped_rows(x) is None
     copy = readable_rows(x)
     assert copy is not x and copy.is_contiguous() and torch.equal(copy, x)
+
+
+@pytest.mark.parametrize(
+    "group", [1, 2, 3, 7, 8, 12, 40, 96, 641, 4095, 65537, 1_000_003, 2**30 + 1, 2**31 - 1, 2**31]
+)
+def test_group_magic_divides_every_row(group):
+    """The kernels' r // x_group is (r * m) >> p (GroupedRows): exact for every row below 2^31.
+    Checked at the ends of the range, around multiples of the group and at random rows,
+    with the kernel's 64-bit arithmetic (a product past 2^63 would wrap). Catches a
+    multiplier rounded down (off by one just below a multiple) and a shift one short."""
+    magic = group_magic(group)
+    m, p = magic & 0xFFFFFFFF, magic >> 32
+    g = torch.Generator().manual_seed(group)
+    multiples = torch.arange(0, MAX_GROUPED_ROWS, max(group, MAX_GROUPED_ROWS // 4096))
+    multiples = multiples - multiples % group
+    rows = torch.cat(
+        [
+            torch.arange(0, 4096),
+            torch.arange(MAX_GROUPED_ROWS - 4096, MAX_GROUPED_ROWS),
+            (multiples[:, None] + torch.tensor([-1, 0, 1])).flatten(),
+            torch.randint(0, MAX_GROUPED_ROWS, (1 << 16,), generator=g),
+        ]
+    ).clamp(0, MAX_GROUPED_ROWS - 1)
+    assert m < 2**32 and (MAX_GROUPED_ROWS - 1) * m < 2**63
+    assert torch.equal((rows * m) >> p, rows // group)
+
+
+def test_group_magic_refuses_groups_out_of_range():
+    with pytest.raises(ValueError, match="x_group must be in"):
+        group_magic(0)
+    with pytest.raises(ValueError, match="x_group must be in"):
+        group_magic(2**31 + 1)
 
 
 def test_cpu_gradient_through_a_qkv_view():
@@ -100,3 +133,11 @@ def test_cpu_gradient_through_a_qkv_view():
     torch.testing.assert_close(_heads(dqkv)[:, :, 0], ref_dx.float())
     assert not _heads(dqkv)[:, :, 1:].any()
     torch.testing.assert_close(dw, ref_dw.float())
+
+
+def test_more_rows_than_the_magic_covers_are_not_strided():
+    """Past 2^31 rows the kernels' division by multiplication is not exact: such views are
+    refused (copied), dense ones of the same count are not affected."""
+    x = torch.zeros(1, 8).expand(MAX_GROUPED_ROWS + 1, 8)  # a broadcast row: no memory
+    assert grouped_rows(x) is None
+    assert grouped_rows(torch.zeros(1, 8).expand(MAX_GROUPED_ROWS, 8)) == (1, 0)

@@ -152,6 +152,11 @@ class V:
         a, b = self._coerce(o)
         return V(arith.ori(a, b))
 
+    def __rshift__(self, o):
+        """Logical (unsigned) shift right of an integer."""
+        a, b = self._coerce(o)
+        return V(arith.shrui(a, b))
+
     def __invert__(self) -> V:
         """Logical not of a flag (i1); bitwise not of other integers."""
         return V(arith.xori(self.value, const(-1, self.type).value))

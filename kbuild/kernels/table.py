@@ -156,7 +156,20 @@ _M = Arg("M", "i64")
 # (B, T, H, D) view of a fused qkv projection, read without a copy: kernels_common.GroupedRows).
 # Last, and out of the spec when False, as the offset.
 _STRIDED = Param("strided", "bool", False, keyed=False)
-_GROUPED_ROWS = (Arg("x_group", "i64", when="strided"), Arg("x_stride", "i64", when="strided"))
+_GROUPED_ROWS = tuple(
+    Arg(name, "i64", when="strided") for name in ("x_group", "x_stride", "x_group_magic")
+)
+MAX_GROUPED_ROWS = 1 << 31  # rows a strided launch may have (group_magic's range)
+
+
+def group_magic(group: int) -> int:
+    """The x_group_magic launch argument: r // group == (r * m) >> p for every 0 <= r < 2^31,
+    with p = 31 + ceil(log2(group)) and m = ceil(2^p / group) < 2^32 (Granlund and
+    Montgomery's round-up method; r * m stays below 2^63). Packed as m | p << 32."""
+    if not 1 <= group <= MAX_GROUPED_ROWS:
+        raise ValueError(f"x_group must be in [1, 2^31], got {group}")
+    p = 31 + (group - 1).bit_length()
+    return -(-(1 << p) // group) | p << 32
 
 
 def _vectorize(*dtypes: str) -> Param:

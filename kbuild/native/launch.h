@@ -11,12 +11,12 @@ namespace kbuild {
 enum Slot : int {
   X, WEIGHT, BIAS, RESIDUAL, Y, RESIDUAL_OUT, MEAN, RSTD, DY, DRESIDUAL_OUT, DX,
   DW_PARTIAL, DB_PARTIAL, ROWS, PARTIAL, OUT, OUT1, PARTIAL_ROWS, DOUT, ROWS_PER_CHUNK,
-  DRESIDUAL, X_GROUP, X_STRIDE, NUM_SLOTS
+  DRESIDUAL, X_GROUP, X_STRIDE, X_GROUP_MAGIC, NUM_SLOTS
 };
 const char* const kSlotNames[NUM_SLOTS] = {
     "x", "weight", "bias", "residual", "y", "residual_out", "mean", "rstd", "dy",
     "dresidual_out", "dx", "dw_partial", "db_partial", "M", "partial", "out", "out1", "R",
-    "dout", "rows_per_chunk", "dresidual", "x_group", "x_stride"};
+    "dout", "rows_per_chunk", "dresidual", "x_group", "x_stride", "x_group_magic"};
 
 // The kernels, in the order of kbuild/ops/resolve.py KERNELS.
 enum Kind : int8_t {
@@ -30,7 +30,7 @@ const char* const kKindNames[NUM_KINDS] = {
 // Flag bits of a key (what each kernel's bool parameters are made of, in resolve.py). RES32:
 // the fused forms' residual is fp32 while x is not (its forward reads it as fp32, its
 // backward writes d(residual) in fp32 beside dx). STRIDED: RMSNorm's x is read in place at a
-// two-level stride (slots X_GROUP, X_STRIDE: see grouped_rows).
+// two-level stride (slots X_GROUP, X_STRIDE, X_GROUP_MAGIC: see grouped_rows).
 constexpr uint8_t STATS = 1, DW = 2, DB = 4, DRES = 8, RES32 = 16, STRIDED = 32;
 
 // ----------------------------------------------------------------------------------- driver
@@ -279,7 +279,19 @@ Tensor stats(int64_t M, const Tensor& like, bool store) {
 // Where the rows of a non-contiguous (..., N) tensor lie, as kbuild/ops/common.py's
 // grouped_rows (the two are held equal by a CPU test): true with group = rows when they are
 // dense after all, true with (group, stride) when row r starts at
-// (r / group) * stride + (r % group) * N, false when they cannot be read so.
+// (r / group) * stride + (r % group) * N, false when they cannot be read so (or there are
+// more than kMaxGroupedRows rows: the kernels divide by group_magic).
+constexpr int64_t kMaxGroupedRows = int64_t{1} << 31;  // kernels/table.py MAX_GROUPED_ROWS
+
+// x_group_magic: r / group == (r * m) >> p for 0 <= r < 2^31 (kernels/table.py group_magic).
+uint64_t group_magic(int64_t group) {
+  int p = 31, bits = 0;
+  for (uint64_t g = static_cast<uint64_t>(group - 1); g != 0; g >>= 1) ++bits;
+  p += bits;
+  uint64_t m = ((uint64_t{1} << p) + static_cast<uint64_t>(group) - 1) / static_cast<uint64_t>(group);
+  return m | static_cast<uint64_t>(p) << 32;
+}
+
 bool grouped_rows(const Tensor& t, int64_t& group, int64_t& stride) {
   int64_t N = t.size(-1);
   if (t.stride(-1) != 1 && N > 1) return false;
@@ -294,6 +306,7 @@ bool grouped_rows(const Tensor& t, int64_t& group, int64_t& stride) {
   }
   stride = 0;
   if (dims.empty()) return true;
+  if (rows_of(t).first > kMaxGroupedRows) return false;
   int64_t count = dims.back().first, step = dims.back().second;
   stride = step;
   dims.pop_back();
@@ -318,6 +331,7 @@ bool readable_rows(const Tensor& t, Tensor& x, uint64_t* slots) {
   }
   if (group == rows_of(t).first) return false;  // dense after all
   slots[X_GROUP] = static_cast<uint64_t>(group), slots[X_STRIDE] = static_cast<uint64_t>(stride);
+  slots[X_GROUP_MAGIC] = group_magic(group);
   return true;
 }
 

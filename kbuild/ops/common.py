@@ -7,6 +7,8 @@ import math
 
 import torch
 
+from ..kernels.table import MAX_GROUPED_ROWS, group_magic
+
 DTYPE_NAMES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
 _ACCEPTED = "torch.float32, torch.float16 or torch.bfloat16"
 
@@ -112,7 +114,8 @@ def grouped_rows(x: torch.Tensor) -> tuple[int, int] | None:
     two-level stride (kernels_common.GroupedRows): (x_group, x_stride), row r starting at
     (r // x_group) * x_stride + (r % x_group) * N; x_group is M for rows that are dense after
     all (a size-1 dimension's stride is arbitrary); None where the rows cannot be read so (the
-    last dimension is not contiguous, or the outer dimensions do not merge into one stride).
+    last dimension is not contiguous, or the outer dimensions do not merge into one stride,
+    or there are more than 2^31 rows).
 
     The (B, T, H, D) view of a fused qkv projection (strides (T * S, S, D, 1)) is
     (H, S): the token dimensions merge into one stride, the heads are contiguous rows."""
@@ -126,6 +129,8 @@ def grouped_rows(x: torch.Tensor) -> tuple[int, int] | None:
         group, expected = group * n, expected * n
     if not dims:
         return group, 0
+    if row_count(x) > MAX_GROUPED_ROWS:
+        return None
     count, stride = dims.pop()
     step = stride
     while dims:  # the rest must be one stride: each dimension steps over the one inside it
@@ -144,15 +149,16 @@ def readable_rows(x: torch.Tensor) -> torch.Tensor:
     return x.contiguous()
 
 
-def row_layout(x: torch.Tensor) -> tuple[int, int] | None:
-    """The (x_group, x_stride) launch arguments of a readable_rows tensor; None when its rows
-    are dense (the kernels without the strided parameter)."""
+def row_layout(x: torch.Tensor) -> tuple[int, int, int] | None:
+    """The (x_group, x_stride, x_group_magic) launch arguments of a readable_rows tensor;
+    None when its rows are dense (the kernels without the strided parameter)."""
     if x.is_contiguous():
         return None
     layout = grouped_rows(x)
     if layout is None:
         raise ValueError(f"x's rows cannot be read in place (strides {x.stride()})")
-    return None if layout[0] == row_count(x) else layout
+    group, stride = layout
+    return None if group == row_count(x) else (group, stride, group_magic(group))
 
 
 _NO_GUARD = contextlib.nullcontext()

@@ -75,13 +75,13 @@ def launch_persistent(
     N: int,
     ptrs: list[int],
     *params: torch.Tensor | None,
-    layout: tuple[int, int] | None = None,
+    layout: tuple[int, ...] | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor | None, ...] | None:
     """Run a backward kernel on a persistent grid; return the gradient of each of `params`
     (None where a param is None, i.e. not wanted).
 
     The kernel takes `ptrs`, then one fp32 (clusters * rows_per_block, N) workspace per
-    wanted param, then M, then `layout` when given (a strided x's x_group and x_stride). The
+    wanted param, then M, then `layout` when given (a strided x's row arguments). The
     grid is what the device holds at once (fixed per device and kernel), so the summation
     order, and with it every bit of the result, is the same on every run.
     """

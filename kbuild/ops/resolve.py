@@ -28,7 +28,7 @@ STATS, DW, DB, DRES, RES32, STRIDED = 1, 2, 4, 8, 16, 32
 SLOT_NAMES = (
     "x", "weight", "bias", "residual", "y", "residual_out", "mean", "rstd", "dy",
     "dresidual_out", "dx", "dw_partial", "db_partial", "M", "partial", "out", "out1", "R",
-    "dout", "rows_per_chunk", "dresidual", "x_group", "x_stride",
+    "dout", "rows_per_chunk", "dresidual", "x_group", "x_stride", "x_group_magic",
 )  # fmt: skip
 SLOTS = {name: i for i, name in enumerate(SLOT_NAMES)}
 
@@ -48,7 +48,7 @@ def values(
     dtype (layernorm_fwd) or the residual dtype (fused forms); for column_sum, `flags` is the
     number of planes; `offset` is RMSNorm's weight offset; RES32: the fused forms' fp32
     residual stream (read in fp32, its gradient written in fp32); STRIDED: RMSNorm's x read
-    in place at a two-level stride (x_group and x_stride follow M)."""
+    in place at a two-level stride (x_group, x_stride and x_group_magic follow M)."""
     res32 = "f32" if flags & RES32 else None
     strided = (True,) if flags & STRIDED else ()  # out of the table's values when False
     if kernel == "rmsnorm_fwd":

@@ -69,7 +69,7 @@ def rmsnorm_fwd(
         launcher = launcher_for(RMSNORM_FWD, device, values)
         launcher(rows_grid(launcher, M), stream_of(device), *ptrs, M)
         return y, rstd
-    # x's rows read in place at a two-level stride: (x_group, x_stride) after M.
+    # x's rows read in place at a two-level stride: (x_group, x_stride, x_group_magic) after M.
     is_aligned = is_aligned and aligned(layout[1] * x.element_size())
     values = (N, DTYPE_NAMES[x.dtype], w_name, store_rstd, eps, is_aligned, offset, True)
     launcher = launcher_for(RMSNORM_FWD, device, values)
