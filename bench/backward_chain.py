@@ -4,11 +4,13 @@ the H200 machine, more than these kernels take) is paid once per graph, as in tr
 once per norm as in bench/backward_users.py.
 
     KBUILD_CACHE_DIR=.kbuild-aot KBUILD_OFFLINE=1 python bench/backward_chain.py [out.json]
-        [--n 64,128,256] [--ops rmsnorm]     (default: BENCH_N, both norms)
+        [--n 64,128,256] [--ops rmsnorm] [--view]     (default: BENCH_N, both norms)
 
 bf16, M x N = 64 Mi elements per norm, K = 8; reported per norm: ms (the chain's backward
 time / K, CUDA events around the autograd.grad call, calls back to back) and % of the copy
-bandwidth of the same run, kbuild beside torch eager.
+bandwidth of the same run, kbuild beside torch eager. `--view`: QK-norm as a model with a
+fused qkv projection runs it: each of the K norms reads the q of its own qkv buffer, a strided
+(T, H, N) view (H = manifest.QK_HEADS), and the one grad call takes all K.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import kbuild  # noqa: E402
 from bench.harness import measure_copy  # noqa: E402
-from kbuild.manifest import BENCH_ELEMENTS, BENCH_N  # noqa: E402
+from kbuild.manifest import BENCH_ELEMENTS, BENCH_N, QK_HEADS  # noqa: E402
 from kbuild.timing import median_ms  # noqa: E402
 
 K = 8
@@ -48,6 +50,24 @@ def chain(norm, N: int, with_bias: bool):
     return lambda: torch.autograd.grad(h, inputs, dy, retain_graph=True)
 
 
+def views(norm, N: int, with_bias: bool):
+    """K norms, each of the q view of its own (T, 3 * H * N) qkv buffer; one grad call for
+    the K outputs with respect to the K views and weights."""
+    T = BENCH_ELEMENTS // N // QK_HEADS
+    outs, inputs, grads = [], [], []
+    ws = []
+    for _ in range(K):
+        qkv = torch.randn(T, 3 * QK_HEADS * N, device="cuda", dtype=torch.bfloat16)
+        q = qkv.requires_grad_().view(T, 3, QK_HEADS, N)[:, 0]
+        w = torch.randn(N, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        outs.append(norm(q, w, None, N))
+        inputs.append(q)
+        ws.append(w)
+        grads.append(torch.randn_like(outs[-1]))
+    inputs += ws
+    return lambda: torch.autograd.grad(outs, inputs, grads, retain_graph=True)
+
+
 NORMS = {
     "rmsnorm": {
         "kbuild": lambda h, w, b, N: kbuild.rmsnorm(h, w, 1e-6),
@@ -65,7 +85,9 @@ def main() -> None:
     parser.add_argument("path", nargs="?", default="bench/results/backward_chain.json")
     parser.add_argument("--n", default=",".join(map(str, BENCH_N)), help="row lengths")
     parser.add_argument("--ops", default=",".join(NORMS), help="comma-separated norms")
+    parser.add_argument("--view", action="store_true", help="q views of fused qkv buffers")
     args = parser.parse_args()
+    build = views if args.view else chain
     path = args.path
     copy = measure_copy()
     bytes_per_norm = 3 * BENCH_ELEMENTS * 2  # read x, dy; write dx
@@ -75,7 +97,7 @@ def main() -> None:
         for N in (int(n) for n in args.n.split(",")):
             row = {"op": op, "N": N}
             for name, norm in impls.items():
-                ms = median_ms(chain(norm, N, op == "layernorm"), reps=10) / K
+                ms = median_ms(build(norm, N, op == "layernorm"), reps=10) / K
                 row[name] = {
                     "ms": round(ms, 4),
                     "of_copy": round(bytes_per_norm / ms / 1e6 / copy, 4),
@@ -85,7 +107,13 @@ def main() -> None:
             torch.cuda.empty_cache()
     with open(path, "w") as f:
         json.dump(
-            {"gpu": torch.cuda.get_device_name(), "copy_gbps": copy, "K": K, "rows": rows},
+            {
+                "gpu": torch.cuda.get_device_name(),
+                "copy_gbps": copy,
+                "K": K,
+                "layout": "qkv views" if args.view else "dense",
+                "rows": rows,
+            },
             f,
             indent=1,
         )
