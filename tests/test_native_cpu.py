@@ -404,6 +404,47 @@ def test_backward_materialises_no_zeros(op):
     assert not names & {"aten::zeros", "aten::zeros_like", "aten::zero_"}, names
 
 
+@pytest.mark.parametrize("op", ["rmsnorm", "layernorm", "fused_add_rmsnorm"])
+def test_statistics_stay_out_of_the_autograd_graph(op):
+    """The forward ops' statistics are returned beside the outputs, not as outputs of the C++
+    autograd Function (a saved output is rebuilt at every unpack: host time torch's norms do
+    not pay): they carry no grad_fn, the Function's node takes only the differentiable
+    outputs' gradients, and each call returns its own statistics (the hand-over slot is
+    emptied, never read stale). Gradients are those of the reference."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 32, requires_grad=True)
+    w = torch.randn(32, requires_grad=True)
+    ops = torch.ops.kbuild
+    calls = {
+        "rmsnorm": lambda x: ops.rmsnorm_fwd(x, w, 1e-6, True),
+        "layernorm": lambda x: ops.layernorm_fwd(x, w, w, 1e-5, True),
+        "fused_add_rmsnorm": lambda x: ops.fused_add_rmsnorm_fwd(
+            x, x, w, 1e-6, torch.float32, True
+        ),
+    }
+    first = calls[op](x)
+    second = calls[op](2 * x.detach().requires_grad_())
+    outputs, stats = (first[:2], first[2:]) if op == "fused_add_rmsnorm" else (first[:1], first[1:])
+    assert all(s.grad_fn is None and not s.requires_grad for s in stats)
+    assert all(o.grad_fn is outputs[0].grad_fn for o in outputs)
+    assert len(outputs[0].grad_fn._input_metadata) == len(outputs)  # no slots for stats
+    assert len(outputs[0].grad_fn.next_functions) >= 2  # x and w
+    rstd = first[-1]
+    torch.testing.assert_close(rstd, 2 * second[-1], rtol=1e-4, atol=0)  # rstd(2x) = rstd(x) / 2
+    assert rstd.data_ptr() != second[-1].data_ptr()
+    dy = torch.randn(4, 32)
+    got = torch.autograd.grad(outputs[0], [x, w], dy)
+    xr, wr = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    if op == "layernorm":
+        ref = torch.nn.functional.layer_norm(xr, (32,), wr, wr, 1e-5)
+    else:
+        xs = 2 * xr if op == "fused_add_rmsnorm" else xr
+        ref = torch.nn.functional.rms_norm(xs, (32,), wr, 1e-6)
+    want = torch.autograd.grad(ref, [xr, wr], dy.double())
+    for g, r in zip(got, want, strict=True):
+        torch.testing.assert_close(g.double(), r, rtol=1e-4, atol=1e-5)
+
+
 # --- kbuild.linear and the bias gradient ---------------------------------------------------
 
 
