@@ -23,6 +23,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import kbuild  # noqa: E402
+from bench.harness import commit  # noqa: E402
 from kbuild.ops import api  # noqa: E402
 from kbuild.timing import host_us_per_call  # noqa: E402
 
@@ -127,6 +128,7 @@ def main() -> None:
     native = native_default
     result = {
         "gpu": torch.cuda.get_device_name(),
+        "commit": os.environ.get("KBUILD_COMMIT", commit()),
         "torch": torch.__version__,
         "native": native is not None,
         "calls": CALLS,

@@ -35,7 +35,7 @@ STEPS = ROUNDS * STEPS_PER_ROUND
 
 
 def _configs():
-    from transformers import GPT2Config, LlamaConfig
+    from transformers import GPT2Config, LlamaConfig, Qwen3Config
 
     llama = dict(vocab_size=32000, rms_norm_eps=1e-6, max_position_embeddings=1024)
     gpt2 = dict(n_positions=1024, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # curves
@@ -52,6 +52,13 @@ def _configs():
         "llama-2048": (
             LlamaConfig(hidden_size=2048, intermediate_size=5632, num_hidden_layers=8,
                         num_attention_heads=16, num_key_value_heads=16, **llama),
+            4, 1024, ("eager", "compile"),
+        ),
+        # QK-norm: RMSNorm over each head's 128 values of q and k (swap_norms swaps them too)
+        "qwen3-2048": (
+            Qwen3Config(hidden_size=2048, intermediate_size=6144, num_hidden_layers=8,
+                        num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                        vocab_size=32000, rms_norm_eps=1e-6, max_position_embeddings=1024),
             4, 1024, ("eager", "compile"),
         ),
         "llama-4096": (
