@@ -396,10 +396,36 @@ COMPILE_CASES = [
 
 @pytest.mark.parametrize("name, dtype, pdtype", COMPILE_CASES, ids=_ids)
 def test_compiled_public_function_traces_the_ops(fresh_dynamo, name, dtype, pdtype):
+    """The fused form and LayerNorm trace to their ops; plain RMSNorm to torch operations
+    (inductor fuses them with their neighbours: api.py), no kbuild op in either graph."""
     recorder = _RecordingAOT()
     _compiled_matches_fp64(name, recorder.backend, dtype, pdtype)
+    if name == "rmsnorm":
+        assert recorder.ops == {"fw": set(), "bw": set()}, recorder.ops
+        return
     assert recorder.ops["fw"] == {f"kbuild.{name}_fwd.default"}, recorder.ops
     assert recorder.ops["bw"] == {f"kbuild.{name}_bwd.default"}, recorder.ops
+
+
+def test_compiled_rmsnorm_op_called_directly(fresh_dynamo):
+    """kbuild::rmsnorm_fwd called by name still compiles (fake, autograd, backward op),
+    with the weight offset, and matches fp64."""
+    recorder = _RecordingAOT()
+    x, w = _x(F32, 0).requires_grad_(), _param(F32, 1, 0.0).requires_grad_()
+    fn = torch.compile(
+        lambda x, w: torch.ops.kbuild.rmsnorm_fwd(x, w, EPS, True, 1.0)[0],
+        backend=recorder.backend,
+        fullgraph=True,
+    )
+    y = fn(x, w)
+    dy = _x(F32, 5)
+    dx, dw = torch.autograd.grad(y, [x, w], dy)
+    ref_y, ref_dx, ref_dw, _ = rmsnorm_grads(x, w, dy, EPS, offset=1.0)
+    _close(y, ref_y, F32, "y")
+    _grad(dx, ref_dx, F32, F32, "dx")
+    _grad(dw, ref_dw, F32, F32, "dw")
+    assert recorder.ops["fw"] == {"kbuild.rmsnorm_fwd.default"}, recorder.ops
+    assert recorder.ops["bw"] == {"kbuild.rmsnorm_bwd.default"}, recorder.ops
 
 
 def test_compiled_layernorm_with_inductor(fresh_dynamo):
