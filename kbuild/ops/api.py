@@ -2,7 +2,8 @@
 
 CUDA tensors go to the kbuild::* operators: eagerly through the C++ extension's entry points
 (kbuild/native: forward, autograd and backward in C++), under torch.compile as the operators
-themselves, so the graph has no breaks. Where the extension is unavailable, eager calls take
+themselves, so the graph has no breaks (plain RMSNorm excepted: under torch.compile it is its
+fp32 math in torch operations, which inductor fuses with the neighbouring ones). Where the extension is unavailable, eager calls take
 the Python launch path (autograd Functions, or the forward launch directly when no gradient is
 needed). All routes run the same kernels. Eager CPU tensors run the torch reference.
 """

@@ -1,5 +1,6 @@
 """The kbuild::* operators: what eager calls with the C++ hot path, and what torch.compile
-traces (fullgraph, no breaks).
+traces (fullgraph, no breaks; plain RMSNorm's public function traces torch operations
+instead, api.py, but kbuild::rmsnorm_fwd called by name compiles too).
 
 Defined here for every device: the schemas, the CPU kernels (the torch reference, fp32 math)
 and the fake kernels (shapes for tracing). The CUDA kernels and the autograd formulas come
