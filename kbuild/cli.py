@@ -2,6 +2,7 @@
 
 kbuild warmup --arch sm_90 --manifest tests --cache-dir .kbuild-aot
 kbuild warmup --arch gfx942 --hidden 4096 --dtype bf16     # every kernel of a model width
+kbuild warmup --hidden 2048 --head-dim 128                  # ... with a QK-norm (Qwen3)
 kbuild warmup --arch sm_90 --from run.jsonl                 # what KBUILD_RECORD=run.jsonl saw
 kbuild demo                       # compile the standard set; with a GPU also run and time it
 kbuild cache list | path | clear | info | export FILE | import FILE | prune --max-size 2G
@@ -80,6 +81,8 @@ def _specs_from(args) -> list[KernelSpec]:
             specs += read_specs(path)
         except (OSError, ValueError) as err:
             raise SystemExit(f"kbuild warmup: --from {path}: {err}") from None
+    if args.head_dim is not None and args.hidden is None:
+        raise SystemExit("kbuild warmup: --head-dim goes with --hidden (the model's width)")
     if args.hidden is not None:
         ops = tuple(filter(None, args.ops.split(",")))
         try:
@@ -90,6 +93,7 @@ def _specs_from(args) -> list[KernelSpec]:
                 ops,
                 residual_fp32=args.residual_fp32,
                 rms_offset=args.rms_offset,
+                head_dim=args.head_dim,
             )
         except (ValueError, TypeError) as err:
             raise SystemExit(f"kbuild warmup: --hidden: {err}") from None
@@ -289,6 +293,11 @@ def main(argv: list[str] | None = None) -> int:
                 type=float,
                 default=0.0,
                 help="RMSNorm's weight offset (Gemma: 1.0) for --hidden",
+            )
+            p.add_argument(
+                "--head-dim",
+                type=int,
+                help="with --hidden: a QK-norm over heads of this width (Qwen3: 128)",
             )
     p = sub.add_parser(
         "show",

@@ -162,6 +162,7 @@ def for_width(
     ln_eps: float = 1e-5,
     residual_fp32: bool = False,
     rms_offset: float = 0.0,
+    head_dim: int | None = None,
 ) -> list[KernelSpec]:
     """Every kernel a training and an inference step of a model of width `hidden` launch
     through `ops`: forwards with and without saved statistics, backwards (a frozen weight
@@ -169,7 +170,9 @@ def for_width(
     weight's dtype; `residual_fp32` adds the fused form's fp32 residual stream; `rms_offset`
     is the RMSNorm weight offset (Gemma: 1.0) of the rmsnorm and fused kernels. "encoder":
     GPT-2's embedding of width `hidden` (int32 and int64 ids); "linear": the bias gradients
-    of a GPT-2 block's linears (widths hidden, 3 * hidden and 4 * hidden)."""
+    of a GPT-2 block's linears (widths hidden, 3 * hidden and 4 * hidden). `head_dim`: a
+    QK-norm (Qwen3, Gemma 3, OLMo 2) over heads of this width, its RMSNorm kernels on dense
+    rows and on the q / k views of a fused qkv projection (read in place)."""
     unknown = set(ops) - set(WIDTH_OPS)
     if unknown:
         raise ValueError(f"ops must be among {WIDTH_OPS}; got {sorted(unknown)}")
@@ -182,6 +185,13 @@ def for_width(
             specs += _fused_family(hidden, dtype, w, residual, eps=rms_eps, offset=rms_offset)
     if "layernorm" in ops:
         specs += _layernorm_family(hidden, dtype, w, w, eps=ln_eps)
+    if head_dim is not None:
+        if not isinstance(head_dim, int) or isinstance(head_dim, bool) or head_dim < 1:
+            raise ValueError(f"head_dim must be a positive int, got {head_dim!r}")
+        for strided in (False, True):
+            specs += _rmsnorm_family(
+                head_dim, dtype, w, eps=rms_eps, offset=rms_offset, strided=strided
+            )
     if "encoder" in ops:
         specs += _encoder_family(hidden, dtype)
     if "linear" in ops:

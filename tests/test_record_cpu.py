@@ -165,3 +165,34 @@ def test_width_warmup_covers_a_gemma_step_with_an_fp32_stream(monkeypatch):
     argv = ["warmup", "--hidden", "2048", "--ops", "rmsnorm,fused_add_rmsnorm"]
     assert cli.main([*argv, "--residual-fp32", "--rms-offset", "1.0"]) == 0
     assert set(seen) == warmed
+
+
+def test_width_warmup_covers_a_qk_norm(monkeypatch):
+    """--head-dim 128 warms a QK-norm's kernels as a Qwen3-style block launches them: the
+    q and k views of a fused qkv projection (read in place, strided kernels) and separate
+    projections (dense rows), training and inference. Without it, none of them is warmed."""
+    tier = Tier()
+    install(monkeypatch, tier.get_launcher, tier.loaded)
+    pretend_cuda(monkeypatch)
+    T, H, D = 6, 4, 128
+    qkv = torch.randn(T, 3 * H * D, dtype=torch.bfloat16, requires_grad=True)
+    heads = qkv.view(T, 3, H, D)
+    w = torch.randn(D, dtype=torch.bfloat16, requires_grad=True)
+    dense = torch.randn(T, H, D, dtype=torch.bfloat16, requires_grad=True)
+    loss = sum(kbuild.rmsnorm(x, w).float().sum() for x in (heads[:, 0], heads[:, 1], dense))
+    loss.backward()
+    with torch.no_grad():
+        kbuild.rmsnorm(heads[:, 0], w), kbuild.rmsnorm(dense, w)
+    asked = set(tier.specs)
+    assert any(s.kwargs.get("strided") for s in asked)
+    warmed = set(for_width(2048, "bf16", ops=("rmsnorm",), head_dim=D))
+    assert asked <= warmed, sorted(s.short() for s in asked - warmed)
+    assert not asked & set(for_width(2048, "bf16", ops=("rmsnorm",)))
+    seen = []
+    monkeypatch.setattr(cli, "warmup", lambda specs, arch, root, jobs: seen.extend(specs))
+    assert cli.main(["warmup", "--hidden", "2048", "--ops", "rmsnorm", "--head-dim", "128"]) == 0
+    assert set(seen) == warmed
+    with pytest.raises(SystemExit, match="--head-dim goes with --hidden"):
+        cli.main(["warmup", "--head-dim", "128"])
+    with pytest.raises(SystemExit, match="head_dim must be a positive int"):
+        cli.main(["warmup", "--hidden", "2048", "--head-dim", "0"])

@@ -3,9 +3,10 @@
 CUDA tensors go to the kbuild::* operators: eagerly through the C++ extension's entry points
 (kbuild/native: forward, autograd and backward in C++), under torch.compile as the operators
 themselves, so the graph has no breaks (plain RMSNorm excepted: under torch.compile it is its
-fp32 math in torch operations, which inductor fuses with the neighbouring ones). Where the extension is unavailable, eager calls take
-the Python launch path (autograd Functions, or the forward launch directly when no gradient is
-needed). All routes run the same kernels. Eager CPU tensors run the torch reference.
+fp32 math in torch operations, which inductor fuses with the neighbouring ones). Where the
+extension is unavailable, eager calls take the Python launch path (autograd Functions, or the
+forward launch directly when no gradient is needed). All routes run the same kernels. Eager
+CPU tensors run the torch reference.
 """
 
 from __future__ import annotations
