@@ -318,7 +318,8 @@ def test_fake_kernels_match_the_ops():
 
 # --- torch.compile on CPU: the public functions traced to the custom ops ---------------------
 # On CPU the eager public functions return the reference directly; under torch.compile they
-# call the custom ops, so these graphs run the ops' forward, their registered autograd and
+# call the custom ops (plain RMSNorm excepted: its torch math, api.py; its op is compiled by
+# name below), so these graphs run the ops' forward, their registered autograd and
 # their backward ops. Catch: any of the autograd bugs above as seen by compiled training (a
 # dropped dw or db), api.py's compile route passing the wrong eps, weight or bias, or
 # store_rstd=False while a gradient is needed.
@@ -407,14 +408,19 @@ def test_compiled_public_function_traces_the_ops(fresh_dynamo, name, dtype, pdty
     assert recorder.ops["bw"] == {f"kbuild.{name}_bwd.default"}, recorder.ops
 
 
-def test_compiled_rmsnorm_op_called_directly(fresh_dynamo):
+@pytest.mark.parametrize("backend", ["recording", "inductor"])
+def test_compiled_rmsnorm_op_called_directly(fresh_dynamo, backend):
     """kbuild::rmsnorm_fwd called by name still compiles (fake, autograd, backward op),
-    with the weight offset, and matches fp64."""
+    with the weight offset, and matches fp64; under inductor with a transposed x too (the
+    ops' outputs are dense, as their fakes say, whatever x's layout)."""
     recorder = _RecordingAOT()
-    x, w = _x(F32, 0).requires_grad_(), _param(F32, 1, 0.0).requires_grad_()
+    x = _x(F32, 0)
+    if backend == "inductor":
+        x = x.transpose(0, -1).contiguous().transpose(0, -1)  # same values, reversed strides
+    x, w = x.requires_grad_(), _param(F32, 1, 0.0).requires_grad_()
     fn = torch.compile(
         lambda x, w: torch.ops.kbuild.rmsnorm_fwd(x, w, EPS, True, 1.0)[0],
-        backend=recorder.backend,
+        backend=recorder.backend if backend == "recording" else "inductor",
         fullgraph=True,
     )
     y = fn(x, w)
@@ -424,11 +430,14 @@ def test_compiled_rmsnorm_op_called_directly(fresh_dynamo):
     _close(y, ref_y, F32, "y")
     _grad(dx, ref_dx, F32, F32, "dx")
     _grad(dw, ref_dw, F32, F32, "dw")
+    if backend == "inductor":
+        return
     assert recorder.ops["fw"] == {"kbuild.rmsnorm_fwd.default"}, recorder.ops
     assert recorder.ops["bw"] == {"kbuild.rmsnorm_bwd.default"}, recorder.ops
 
 
 def test_compiled_layernorm_with_inductor(fresh_dynamo):
     # inductor plans its buffers from the fake kernels and checks the ops' outputs against
-    # them; rmsnorm and fused_add_rmsnorm run under inductor in test_autograd_cpu.py.
+    # them; fused_add_rmsnorm runs under inductor in test_autograd_cpu.py, rmsnorm's op
+    # below.
     _compiled_matches_fp64("layernorm", "inductor", F32, F32)

@@ -21,6 +21,7 @@ import torch
 
 import kbuild as kbuild_ref
 from kbuild.kernels.table import group_magic, kernel_def
+from kbuild.ops.common import readable_rows
 from kbuild.ops import api, custom_ops, resolve
 
 from .launch_recorder import Tier, install, layernorm, rmsnorm
@@ -431,7 +432,6 @@ def test_statistics_stay_out_of_the_autograd_graph(op):
     assert len(outputs[0].grad_fn.next_functions) >= 2  # x and w
     rstd = first[-1]
     torch.testing.assert_close(rstd, 2 * second[-1], rtol=1e-4, atol=0)  # rstd(2x) = rstd(x) / 2
-    assert rstd.data_ptr() != second[-1].data_ptr()
     dy = torch.randn(4, 32)
     got = torch.autograd.grad(outputs[0], [x, w], dy)
     xr, wr = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
@@ -702,7 +702,6 @@ STRIDED = [
     ("rows of a wider matrix", _t((6, 96), "bf16")[:, :_D], (1, 96)),
     ("one broadcast row", _t((_D,), "f32").expand(5, _D), (1, 0)),
     ("odd stride: no vectors", _qkv(_B, _T, _H, _D, "bf16", pad=1)[1], (_H, 3 * _H * _D + 1)),
-    ("size-1 dims out of order", _t((4, 1, _D), "f16").transpose(0, 1), None),
 ]
 
 
@@ -744,13 +743,24 @@ def test_strided_rows_are_read_in_place(recorder, name, x, layout):
 
 def test_unreadable_rows_are_copied_once(recorder):
     """Rows that do not lie at one stride (q of a qkv transposed to (B, H, T, D), three
-    levels) are made contiguous: the launch reads a new tensor, dense, not strided."""
+    levels) are made contiguous: the launch reads a new tensor, dense, not strided; the
+    Python path's backward, given that x as saved (kbuild::rmsnorm_fwd called by name),
+    copies it as the C++ one does rather than failing."""
     q = _qkv(_B, _T, _H, _D, "bf16")[1].transpose(1, 2)
+    M = _B * _T * _H
+    w, dy, rstd = _t((_D,), "bf16"), _t(q.shape, "bf16"), torch.zeros(M)
     for call in (
-        lambda: rmsnorm.rmsnorm_fwd(q.contiguous(), None, 1e-6, False),
+        lambda: rmsnorm.rmsnorm_fwd(readable_rows(q), None, 1e-6, False),
         lambda: NATIVE.rmsnorm_fwd_cuda(q, None, 1e-6, False),
+        lambda: rmsnorm.rmsnorm_bwd(dy, q, w, rstd, True),
+        lambda: NATIVE.rmsnorm_bwd_cuda(dy, q, w, rstd, True, True),
     ):
         call()
-    (py_spec, _, py_args), (spec, _, args) = _labelled(recorder.launches, {"x": q})
+    labelled = _labelled(recorder.launches, {"x": q, "weight": w, "dy": dy, "rstd": rstd})
+    (py_spec, _, py_args), (spec, _, args) = labelled[:2]
     assert spec == py_spec and "strided" not in spec.kwargs
-    assert args[0] == "new" and args[-1] == _B * _T * _H
+    assert args[0] == "new" and args[-1] == M
+    backward = [launch for launch in labelled[2:] if launch[0].kernel == "rmsnorm_bwd"]
+    (py_spec, _, py_args), (spec, _, args) = backward
+    assert spec == py_spec and "strided" not in spec.kwargs
+    assert args[0] == py_args[0] == "new"

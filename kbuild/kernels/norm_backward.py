@@ -57,7 +57,7 @@ def build_norm_backward(
     **overrides: int | bool | str | None,
 ) -> Kernel:
     """Launch arguments: x, [weight], dy, [mean], rstd, [dresidual_out], dx, [dresidual],
-    [dw_partial], [db_partial], M, [x_group, x_stride] (a strided x: GroupedRows). Grid:
+    [dw_partial], [db_partial], M, [x_group, x_stride, x_group_magic] (a strided x). Grid:
     persistent (at most the device's resident clusters, times the cluster size).
 
     `overrides`: launch-plan fields forced for tuning (the backward builders pass them

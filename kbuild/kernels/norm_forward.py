@@ -67,7 +67,7 @@ def build_norm_forward(
     **overrides: int | bool | str | None,
 ) -> Kernel:
     """Launch arguments: x, [residual], [weight], [bias], y, [residual_out], [mean], [rstd], M,
-    [x_group, x_stride] (a strided x: GroupedRows).
+    [x_group, x_stride, x_group_magic] (a strided x: GroupedRows).
     Grid: one block per row group, times the cluster size; or, persistent, as many blocks
     (clusters) as the device holds at once, each walking row groups.
 

@@ -32,9 +32,9 @@ def build_rmsnorm_bwd_module(
 ) -> Kernel:
     """dx (and dw partials) for y = rmsnorm(x) * (offset + w) with x, dy, dx of `dtype`.
 
-    Launch arguments: x, [weight], dy, rstd, dx, [dw_partial], M, [x_group, x_stride].
-    `strided`: x's rows grouped at a stride, as the forward's (dy and dx are dense). Grid:
-    persistent.
+    Launch arguments: x, [weight], dy, rstd, dx, [dw_partial], M, [x_group, x_stride,
+    x_group_magic]. `strided`: x's rows grouped at a stride, as the forward's (dy and dx are
+    dense). Grid: persistent.
     """
     p = NormBackward(
         name="rmsnorm_bwd",

@@ -319,7 +319,8 @@ bool grouped_rows(const Tensor& t, int64_t& group, int64_t& stride) {
 }
 
 // RMSNorm's x as its kernels read it: itself when contiguous or of grouped rows (then
-// slots[X_GROUP], slots[X_STRIDE] are set and the result is true: the STRIDED kernels), else
+// slots[X_GROUP], slots[X_STRIDE], slots[X_GROUP_MAGIC] are set and the result is true: the
+// STRIDED kernels), else
 // a contiguous copy. `x` receives the tensor to read (and to save for the backward).
 bool readable_rows(const Tensor& t, Tensor& x, uint64_t* slots) {
   x = t;

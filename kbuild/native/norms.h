@@ -228,21 +228,14 @@ struct BelowAutograd {
 // The statistics (rstd, mean) a forward op returns are not outputs of its autograd Function:
 // a saved output is rebuilt as a new Variable at each unpack in the backward, and each output
 // carries autograd metadata, together a few microseconds per call that torch's own norms do
-// not pay (H200: LayerNorm forward + backward 1.03-1.09x torch's with them). The Function's
-// forward leaves them here for the autograd kernel that called apply, on the same thread.
-thread_local Tensor t_stats[2];
-
-variable_list with_stats(variable_list outputs, std::initializer_list<Tensor> stats) {
-  int i = 0;
-  for (const Tensor& s : stats) t_stats[i++] = s;
-  return outputs;
-}
-
-Tensor take_stats(int i) { return std::move(t_stats[i]); }
+// not pay (H200: LayerNorm forward + backward 1.03-1.09x torch's with them). The autograd
+// kernel passes the Function's forward a place for them (`Stats*`, a non-tensor argument:
+// its gradient slot in the backward is undefined), filled before apply returns.
+using Stats = std::array<Tensor, 2>;
 
 struct RMSNormFunction : torch::autograd::Function<RMSNormFunction> {
   static variable_list forward(AutogradContext* ctx, const Tensor& x, const optional<Tensor>& w,
-                               double eps, bool store_rstd, double offset) {
+                               double eps, bool store_rstd, double offset, Stats* stats) {
     at::AutoDispatchBelowADInplaceOrView guard;
     static auto fwd = op<RmsFwd>("kbuild::rmsnorm_fwd");
     auto [y, rstd] = fwd.call(x, w, eps, store_rstd, offset);
@@ -250,10 +243,11 @@ struct RMSNormFunction : torch::autograd::Function<RMSNormFunction> {
     ctx->saved_data["offset"] = offset;
     // No zeros made for an unused y's gradient (an allocation and a fill kernel).
     ctx->set_materialize_grads(false);
-    return with_stats({y}, {rstd});
+    (*stats)[0] = rstd;
+    return {y};
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    if (!grads[0].defined()) return variable_list(5);  // y unused: no gradient flows
+    if (!grads[0].defined()) return variable_list(6);  // y unused: no gradient flows
     auto saved = ctx->get_saved_variables();
     bool need_dx = ctx->needs_input_grad(0);
     bool need_dw = saved[1].defined() && ctx->needs_input_grad(1);  // edges: x, [weight]
@@ -262,7 +256,8 @@ struct RMSNormFunction : torch::autograd::Function<RMSNormFunction> {
     static auto bwd = op<RmsBwd>("kbuild::rmsnorm_bwd");
     auto [dx, dw] =
         bwd.call(grads[0], saved[0], maybe(saved[1]), saved[2], need_dx, need_dw, offset);
-    return {need_dx ? dx : Tensor(), need_dw ? dw : Tensor(), Tensor(), Tensor(), Tensor()};
+    return {need_dx ? dx : Tensor(), need_dw ? dw : Tensor(), Tensor(), Tensor(), Tensor(),
+            Tensor()};
   }
 };
 
@@ -273,14 +268,16 @@ std::tuple<Tensor, Tensor> rmsnorm_fwd_autograd(const Tensor& x, const optional<
     static auto fwd = op<RmsFwd>("kbuild::rmsnorm_fwd");
     return fwd.call(x, w, eps, store_rstd, offset);
   }
-  auto out = RMSNormFunction::apply(x, w, eps, store_rstd, offset);
-  return {out[0], take_stats(0)};
+  Stats stats;
+  auto out = RMSNormFunction::apply(x, w, eps, store_rstd, offset, &stats);
+  return {out[0], stats[0]};
 }
 
 struct FusedAddRMSNormFunction : torch::autograd::Function<FusedAddRMSNormFunction> {
   static variable_list forward(AutogradContext* ctx, const Tensor& x, const Tensor& residual,
                                const optional<Tensor>& w, double eps,
-                               at::ScalarType residual_dtype, bool store_rstd, double offset) {
+                               at::ScalarType residual_dtype, bool store_rstd, double offset,
+                               Stats* stats) {
     at::AutoDispatchBelowADInplaceOrView guard;
     static auto fwd = op<FusedFwd>("kbuild::fused_add_rmsnorm_fwd");
     auto [y, residual_out, rstd] =
@@ -291,10 +288,11 @@ struct FusedAddRMSNormFunction : torch::autograd::Function<FusedAddRMSNormFuncti
     ctx->saved_data["out_dtype"] = static_cast<int64_t>(y.scalar_type());
     // An fp32 residual stream: its gradient is written in fp32 (not rounded to x's dtype).
     ctx->saved_data["res32"] = residual.scalar_type() != x.scalar_type();
-    return with_stats({y, residual_out}, {rstd});
+    (*stats)[0] = rstd;
+    return {y, residual_out};
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    if (!grads[0].defined() && !grads[1].defined()) return variable_list(7);
+    if (!grads[0].defined() && !grads[1].defined()) return variable_list(8);
     auto saved = ctx->get_saved_variables();
     Tensor dy = grads[0];
     if (!dy.defined()) {
@@ -315,7 +313,7 @@ struct FusedAddRMSNormFunction : torch::autograd::Function<FusedAddRMSNormFuncti
     return {ctx->needs_input_grad(0) ? dsum : Tensor(),
             ctx->needs_input_grad(1) ? (res32 ? dres : dsum) : Tensor(),
             need_dw ? dw : Tensor(),
-            Tensor(), Tensor(), Tensor(), Tensor()};
+            Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
   }
 };
 
@@ -327,23 +325,26 @@ std::tuple<Tensor, Tensor, Tensor> fused_add_rmsnorm_fwd_autograd(
     static auto fwd = op<FusedFwd>("kbuild::fused_add_rmsnorm_fwd");
     return fwd.call(x, residual, w, eps, residual_dtype, store_rstd, offset);
   }
-  auto out =
-      FusedAddRMSNormFunction::apply(x, residual, w, eps, residual_dtype, store_rstd, offset);
-  return {out[0], out[1], take_stats(0)};
+  Stats stats;
+  auto out = FusedAddRMSNormFunction::apply(x, residual, w, eps, residual_dtype, store_rstd,
+                                            offset, &stats);
+  return {out[0], out[1], stats[0]};
 }
 
 struct LayerNormFunction : torch::autograd::Function<LayerNormFunction> {
   static variable_list forward(AutogradContext* ctx, const Tensor& x, const optional<Tensor>& w,
-                               const optional<Tensor>& b, double eps, bool store_stats) {
+                               const optional<Tensor>& b, double eps, bool store_stats,
+                               Stats* stats) {
     at::AutoDispatchBelowADInplaceOrView guard;
     static auto fwd = op<LnFwd>("kbuild::layernorm_fwd");
     auto [y, mean, rstd] = fwd.call(x, w, b, eps, store_stats);
     ctx->save_for_backward({x, w.value_or(Tensor()), b.value_or(Tensor()), mean, rstd});
     ctx->set_materialize_grads(false);  // as in RMSNormFunction
-    return with_stats({y}, {mean, rstd});
+    *stats = {mean, rstd};
+    return {y};
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    if (!grads[0].defined()) return variable_list(5);
+    if (!grads[0].defined()) return variable_list(6);
     auto s = ctx->get_saved_variables();
     bool need_dx = ctx->needs_input_grad(0);
     // Edges exist for given tensors only: x, [weight], [bias].
@@ -354,7 +355,7 @@ struct LayerNormFunction : torch::autograd::Function<LayerNormFunction> {
     auto [dx, dw, db] = bwd.call(grads[0], s[0], maybe(s[1]), maybe(s[2]), s[3], s[4], need_dx,
                                  need_dw, need_db);
     return {need_dx ? dx : Tensor(), need_dw ? dw : Tensor(), need_db ? db : Tensor(),
-            Tensor(), Tensor()};
+            Tensor(), Tensor(), Tensor()};
   }
 };
 
@@ -367,8 +368,9 @@ std::tuple<Tensor, Tensor, Tensor> layernorm_fwd_autograd(const Tensor& x,
     static auto fwd = op<LnFwd>("kbuild::layernorm_fwd");
     return fwd.call(x, w, b, eps, store_stats);
   }
-  auto out = LayerNormFunction::apply(x, w, b, eps, store_stats);
-  return {out[0], take_stats(0), take_stats(1)};
+  Stats stats;
+  auto out = LayerNormFunction::apply(x, w, b, eps, store_stats, &stats);
+  return {out[0], stats[0], stats[1]};
 }
 
 }  // namespace kbuild

@@ -5,8 +5,8 @@ CUDA tensors go to the kbuild::* operators: eagerly through the C++ extension's 
 themselves, so the graph has no breaks (plain RMSNorm excepted: under torch.compile it is its
 fp32 math in torch operations, which inductor fuses with the neighbouring ones). Where the
 extension is unavailable, eager calls take the Python launch path (autograd Functions, or the
-forward launch directly when no gradient is needed). All routes run the same kernels. Eager
-CPU tensors run the torch reference.
+forward launch directly when no gradient is needed). All of these routes run the same kernels.
+Eager CPU tensors run the torch reference.
 """
 
 from __future__ import annotations
@@ -49,7 +49,8 @@ def rmsnorm(
     projection) is read in place, without a copy, forward and backward. weight: (N,) of x's
     dtype or float32, or None. offset: added to the weight in fp32 inside the kernels, never
     to the stored weight (Gemma's RMSNorm: offset=1.0 with a weight stored around 0; dweight
-    is unchanged by it); None is 0. Returns x's shape and dtype (dense); statistics in fp32.
+    is unchanged by it); None is 0. Returns x's shape and dtype (dense from the kernels);
+    statistics in fp32.
     Differentiable in x and weight (saved for backward: x, weight and one fp32 rstd per row;
     nothing when no grad is needed).
     CUDA tensors run the kbuild kernels; CPU tensors run the plain torch reference (same

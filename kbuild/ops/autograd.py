@@ -2,8 +2,9 @@
 (used where the C++ extension is unavailable), and the backward functions that the kbuild::*
 operators' CPU kernels and Python CUDA kernels share (ops/custom_ops.py).
 
-Every route calls one backward function per norm (`_rmsnorm_backward`, ...), so eager and
-compiled training compute the same gradients with the same kernels. What is saved for
+Every route through the operators calls one backward function per norm (`_rmsnorm_backward`,
+...), so eager and compiled training compute the same gradients with the same kernels (plain
+RMSNorm under torch.compile excepted: api.py traces its torch math). What is saved for
 backward: the kernel's input (x, or residual_out for the fused form), the weight and the
 per-row fp32 rstd; nothing at all when no input needs a gradient.
 """

@@ -58,9 +58,10 @@ def _or_empty(t: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------------- CPU: reference
 
 
+# Outputs are dense, as the CUDA kernels' and the fakes' are (the reference keeps x's layout).
 def _rmsnorm_fwd_cpu(x, weight, eps, store_rstd, offset=0.0):
     y, rstd = rmsnorm_reference(x, weight, eps, offset)
-    return y, rstd.reshape(-1) if store_rstd else _empty(x)
+    return y.contiguous(), rstd.reshape(-1) if store_rstd else _empty(x)
 
 
 def _check_stream(x, residual, residual_dtype):
@@ -78,20 +79,21 @@ def _fused_add_rmsnorm_fwd_cpu(x, residual, weight, eps, residual_dtype, store_r
     _check_stream(x, residual, residual_dtype)
     added = (x.float() + residual.float()).to(residual_dtype)
     y, rstd = rmsnorm_reference(added, weight, eps, offset)
-    return y.to(x.dtype), added, rstd.reshape(-1) if store_rstd else _empty(x)
+    rstd = rstd.reshape(-1) if store_rstd else _empty(x)
+    return y.to(x.dtype).contiguous(), added.contiguous(), rstd
 
 
 def _layernorm_fwd_cpu(x, weight, bias, eps, store_stats):
     y, mean, rstd = layernorm_reference(x, weight, bias, eps)
     if not store_stats:
-        return y, _empty(x), _empty(x)
-    return y, mean.reshape(-1), rstd.reshape(-1)
+        return y.contiguous(), _empty(x), _empty(x)
+    return y.contiguous(), mean.reshape(-1), rstd.reshape(-1)
 
 
 # The backward ops: the shared backward functions (CPU reference or Python launches by device).
 def _rmsnorm_bwd(dy, x, weight, rstd, need_dx, need_dw, offset=0.0):
     dx, dw = _rmsnorm_backward((x, weight, rstd), (need_dx, need_dw), dy, offset)
-    return _or_empty(dx, x), _or_empty(dw, x)
+    return _or_empty(dx, x).contiguous(), _or_empty(dw, x)
 
 
 def _fused_add_rmsnorm_bwd(
@@ -99,12 +101,13 @@ def _fused_add_rmsnorm_bwd(
 ):
     saved, needs = (residual_out, weight, rstd), (True, residual_dtype is not None, need_dw)
     dsum, dres, dw = _fused_backward(saved, needs, dy, dresidual_out, offset, residual_dtype)
-    return dsum, (dres if residual_dtype is not None else dy.new_empty(0)), _or_empty(dw, dy)
+    dres = dres.contiguous() if residual_dtype is not None else dy.new_empty(0)
+    return dsum.contiguous(), dres, _or_empty(dw, dy)
 
 
 def _layernorm_bwd(dy, x, weight, bias, mean, rstd, need_dx, need_dw, need_db):
     grads = _layernorm_backward((x, weight, bias, mean, rstd), (need_dx, need_dw, need_db), dy)
-    return tuple(_or_empty(g, x) for g in grads)
+    return tuple(_or_empty(g, x).contiguous() for g in grads)
 
 
 for _name, _fn in (
@@ -156,12 +159,12 @@ def _(dy, dresidual_out, residual_out, weight, rstd, need_dw, offset=0.0, residu
 @torch.library.register_fake("kbuild::layernorm_fwd", lib=_lib)
 def _(x, weight, bias, eps, store_stats):
     rows = row_count(x) if store_stats else 0
-    return torch.empty_like(x), *(x.new_empty(rows, dtype=torch.float32) for _ in range(2))
+    return x.new_empty(x.shape), *(x.new_empty(rows, dtype=torch.float32) for _ in range(2))
 
 
 @torch.library.register_fake("kbuild::layernorm_bwd", lib=_lib)
 def _(dy, x, weight, bias, mean, rstd, need_dx, need_dw, need_db):
-    dx = torch.empty_like(x) if need_dx else x.new_empty(0)
+    dx = x.new_empty(x.shape) if need_dx else x.new_empty(0)
     dw = torch.empty_like(weight) if need_dw and weight is not None else x.new_empty(0)
     db = torch.empty_like(bias) if need_db and bias is not None else x.new_empty(0)
     return dx, dw, db

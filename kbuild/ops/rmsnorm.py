@@ -22,6 +22,7 @@ from .common import (
     data_ptrs,
     dtype_name,
     empty_row_stats,
+    readable_rows,
     row_count,
     row_layout,
     stream_of,
@@ -154,8 +155,11 @@ def _backward(
     dx = torch.empty_like(dy)
     dres_in = None if dres_dtype is None else torch.empty_like(dy, dtype=dres_dtype)
     device = dy.get_device()
+    # RMSNorm's x may be read in place at a two-level stride (the forward's input, as saved;
+    # a copy, as the forward made, of one whose rows are not: kbuild::rmsnorm_fwd by name).
+    if not fused:
+        x = readable_rows(x)
     ptrs = data_ptrs(x, weight, dy, rstd, dres, dx, dres_in)
-    # RMSNorm's x may be read in place at a two-level stride (the forward's input, as saved).
     layout = None if fused or x.is_contiguous() else row_layout(x)
     is_aligned = aligned(*ptrs, *(() if layout is None else (layout[1] * x.element_size(),)))
     if fused:
