@@ -21,8 +21,8 @@ import torch
 
 import kbuild as kbuild_ref
 from kbuild.kernels.table import group_magic, kernel_def
-from kbuild.ops.common import readable_rows
 from kbuild.ops import api, custom_ops, resolve
+from kbuild.ops.common import readable_rows
 
 from .launch_recorder import Tier, install, layernorm, rmsnorm
 from .launch_recorder import encoder as encoder_ops
