@@ -16,7 +16,7 @@ import torch
 
 import kbuild
 from kbuild.kernels.table import MAX_GROUPED_ROWS, group_magic
-from kbuild.ops.common import grouped_rows, readable_rows, row_layout
+from kbuild.ops.common import grouped_rows, readable_rows, rows_to_read
 
 from .reference import rmsnorm_grads
 
@@ -68,9 +68,9 @@ def test_formula_reads_the_views_rows(name):
     torch.testing.assert_close(_rows_by_formula(x, *layout), x.reshape(-1, x.shape[-1]))
     assert readable_rows(x) is x  # never copied
     if layout[0] == x.numel() // x.shape[-1]:
-        assert row_layout(x) is None  # dense rows: the plain kernels
+        assert rows_to_read(x)[1] is None  # dense rows: the plain kernels
     else:
-        assert row_layout(x) == (*layout, group_magic(layout[0]))
+        assert rows_to_read(x)[1] == (*layout, group_magic(layout[0]))
 
 
 def test_qkv_layout_is_heads_by_tokens():

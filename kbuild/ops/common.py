@@ -141,24 +141,26 @@ def grouped_rows(x: torch.Tensor) -> tuple[int, int] | None:
     return group, stride
 
 
+def rows_to_read(x: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, int] | None]:
+    """x as RMSNorm's kernels read it, and the strided kernels' (x_group, x_stride,
+    x_group_magic) launch arguments: x itself with None when its rows are dense, x itself with
+    the arguments when grouped_rows finds its layout, else a contiguous copy with None. The
+    twin of `readable_rows` in kbuild/native/launch.h."""
+    if x.is_contiguous():
+        return x, None
+    layout = grouped_rows(x)
+    if layout is None:
+        return x.contiguous(), None
+    group, stride = layout
+    if group == row_count(x):  # dense after all
+        return x, None
+    return x, (group, stride, group_magic(group))
+
+
 def readable_rows(x: torch.Tensor) -> torch.Tensor:
     """x itself when a strided-row kernel can read it in place (contiguous, or grouped_rows
     finds its layout), else a contiguous copy. What the RMSNorm forward saves for backward."""
-    if x.is_contiguous() or grouped_rows(x) is not None:
-        return x
-    return x.contiguous()
-
-
-def row_layout(x: torch.Tensor) -> tuple[int, int, int] | None:
-    """The (x_group, x_stride, x_group_magic) launch arguments of a readable_rows tensor;
-    None when its rows are dense (the kernels without the strided parameter)."""
-    if x.is_contiguous():
-        return None
-    layout = grouped_rows(x)
-    if layout is None:
-        raise ValueError(f"x's rows cannot be read in place (strides {x.stride()})")
-    group, stride = layout
-    return None if group == row_count(x) else (group, stride, group_magic(group))
+    return rows_to_read(x)[0]
 
 
 _NO_GUARD = contextlib.nullcontext()

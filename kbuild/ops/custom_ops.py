@@ -19,7 +19,7 @@ import torch
 
 from .. import native
 from .autograd import _fused_backward, _layernorm_backward, _rmsnorm_backward
-from .common import device_guard, readable_rows, row_count
+from .common import device_guard, row_count
 from .layernorm import layernorm_fwd, layernorm_reference
 from .rmsnorm import fused_add_rmsnorm_fwd, rmsnorm_fwd, rmsnorm_reference
 
@@ -191,7 +191,7 @@ else:  # the Python launch path, registered as the same operators
 
     def _rmsnorm_fwd_cuda(x, weight, eps, store_rstd, offset=0.0):
         with device_guard(x):
-            y, rstd = rmsnorm_fwd(readable_rows(x), weight, eps, store_rstd, offset)
+            y, rstd = rmsnorm_fwd(x, weight, eps, store_rstd, offset)
         return y, rstd if rstd is not None else _empty(x)
 
     def _fused_add_rmsnorm_fwd_cuda(

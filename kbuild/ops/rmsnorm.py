@@ -22,9 +22,8 @@ from .common import (
     data_ptrs,
     dtype_name,
     empty_row_stats,
-    readable_rows,
     row_count,
-    row_layout,
+    rows_to_read,
     stream_of,
 )
 from .launch import launch_persistent, launch_rows, launcher_for, rows_grid
@@ -51,7 +50,9 @@ def rmsnorm_fwd(
     """
     N = x.shape[-1]
     M = x.numel() // N if N else row_count(x)
-    y = torch.empty_like(x)
+    # A strided x's rows are read in place: (x_group, x_stride, x_group_magic) after M.
+    x, layout = (x, None) if x.is_contiguous() else rows_to_read(x)
+    y = torch.empty_like(x)  # dense: x is contiguous, or not dense at all
     rstd = torch.empty(M, dtype=torch.float32, device=x.device) if store_rstd else None
     if M == 0 or N == 0:
         return y, empty_row_stats(rstd)
@@ -64,13 +65,11 @@ def rmsnorm_fwd(
         ptrs, w_name, is_aligned = (xp, wp, yp), DTYPE_NAMES[weight.dtype], not (xp | yp | wp) & 15
     if rstd is not None:
         ptrs += (rstd.data_ptr(),)  # the table's order: x, [weight], y, [rstd]
-    layout = None if x.is_contiguous() else row_layout(x)
     if layout is None:
         values = (N, DTYPE_NAMES[x.dtype], w_name, store_rstd, eps, is_aligned, offset)
         launcher = launcher_for(RMSNORM_FWD, device, values)
         launcher(rows_grid(launcher, M), stream_of(device), *ptrs, M)
         return y, rstd
-    # x's rows read in place at a two-level stride: (x_group, x_stride, x_group_magic) after M.
     is_aligned = is_aligned and aligned(layout[1] * x.element_size())
     values = (N, DTYPE_NAMES[x.dtype], w_name, store_rstd, eps, is_aligned, offset, True)
     launcher = launcher_for(RMSNORM_FWD, device, values)
@@ -157,10 +156,8 @@ def _backward(
     device = dy.get_device()
     # RMSNorm's x may be read in place at a two-level stride (the forward's input, as saved;
     # a copy, as the forward made, of one whose rows are not: kbuild::rmsnorm_fwd by name).
-    if not fused:
-        x = readable_rows(x)
+    x, layout = (x, None) if fused else rows_to_read(x)
     ptrs = data_ptrs(x, weight, dy, rstd, dres, dx, dres_in)
-    layout = None if fused or x.is_contiguous() else row_layout(x)
     is_aligned = aligned(*ptrs, *(() if layout is None else (layout[1] * x.element_size(),)))
     if fused:
         kernel = FUSED_ADD_RMSNORM_BWD
