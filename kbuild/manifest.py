@@ -250,35 +250,56 @@ def _bench() -> Iterator[KernelSpec]:
 
 
 def _tune() -> Iterator[KernelSpec]:
-    """Launch-plan alternatives to the chooser's picks for bench/tune.py, for the longest
-    rows (the chooser's own picks come first, for comparison). A variant forces plan fields
-    by their builder keywords (kernels/plans.py: `override_keywords`); the fields it leaves
-    out are the chooser's. Here: w and b held in registers for the whole persistent loop
-    (`resident_params`) or read per row, and the resident blocks per SM (`blocks_per_sm`),
-    in LayerNorm (with and without a bias) and the RMSNorm and fused backward.
-    Earlier sweeps (the exchange x staging, rows per block of a cluster, clusters of 16,
-    reloading staged rows, staging depth, ...) and what they showed:
-    bench/results/README.md."""
-
-    held = dict(resident_params="registers")
-    staged = dict(persistent=True, stage=1)  # the chooser's pick, spelled out
+    """Launch-plan alternatives to the chooser's picks for bench/tune.py (the chooser's own
+    pick first, for comparison). A variant forces plan fields by their builder keywords
+    (kernels/plans.py: `override_keywords`); the fields it leaves out are the chooser's.
+    Here: the long-row backwards that training runs below 85% of copy (issue 14: RMSNorm at
+    N >= 16384, LayerNorm at N >= 8192), with the next row asked into L2 (`prefetch_l2`),
+    rows split over clusters of 2 or 4 blocks, and dw/db partials in shared memory so the
+    registers they free prefetch the next row. Earlier sweeps (the exchange x staging, rows
+    per block of a cluster, clusters of 16, reloading staged rows, staging depth, parameters
+    held in registers, ...) and what they showed: bench/results/README.md."""
 
     def variants(spec: KernelSpec, *options: dict) -> Iterator[KernelSpec]:
         for extra in ({}, *options):
             yield KernelSpec.make(spec.kernel, **spec.kwargs, **extra)
 
-    N = 65536
-    for bias in ("bf16", None):
-        yield from variants(
-            layernorm_fwd_spec(N, "bf16", "bf16", bias, True, 1e-5),
-            dict(resident_params=False, **staged),  # the pick before w and b were held
-            dict(**held, **staged, blocks_per_sm=4),  # the chooser holds them at 3
-        )
+    l2 = dict(prefetch_l2=True)
+    shared_ahead = dict(shared_partials=True, prefetch=True)
     yield from variants(
-        layernorm_bwd_spec(N, "bf16", "bf16", True, True), dict(resident_params=False)
+        rmsnorm_bwd_spec(8192, "bf16", "bf16", True), l2, dict(threads_per_row=1024)
     )
-    yield from variants(rmsnorm_bwd_spec(N, "bf16", "bf16", True), held)
-    yield from variants(fused_add_rmsnorm_bwd_spec(N, "bf16", "bf16", "bf16", True, True), held)
+    yield from variants(
+        rmsnorm_bwd_spec(16384, "bf16", "bf16", True),
+        l2,
+        shared_ahead,
+        dict(**shared_ahead, **l2),
+        dict(cluster=2),
+        dict(cluster=2, **l2),
+        dict(cluster=4),
+        dict(cluster=2, threads_per_row=1024),
+    )
+    yield from variants(rmsnorm_bwd_spec(65536, "bf16", "bf16", True), l2)
+    yield from variants(
+        layernorm_bwd_spec(8192, "bf16", "bf16", True, True),
+        l2,
+        dict(shared_partials=True),
+        shared_ahead,
+        dict(cluster=2),
+        dict(threads_per_row=1024),
+        dict(threads_per_row=1024, shared_partials=True),
+    )
+    yield from variants(
+        layernorm_bwd_spec(16384, "bf16", "bf16", True, True),
+        l2,
+        dict(cluster=4),
+        dict(cluster=2),
+        dict(cluster=1, shared_partials=True),
+        dict(cluster=1, **shared_ahead),
+        dict(cluster=2, threads_per_row=1024),
+        dict(cluster=2, threads_per_row=1024, stage=0, prefetch=True),
+    )
+    yield from variants(layernorm_bwd_spec(65536, "bf16", "bf16", True, True), l2)
 
 
 def _trace() -> Iterator[KernelSpec]:
