@@ -253,53 +253,39 @@ def _tune() -> Iterator[KernelSpec]:
     """Launch-plan alternatives to the chooser's picks for bench/tune.py (the chooser's own
     pick first, for comparison). A variant forces plan fields by their builder keywords
     (kernels/plans.py: `override_keywords`); the fields it leaves out are the chooser's.
-    Here: the long-row backwards that training runs below 85% of copy (issue 14: RMSNorm at
-    N >= 16384, LayerNorm at N >= 8192), with the next row asked into L2 (`prefetch_l2`),
-    rows split over clusters of 2 or 4 blocks, and dw/db partials in shared memory so the
-    registers they free prefetch the next row. Earlier sweeps (the exchange x staging, rows
-    per block of a cluster, clusters of 16, reloading staged rows, staging depth, parameters
-    held in registers, ...) and what they showed: bench/results/README.md."""
+    Here: the backwards that training ran below 85% of copy (issue 14). RMSNorm at N >= 8192
+    against the picks before the next row was asked into L2 (`prefetch_l2`) and, at 16384,
+    before its dw partials moved to shared memory to free registers for a prefetched row;
+    LayerNorm at 16384 against the 8 x 128-thread cluster it took before 2 x 512, and its
+    one-block rows (1024-8192) under register caps (`blocks_per_sm`) and other thread counts.
+    Earlier sweeps (the exchange x staging, rows per block of a cluster, clusters of 16,
+    reloading staged rows, staging depth, parameters held in registers, ...) and what they
+    showed: bench/results/README.md."""
 
     def variants(spec: KernelSpec, *options: dict) -> Iterator[KernelSpec]:
         for extra in ({}, *options):
             yield KernelSpec.make(spec.kernel, **spec.kwargs, **extra)
 
-    l2 = dict(prefetch_l2=True)
-    shared_ahead = dict(shared_partials=True, prefetch=True)
-    yield from variants(
-        rmsnorm_bwd_spec(8192, "bf16", "bf16", True), l2, dict(threads_per_row=1024)
-    )
+    no_l2 = dict(prefetch_l2=False)
+    for N in (8192, 65536):
+        yield from variants(rmsnorm_bwd_spec(N, "bf16", "bf16", True), no_l2)
     yield from variants(
         rmsnorm_bwd_spec(16384, "bf16", "bf16", True),
-        l2,
-        shared_ahead,
-        dict(**shared_ahead, **l2),
+        dict(shared_partials=False, prefetch=False, **no_l2),  # the pick before
+        dict(shared_partials=False, prefetch=False),
         dict(cluster=2),
-        dict(cluster=2, **l2),
         dict(cluster=4),
-        dict(cluster=2, threads_per_row=1024),
     )
-    yield from variants(rmsnorm_bwd_spec(65536, "bf16", "bf16", True), l2)
-    yield from variants(
-        layernorm_bwd_spec(8192, "bf16", "bf16", True, True),
-        l2,
-        dict(shared_partials=True),
-        shared_ahead,
-        dict(cluster=2),
-        dict(threads_per_row=1024),
-        dict(threads_per_row=1024, shared_partials=True),
-    )
-    yield from variants(
-        layernorm_bwd_spec(16384, "bf16", "bf16", True, True),
-        l2,
-        dict(cluster=4),
-        dict(cluster=2),
-        dict(cluster=1, shared_partials=True),
-        dict(cluster=1, **shared_ahead),
-        dict(cluster=2, threads_per_row=1024),
-        dict(cluster=2, threads_per_row=1024, stage=0, prefetch=True),
-    )
-    yield from variants(layernorm_bwd_spec(65536, "bf16", "bf16", True, True), l2)
+    layernorm = {
+        1024: (dict(blocks_per_sm=8), dict(threads_per_row=64)),
+        2048: (dict(threads_per_row=256), dict(threads_per_row=256, blocks_per_sm=4)),
+        4096: (dict(threads_per_row=512), dict(threads_per_row=512, blocks_per_sm=2)),
+        8192: (dict(threads_per_row=1024, blocks_per_sm=1),),
+        16384: (dict(cluster=8), dict(prefetch_l2=True)),
+        65536: (),
+    }
+    for N, options in layernorm.items():
+        yield from variants(layernorm_bwd_spec(N, "bf16", "bf16", True, True), *options)
 
 
 def _trace() -> Iterator[KernelSpec]:

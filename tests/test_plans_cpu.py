@@ -118,11 +118,11 @@ rmsnorm_fwd      128  bf16  sm_90   4t 4x8 r32 min8
 rmsnorm_bwd     1000  bf16  sm_90   32t 4x8 r4 prefetch
 rmsnorm_bwd     1000  f32   sm_90   64t 4x4 r2 prefetch
 rmsnorm_bwd     4096  bf16  sm_90   512t 1x8 prefetch min2
-rmsnorm_bwd     4096  f32   sm_90   512t 2x4 min2
-rmsnorm_bwd    16384  bf16  sm_90   1024t 2x8 min1
+rmsnorm_bwd     4096  f32   sm_90   512t 2x4 prefetch_l2 min2
+rmsnorm_bwd    16384  bf16  sm_90   1024t 2x8 prefetch prefetch_l2 shared min1
 rmsnorm_bwd    16384  f32   sm_90   512t 1x4 c8 prefetch shared min2 mbarrier
-rmsnorm_bwd    65536  bf16  sm_90   512t 2x8 c8 shared held min2 mbarrier
-rmsnorm_bwd    65536  f32   sm_90   1024t 2x4 c8 shared min1 mbarrier
+rmsnorm_bwd    65536  bf16  sm_90   512t 2x8 c8 prefetch_l2 shared held min2 mbarrier
+rmsnorm_bwd    65536  f32   sm_90   1024t 2x4 c8 prefetch_l2 shared min1 mbarrier
 fused_bwd          1  bf16  sm_90   1t 1x1 r128 prefetch shared min8
 fused_bwd       1000  bf16  sm_90   32t 4x8 r4 prefetch shared
 fused_bwd       1000  f32   sm_90   64t 4x4 r2 prefetch shared
@@ -137,8 +137,8 @@ layernorm_bwd   1000  bf16  sm_90   32t 4x8 r4 prefetch
 layernorm_bwd   1000  f32   sm_90   64t 4x4 r2 prefetch
 layernorm_bwd   4096  bf16  sm_90   256t 2x8 prefetch
 layernorm_bwd   4096  f32   sm_90   512t 2x4 prefetch
-layernorm_bwd  16384  bf16  sm_90   128t 2x8 c8 shared held min8 mbarrier
-layernorm_bwd  16384  f32   sm_90   256t 2x4 c8 shared min4 mbarrier
+layernorm_bwd  16384  bf16  sm_90   512t 2x8 c2 stage1 shared held min2 mbarrier
+layernorm_bwd  16384  f32   sm_90   512t 2x4 c4 stage1 shared min2 mbarrier
 layernorm_bwd  65536  bf16  sm_90   512t 2x8 c8 stage1 shared held min2 mbarrier
 layernorm_bwd  65536  f32   sm_90   1024t 2x4 c8 stage1 shared min1 mbarrier
 rmsnorm_fwd        1  bf16  sm_80   1t 1x1 r128 min8
@@ -159,7 +159,7 @@ layernorm_fwd  65536  bf16  sm_80   512t 4x8 chunked
 rmsnorm_bwd        1  bf16  sm_80   1t 1x1 r128 prefetch min8
 rmsnorm_bwd     1000  bf16  sm_80   32t 4x8 r4 prefetch
 rmsnorm_bwd     4096  bf16  sm_80   512t 1x8 prefetch min2
-rmsnorm_bwd    16384  bf16  sm_80   1024t 2x8 min1
+rmsnorm_bwd    16384  bf16  sm_80   1024t 2x8 prefetch shared min1
 rmsnorm_bwd    65536  bf16  sm_80   512t 4x8 chunked
 fused_bwd          1  bf16  sm_80   1t 1x1 r128 prefetch shared min8
 fused_bwd       1000  bf16  sm_80   32t 4x8 r4 prefetch shared
@@ -248,7 +248,7 @@ PARAMETERS = [
         {"weight_dtype": None, "compute_dw": False},
         "512t 2x8 c8 stage1 shared min2 mbarrier",
     ),
-    ("fused_bwd", {"has_dres": False}, "512t 2x8 c8 shared held min2 mbarrier"),
+    ("fused_bwd", {"has_dres": False}, "512t 2x8 c8 prefetch_l2 shared held min2 mbarrier"),
     ("fused_bwd", {"x_dtype": "f32"}, "1024t 2x4 c8 shared min1 mbarrier"),
 ]
 
@@ -301,7 +301,7 @@ layernorm_bwd 4096 sm_90 stage=1 | 256t 2x8 stage1
 layernorm_bwd 4096 sm_90 blocks_per_sm=4 | 256t 2x8 min4
 layernorm_bwd 65536 sm_90 shared_partials=False | 512t 2x8 c8 stage1 held mbarrier
 layernorm_bwd 65536 sm_90 resident_params=False | 512t 2x8 c8 stage1 shared min2 mbarrier
-layernorm_bwd 16384 sm_90 prefetch_l2=True | 128t 2x8 c8 prefetch_l2 shared held min8 mbarrier
+fused_bwd 16384 sm_90 prefetch_l2=True | 1024t 2x8 stage1 prefetch_l2 shared min1
 fused_bwd 65536 sm_90 stage=0 | 512t 2x8 c8 shared min2 mbarrier
 fused_bwd 65536 sm_90 cluster_sync='mbarrier' | 512t 2x8 c8 stage1 shared min2 mbarrier
 """

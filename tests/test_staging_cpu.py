@@ -103,12 +103,14 @@ def test_parameters_held_in_registers_are_read_once_and_widened_in_the_loop(
 @pytest.mark.parametrize(
     "kernel, params, held, min_blocks",
     [
-        # Rows split over a cluster: 16-bit parameters held, with room for 3 blocks per SM.
+        # Rows split over a cluster (N = 65536 unless given): 16-bit parameters held, with
+        # room for 3 blocks per SM in the forward, 2 in the backward.
         ("layernorm_fwd", {}, True, 3),
         ("layernorm_fwd", dict(bias_dtype=None), True, 3),
         ("layernorm_fwd", dict(weight_dtype="f32", bias_dtype="f32"), False, 4),
         ("layernorm_fwd", dict(weight_dtype=None, bias_dtype=None), False, 4),
         ("layernorm_bwd", {}, True, 2),
+        ("layernorm_bwd", dict(N=16384), True, 2),
         ("layernorm_bwd", dict(weight_dtype="f32"), False, 2),
         # f16 rows are widened as fp32 copies and already fill the register cap.
         ("layernorm_bwd", dict(dtype="f16", weight_dtype="f16"), False, 2),
@@ -117,20 +119,18 @@ def test_parameters_held_in_registers_are_read_once_and_widened_in_the_loop(
 def test_the_chooser_holds_16_bit_parameters_of_cluster_rows_in_registers(
     kernel, params, held, min_blocks
 ):
-    ptx, _ = _ptx_and_meta(_spec(kernel, 65536, **params))
+    params = {"N": 65536, **params}
+    ptx, _ = _ptx_and_meta(_spec(kernel, **params))
     before = ptx[: ptx.index("cp.async.wait_group")]
     assert bool(re.search(r"ld\.global\.v4\.b32", before)) == held
     assert re.search(rf"\.minnctapersm\s+{min_blocks}\b", ptx)
 
 
 def test_shorter_rows_keep_reading_their_parameters():
-    # 16384: one block per row; 131072: 512-thread blocks, which held parameters would leave
-    # at one block per SM.
-    for kernel, N in (
-        ("layernorm_fwd", 16384),
-        ("layernorm_bwd", 16384),
-        ("layernorm_fwd", 131072),
-    ):
+    # The forward at 16384: one block per row; 131072: 512-thread blocks, which held
+    # parameters would leave at one block per SM. (The backward at 16384 splits its rows over
+    # two 512-thread blocks and holds w, as at 65536.)
+    for kernel, N in (("layernorm_fwd", 16384), ("layernorm_fwd", 131072)):
         ptx, _ = _ptx_and_meta(_spec(kernel, N))
         assert "cp.async.wait_group" not in ptx or not re.search(
             r"ld\.global\.v4\.b32", ptx[: ptx.index("cp.async.wait_group")]
@@ -236,7 +236,8 @@ def test_staged_kernels_assemble_without_spills():
         (_spec("layernorm_fwd", 8192), "sm_90", False),  # short rows: one block per row
         (_spec("layernorm_fwd", 16384), "gfx942", False),  # no asynchronous copies
         (_spec("layernorm_bwd", 65536), "sm_90", True),  # 512-thread blocks of a cluster
-        (_spec("layernorm_bwd", 16384), "sm_90", False),  # 128-thread blocks: measured worse
+        (_spec("layernorm_bwd", 16384), "sm_90", True),  # 2 x 512 threads (8 x 128: worse)
+        (_spec("layernorm_bwd", 16384, cluster=8), "sm_90", False),  # 128-thread blocks
         (_spec("layernorm_bwd", 65536), "sm_80", False),  # no clusters: chunked rows
     ],
 )

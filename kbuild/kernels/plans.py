@@ -228,11 +228,29 @@ def plan_backward(
         return _row(p.N, io, target, vectorize, budget, threads_per_row, blocks)
 
     row = shape(float(n_partials), cluster)  # partials in registers
+    if cluster is None and p.center and row.cluster > 1:
+        # LayerNorm rows split over a cluster: the fewest blocks whose 512-thread (or smaller)
+        # slices fit registers, so their rows can be staged (below). H200, bf16, N = 16384,
+        # kernel alone (h200_tune_long_backward.json): 2 x 512 threads, staged, 85.5% of copy;
+        # 4 x 256, 76.9%; 8 x 128, 81.5%. At N = 65536 that is the 8 x 512 already chosen.
+        c = 2
+        while c < row.cluster and (shape(0.0, c).chunked or shape(0.0, c).block > 512):
+            c *= 2
+        row = shape(float(n_partials), c)
     # Measured on an H200 (bench/results/h200_tune_shared_partials.json): shared partials win
     # for the fused backward (97-103% of copy against 91-100%) and for every row split over a
     # cluster (LayerNorm N = 65536: 65% against 50%); a LayerNorm row that fits one block runs
     # best with register partials and prefetch, uncapped (88%).
-    wanted = p.has_dres or row.cluster > 1 if shared_partials is None else shared_partials
+    # Plain RMSNorm rows of one 1024-thread block at two vectors a thread (bf16 N = 16384): dw
+    # partials in shared memory free the registers to prefetch the next row (85% -> 91%,
+    # with prefetch_l2 95%: h200_tune_long_backward.json). Measured on NVIDIA only.
+    ahead = plain_rms and target.vendor == "nvidia" and row.cluster == 1 and row.block >= 1024
+    ahead = ahead and row.iters <= 2
+    ahead = ahead and not row.chunked and n_partials > 0
+    if shared_partials is None:
+        wanted = p.has_dres or row.cluster > 1 or ahead
+    else:
+        wanted = shared_partials
     if wanted and not n_partials:
         if shared_partials:
             raise ValueError("shared_partials needs dw or db partials (this kernel has none)")
@@ -272,7 +290,7 @@ def plan_backward(
     if prefetch is None:
         # The prefetched row doubles the raw row's registers: under the 64-register cap that
         # spills from two vectors per thread on (measured on an H200: 61-64% against 91-95%).
-        fits = blocks_per_sm is None or row.iters == 1
+        fits = blocks_per_sm is None or row.iters == 1 or (ahead and shared_partials)
         prefetch = fits and not stage and not row.chunked
     elif prefetch and (stage or row.chunked):
         raise ValueError(
@@ -281,9 +299,13 @@ def plan_backward(
         )
     prefetch = bool(prefetch)
     if prefetch_l2 is None:
-        # Slower in each backward measured but RMSNorm N = 16384 (85% -> 93% of copy, one
-        # pass, not repeated): h200_tune_l2_persistent.json, h200_tune_cluster_sizes.json.
-        prefetch_l2 = False
+        # The plain RMSNorm backward's rows of two or more vectors a thread: the next row asked
+        # into L2 (H200, bf16, kernel alone, h200_tune_long_backward.json: N = 8192 95% ->
+        # 97% of copy, 16384 85% -> 93%, 65536 85% -> 88%). LayerNorm loses 1-4% with it
+        # (8192-65536), as did the fused backward in earlier sweeps (h200_tune_l2_persistent
+        # .json, h200_tune_cluster_sizes.json).
+        wide = plain_rms and row.iters >= 2 and row.exact and (ahead or not prefetch)
+        prefetch_l2 = wide and target.l2_prefetch and _vectors_of_16(row, arrays)
     elif prefetch_l2 and not (target.l2_prefetch and _vectors_of_16(row, arrays)):
         raise ValueError(f"prefetch_l2 needs 16-byte vectors on Hopper or later, not {target}")
     prefetch_l2 = bool(prefetch_l2)
