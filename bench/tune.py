@@ -59,7 +59,7 @@ def _arguments(
     if launcher.meta.get("grid") == "persistent":
         grid, partial_rows = persistent_grid(launcher, M)
         clusters = max(1, int(grid // launcher.cluster * fraction))
-        grid, partial_rows = clusters * launcher.cluster, clusters * launcher.rows_per_block
+        grid, partial_rows = clusters * launcher.cluster, clusters
     else:
         grid, partial_rows = rows_grid(launcher, M), 0
     keep = {}

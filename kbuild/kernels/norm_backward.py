@@ -14,10 +14,11 @@ Bytes that must move: read x and dy, write dx (3 * M * N elements; + d_residual_
 
 Persistent grid: block b walks row groups b, b + grid, ... and keeps its dw/db partials in
 fp32, in registers or in its shared memory (a thread sees the same columns in every row),
-then writes one fp32 row per partial to a [grid * rows_per_block, N] workspace that
-reduce.py sums in a fixed order: dw and db are bitwise reproducible, no atomics. (With a
-cluster, read "cluster" for "block": clusters walk the row groups and each writes one
-workspace row, its blocks their slices of it.) The next
+then writes one fp32 row per partial to a [grid, N] workspace (a block of several short
+rows adds them first, RowTile.store_block_partials) that reduce.py sums in a fixed order: dw
+and db are bitwise reproducible, no atomics. (With a cluster, read "cluster" for "block":
+clusters walk the row groups and each writes one workspace row, its blocks their slices of
+it.) The next
 row's loads are issued before the current row's sum where registers allow (prefetch).
 
 Rows too long for one block are split over a cluster of blocks where the target has them:
@@ -87,7 +88,7 @@ def build_norm_backward(
         walk = RowGroups(k, cfg, rows)
         first_group, stride = walk.first, walk.stride
         home = RowTile(k, cfg, rows, row_group=first_group)  # this thread's columns
-        slot = first_group * cfg.rows_per_block + home.row_in_block  # its workspace row
+        slot = first_group  # its workspace row: one per cluster (block), its rows summed
         zero_vec = const(0.0, vector_type("f32", cfg.vec) if cfg.vec > 1 else "f32")
         inv_n = 1.0 / p.N
         # Arrays whose next rows are asked into L2 a step ahead (`prefetch_l2`); a strided
@@ -262,12 +263,11 @@ def build_norm_backward(
                 acc = row_loop(init + fetch(first_group), body)[: len(init)]
             else:
                 acc = row_loop(init, lambda g, phase, a: process(g, phase, a, fetch(g)))
-            for j, ptr in enumerate(partials):
-                if shared_partials:
-                    values = [get(j, i) for i in range(n)]
-                else:
-                    values = acc[j * n : (j + 1) * n]
-                home.store_row(ptr, slot, values, "f32")
+            if shared_partials:
+                per_partial = [[get(j, i) for i in range(n)] for j in range(n_partials)]
+            else:
+                per_partial = [acc[j * n : (j + 1) * n] for j in range(n_partials)]
+            home.store_block_partials(partials, slot, per_partial)
         else:
             chunks = const(-(-cfg.slice // cfg.span), "i64")  # over this block's slice
             one, zero = const(1, "i64"), const(0, "i64")

@@ -6,7 +6,7 @@ bias gradient (both passes: dout's row chunks into partial rows, then those rows
 
 The backward kernels run a persistent grid whose blocks each write one fp32 row of partial
 sums; this kernel adds those rows. Every thread sums a fixed subset of rows in ascending order
-and the subsets are combined in lane order, so the result is bitwise identical from run to
+and the subsets are combined in a fixed tree, so the result is bitwise identical from run to
 run (no atomics). Bytes: read R * N * 4 (mostly from L2), write N elements.
 """
 
@@ -33,15 +33,18 @@ from ..targets import Target
 
 BLOCK = 256
 UNROLL = 4  # independent loads in flight per thread
-LONG_ROWS = 8192  # from here on the backward's grid leaves few partial rows (R <= 264)
+THREADS = 1 << 17  # threads of a column sum over all columns (~1000 per SM on an H200)
 
 
 def row_lanes(N: int) -> int:
-    """Threads that split the rows of one column vector. Short rows leave ~1000 partial rows
-    over few columns: 32 lanes. Long rows leave few (30 at N = 65536 on an H200) over many
-    columns: 8 lanes, so a block covers 4x the columns and its final combine reads 8 slots,
-    not 32 (the 32-lane form took ~7 us at N = 65536, 6% of LayerNorm's backward)."""
-    return 32 if N < LONG_ROWS else 8
+    """Threads that split the rows of one column vector: as many as keep ~THREADS threads
+    over the N / 4 column vectors, from 8 up to a whole block. A backward leaves one partial
+    row per resident block: ~1000-1300 rows at short N (one or a few column vectors per
+    block of 256 lanes), 132-264 at N = 8192-16384 (32-64 lanes), 30 at 65536 (8 lanes).
+    Fewer lanes had few blocks walk long columns: 32 lanes at N = 64 (16 column vectors,
+    2 blocks, 528 rows a thread) took 36 us on an H200, a third of the RMSNorm backward."""
+    lanes = THREADS // max(1, N // 4)
+    return max(8, min(BLOCK, 1 << (lanes.bit_length() - 1) if lanes else 1))
 
 
 def _sum_columns(
@@ -59,9 +62,9 @@ def _sum_columns(
     """The one column reduction: thread (column vector c, lane l) of a block adds rows
     row_begin + l, + lanes, ... < row_end of the `vec` columns at vector first_vector + c of
     a row-major [*, N] `dtype` array, in ascending row order (UNROLL loads in flight, fp32
-    sums); then lane 0 of each column vector in range adds the lanes' sums in lane order and
-    calls finish(the fp32 sums, the first column) to store them. So every bit of the result
-    depends only on the launch shape, never on timing."""
+    sums); then the lanes' sums are added in a fixed tree through shared memory and lane 0 of
+    each column vector in range calls finish(the fp32 sums, the first column) to store them.
+    So every bit of the result depends only on the launch shape, never on timing."""
     column_vectors = k.block // lanes
     tid = k.thread_id()
     column_vector, lane = tid % column_vectors, tid / column_vectors
@@ -87,17 +90,23 @@ def _sum_columns(
 
     (acc,) = loop(row_begin + lane, row_end, const(lanes * UNROLL, "i64"), [zero], step)
     slots = k.shared(k.block * vec)
-    store(acc, get_llvm_ptr(slots, tid * vec, "f32"))
+
+    def slot(thread: V) -> V:
+        return get_llvm_ptr(slots, thread * vec, "f32")
+
+    store(acc, slot(tid))
     k.barrier()
+    half = lanes // 2
+    while half:  # a fixed tree over the lanes: lane l adds lane l + half's sum
 
-    def combine() -> None:
-        total = load(get_llvm_ptr(slots, column_vector * vec, "f32"), "f32", vec)
-        for other in range(1, lanes):
-            offset = (column_vector + other * column_vectors) * vec
-            total = total + load(get_llvm_ptr(slots, offset, "f32"), "f32", vec)
-        finish(total, col)
+        def fold(half: int = half) -> None:
+            other = load(slot(tid + half * column_vectors), "f32", vec)
+            store(load(slot(tid), "f32", vec) + other, slot(tid))
 
-    if_then((lane < 1) & in_range, combine)
+        if_then(lane < half, fold)
+        k.barrier()
+        half //= 2
+    if_then((lane < 1) & in_range, lambda: finish(load(slot(tid), "f32", vec), col))
 
 
 def build_column_sum_module(N: int, out_dtype: str, target: Target, planes: int = 1) -> Kernel:

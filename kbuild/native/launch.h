@@ -391,7 +391,7 @@ std::vector<Tensor> launch_persistent(const Key& key, const Tensor& like, int64_
   }
   const Record& k = record(key);
   int64_t clusters = std::min(ceil_div(M, k.rows_per_block), k.resident_clusters);
-  int64_t rows = clusters * k.rows_per_block;
+  int64_t rows = clusters;  // one workspace row per cluster (a block's rows are added first)
   auto workspace = at::empty({static_cast<int64_t>(wanted.size()), rows, N},
                              like.options().dtype(at::kFloat));
   uint64_t base = wanted.empty() ? 0 : ptr(workspace);

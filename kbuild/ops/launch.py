@@ -38,10 +38,11 @@ def rows_grid(launcher, M: int) -> int:
 
 def persistent_grid(launcher, M: int) -> tuple[int, int]:
     """(blocks, workspace rows) of a persistent kernel over M rows: as many clusters as the
-    device holds at once (never more than there are row groups), one partial row each per
-    row of a block. Fixed per device and kernel, so the reduction order is too."""
+    device holds at once (never more than there are row groups), one partial row each (a
+    block of several rows adds them first). Fixed per device and kernel, so the reduction
+    order is too."""
     clusters = min(-(-M // launcher.rows_per_block), launcher.resident_clusters)
-    return clusters * launcher.cluster, clusters * launcher.rows_per_block
+    return clusters * launcher.cluster, clusters
 
 
 def launch_rows(
@@ -80,7 +81,7 @@ def launch_persistent(
     """Run a backward kernel on a persistent grid; return the gradient of each of `params`
     (None where a param is None, i.e. not wanted).
 
-    The kernel takes `ptrs`, then one fp32 (clusters * rows_per_block, N) workspace per
+    The kernel takes `ptrs`, then one fp32 (clusters, N) workspace per
     wanted param, then M, then `layout` when given (a strided x's row arguments). The
     grid is what the device holds at once (fixed per device and kernel), so the summation
     order, and with it every bit of the result, is the same on every run.
