@@ -1,6 +1,7 @@
 """Launch-shape sweep: time each kernel variant of the `tune` manifest (launch-plan fields
 forced: threads per row, blocks per row in a cluster, prefetch, a persistent grid, ...), the
-kernel alone, back to back. Shapes as the benchmarks (bf16, M*N = 64 Mi).
+kernel alone (a backward with the column sum of its dw/db partials, as the op runs it), back
+to back. Shapes as the benchmarks (bf16, M*N = 64 Mi).
 
     kbuild warmup --manifest tune ...   then   python bench/tune.py [out.json]
 """
@@ -21,7 +22,7 @@ from kbuild.jit import artifact_for, device_target  # noqa: E402
 from kbuild.kernels.plans import BackwardPlan, ForwardPlan, override_keywords  # noqa: E402
 from kbuild.manifest import BENCH_ELEMENTS, manifest  # noqa: E402
 from kbuild.ops.common import stream_of  # noqa: E402
-from kbuild.ops.launch import persistent_grid, rows_grid  # noqa: E402
+from kbuild.ops.launch import column_sum, persistent_grid, rows_grid  # noqa: E402
 from kbuild.runtime.cuda import Launcher  # noqa: E402
 from kbuild.timing import gbps, median_ms  # noqa: E402
 from kbuild.trace_layout import TRACE_ITERATIONS, TRACE_WORDS  # noqa: E402
@@ -71,8 +72,11 @@ def _arguments(
             t = torch.rand(M, device="cuda") + 0.5
         elif name == "trace":  # a diagnostic build's timestamps (dsl.trace)
             t = torch.zeros(grid, TRACE_ITERATIONS, TRACE_WORDS, device="cuda", dtype=torch.int64)
-        elif name.endswith("_partial"):
-            t = torch.empty(partial_rows, N, device="cuda")
+        elif name.endswith("_partial"):  # a plane of the op's one workspace
+            if "workspace" not in keep:
+                planes = sum(n.endswith("_partial") for n in launcher.names)
+                keep["workspace"] = torch.empty(planes, partial_rows, N, device="cuda")
+            t = keep["workspace"][sum(n.endswith("_partial") for n in keep)]
         else:
             t = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
         keep[name] = t
@@ -82,11 +86,16 @@ def _arguments(
     return grid, args, keep
 
 
+def _with_column_sum(kernel, workspace: torch.Tensor) -> None:
+    kernel()
+    column_sum(workspace, torch.bfloat16, 0, stream_of(0))
+
+
 def _error(spec, t: dict[str, torch.Tensor]) -> float | None:
     """Largest error of the variant's output (y, or dx) against an fp32 torch reference of
     the same inputs, relative to the output's largest magnitude: a variant that is fast but
     wrong shows here (bf16 rounding alone is about 4e-3)."""
-    f = {name: v.float() for name, v in t.items() if not name.endswith("_partial")}
+    f = {n: v.float() for n, v in t.items() if not n.endswith("_partial") and n != "workspace"}
     x, w = f["x"], f.get("weight")
     if spec.kernel == "fused_add_rmsnorm_fwd":
         return None  # its reference needs the residual sum first; the GPU tests check it
@@ -129,6 +138,8 @@ def main() -> None:
         for fraction, m in shapes:
             grid, args, tensors = _arguments(launcher, m, N, fraction)
             fn = functools.partial(launcher, grid, stream_of(0), *args)
+            if "workspace" in tensors:  # a backward: its column sum too, as the op runs it
+                fn = functools.partial(_with_column_sum, fn, tensors["workspace"])
             moved = _MOVED[spec.kernel] * m * N * 2
             variants.append((spec, launcher, fn, moved, tensors, fraction, grid, m))
     # Rounds over all variants, so a drift in the GPU's state hits each variant alike; the

@@ -17,13 +17,14 @@ shape or target cannot honour raises ValueError naming it, none is dropped.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 
 from ..dtypes import ELEMENT_BYTES
 from ..targets import Target
 from .config import (
     BACKWARD_ELEMS,
     BACKWARD_SHAPES,
+    MAX_THREADS,
     RMS_BACKWARD_SHAPES,
     RowBudget,
     RowConfig,
@@ -96,7 +97,7 @@ class ForwardPlan:
 
 @dataclass(frozen=True)
 class BackwardPlan:
-    row: RowConfig = _field("threads_per_row", "cluster")
+    row: RowConfig = _field("threads_per_row", "cluster", "rows_per_block")
     prefetch: bool = _field("prefetch")  # the next row's loads issued before this row's sum
     prefetch_l2: bool = _field("prefetch_l2")  # one thread asks the next row into L2
     shared_partials: bool = _field("shared_partials")  # dw/db partials in shared memory
@@ -211,6 +212,7 @@ def plan_backward(
     resident_params: str | bool | None = None,
     blocks_per_sm: int | None = None,
     cluster_sync: str | None = None,
+    rows_per_block: int | None = None,
 ) -> BackwardPlan:
     """The backward's launch plan (None: the chooser's pick). Its grid is persistent."""
     io = wider(p.dtype, p.x_dtype)
@@ -267,6 +269,8 @@ def plan_backward(
             )
         row = alone if wanted else row
     shared_partials = bool(wanted)
+    if rows_per_block is not None:
+        row = _rows_per_block(row, rows_per_block)
     arrays = [p.x_dtype, p.dtype]  # staged: x and dy
     stage = _check_stage(stage, target, row, arrays)
     # Exact register-resident rows: ask for >= 1024 resident threads per SM (64 registers
@@ -430,6 +434,24 @@ def _blocks_per_sm(
     if target.occupancy_attribute(given) is None:
         raise ValueError(f"blocks_per_sm needs a target with an occupancy hint, not {target}")
     return given
+
+
+def _rows_per_block(row: RowConfig, rows: int) -> RowConfig:
+    """`row` with `rows` rows per block (a tuning override of the backward): rows held whole
+    by one block each, at most MAX_THREADS threads per block."""
+    if not isinstance(rows, int) or rows < 1:
+        raise ValueError(f"rows_per_block must be a positive number of rows, not {rows!r}")
+    if row.cluster > 1 or row.chunked:
+        raise ValueError(
+            "rows_per_block needs rows held by one block in registers (these take a cluster "
+            f"of {row.cluster}, chunked: {row.chunked})"
+        )
+    if row.threads_per_row * rows > MAX_THREADS:
+        raise ValueError(
+            f"rows_per_block={rows} at {row.threads_per_row} threads a row exceeds "
+            f"{MAX_THREADS} threads per block"
+        )
+    return replace(row, rows_per_block=rows)
 
 
 def _vectors_of_16(row: RowConfig, dtypes: list[str]) -> bool:
