@@ -304,6 +304,9 @@ layernorm_bwd 65536 sm_90 resident_params=False | 512t 2x8 c8 stage1 shared min2
 fused_bwd 16384 sm_90 prefetch_l2=True | 1024t 2x8 stage1 prefetch_l2 shared min1
 fused_bwd 65536 sm_90 stage=0 | 512t 2x8 c8 shared min2 mbarrier
 fused_bwd 65536 sm_90 cluster_sync='mbarrier' | 512t 2x8 c8 stage1 shared min2 mbarrier
+# Several rows per block: the register cap follows the bigger block.
+rmsnorm_bwd 1024 sm_90 rows_per_block=4 | 128t 1x8 r4 prefetch min2
+layernorm_bwd 2048 sm_90 rows_per_block=4 | 128t 2x8 r4 prefetch
 """
 
 
@@ -339,6 +342,10 @@ layernorm_bwd 4096 sm_90 cluster_sync='barrier' | cluster_sync='barrier' needs r
 layernorm_bwd 65536 sm_80 cluster_sync='mbarrier' | cluster_sync='mbarrier' needs rows split over
 layernorm_fwd 4096 sm_90 cluster=8 cluster_sync='mbarrier' | needs rows of more than 32 threads
 rmsnorm_fwd 4096 sm_90 threads_per_row=48 | threads_per_row must be a multiple of 32
+layernorm_bwd 65536 sm_90 rows_per_block=2 | rows_per_block needs rows held by one block in
+layernorm_bwd 65536 sm_80 rows_per_block=2 | (these take a cluster of 1, chunked: True)
+layernorm_bwd 1024 sm_90 rows_per_block=16 | rows_per_block=16 at 128 threads a row exceeds 1024
+layernorm_bwd 1024 sm_90 rows_per_block=0 | rows_per_block must be a positive number of rows, not 0
 """
 
 
@@ -390,7 +397,6 @@ def test_overrides_the_parameters_cannot_honour_raise(kernel, changes, overrides
         ("layernorm_fwd", "prefetch_l2"),  # h200_tune_reload.json, h200_tune_final.json
         ("layernorm_fwd", "reload"),  # h200_tune_reload.json, h200_tune_resident.json
         ("layernorm_bwd", "reload"),
-        ("layernorm_bwd", "rows_per_block"),  # h200_tune_rows_per_block.json
     ],
 )
 def test_removed_options_are_no_keywords(kernel, removed):

@@ -205,6 +205,7 @@ def plan_backward(
     *,
     threads_per_row: int | None = None,
     cluster: int | None = None,
+    rows_per_block: int | None = None,
     prefetch: bool | None = None,
     prefetch_l2: bool | None = None,
     shared_partials: bool | None = None,
@@ -212,7 +213,6 @@ def plan_backward(
     resident_params: str | bool | None = None,
     blocks_per_sm: int | None = None,
     cluster_sync: str | None = None,
-    rows_per_block: int | None = None,
 ) -> BackwardPlan:
     """The backward's launch plan (None: the chooser's pick). Its grid is persistent."""
     io = wider(p.dtype, p.x_dtype)
