@@ -137,6 +137,7 @@ layernorm_bwd   1000  bf16  sm_90   32t 4x8 r4 prefetch
 layernorm_bwd   1000  f32   sm_90   64t 4x4 r2 prefetch
 layernorm_bwd   4096  bf16  sm_90   256t 2x8 prefetch
 layernorm_bwd   4096  f32   sm_90   512t 2x4 prefetch
+layernorm_bwd   2048  bf16  sm_90   128t 2x8 r4 prefetch
 layernorm_bwd  16384  bf16  sm_90   512t 2x8 c2 stage1 shared held min2 mbarrier
 layernorm_bwd  16384  f32   sm_90   512t 2x4 c4 stage1 shared min2 mbarrier
 layernorm_bwd  65536  bf16  sm_90   512t 2x8 c8 stage1 shared held min2 mbarrier
@@ -198,6 +199,7 @@ fused_bwd      16384  bf16  gfx942  1024t 2x8 min1
 fused_bwd      65536  bf16  gfx942  512t 4x8 chunked
 layernorm_bwd      1  bf16  gfx942  1t 1x1 r128 prefetch
 layernorm_bwd   1000  bf16  gfx942  32t 4x8 r4 prefetch
+layernorm_bwd   2048  bf16  gfx942  128t 2x8 prefetch
 layernorm_bwd   4096  bf16  gfx942  256t 2x8 prefetch
 layernorm_bwd  16384  bf16  gfx942  512t 4x8 chunked
 layernorm_bwd  65536  bf16  gfx942  512t 4x8 chunked

@@ -271,6 +271,14 @@ def plan_backward(
     shared_partials = bool(wanted)
     if rows_per_block is not None:
         row = _rows_per_block(row, rows_per_block)
+    elif p.center and not shared_partials and io == "bf16" and target.vendor == "nvidia":
+        # LayerNorm rows of 128 threads at two vectors a thread (bf16 N = 2048): four to a
+        # block leave a quarter of the partial rows for the column sum (H200, with the column
+        # sum: 83% -> 86% of copy; h200_tune_short_rows_s11.json). Not at one vector (N =
+        # 1024: 92 registers, one block per SM, 80% -> 72%) nor at 256 threads (N = 4096:
+        # two rows a block spill).
+        if row.cluster == 1 and row.block == 128 and row.iters == 2 and row.exact:
+            row = _rows_per_block(row, 4)
     arrays = [p.x_dtype, p.dtype]  # staged: x and dy
     stage = _check_stage(stage, target, row, arrays)
     # Exact register-resident rows: ask for >= 1024 resident threads per SM (64 registers
