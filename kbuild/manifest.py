@@ -45,6 +45,9 @@ BENCH_N = (1024, 2048, 4096, 8192, 16384, 65536)
 # The weight offset (Gemma) in the GPU tests; 768: test_models_gpu's Gemma config.
 OFFSET_N = (128, 768, 4096, 65536)
 STREAM_N = (1024, 4096)  # an fp32 residual stream (test_fp32_residual_stream_trains)
+# LayerNorm's backward with several multi-warp rows a block (bf16 N = 2048: 4 x 128 threads;
+# test_layernorm_gpu.test_rows_sharing_a_block)
+MULTI_ROW_N = (2048,)
 QK_N = (64, 128, 256)  # QK-norm rows (head_dim) in bench/bench_variants.py
 QK_HEADS = 8  # heads of the fused qkv projection whose q view bench_variants.py reads
 STREAM_BENCH_N = (4096, 8192)  # the fp32 residual stream in bench/bench_variants.py
@@ -215,6 +218,8 @@ def _tests() -> Iterator[KernelSpec]:
     yield rmsnorm_fwd_spec(4096, "bf16", "bf16", False, 1e-6, vectorize=False)
     for N in STREAM_N:
         yield from _fused_family(N, "bf16", "f32", "f32")
+    for N in MULTI_ROW_N:
+        yield from _layernorm_family(N, "bf16", "bf16", "bf16")
     for N in QK_N:  # QK-norm of a fused qkv's heads, read in place (test_qk_norm_in_place)
         yield from _rmsnorm_family(N, "bf16", "bf16", strided=True)
     yield from _rmsnorm_family(QK_N[1], "bf16", "bf16", strided=True, vectorize=False)

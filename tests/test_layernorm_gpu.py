@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import kbuild
-from kbuild.manifest import DTYPES, TEST_N
+from kbuild.manifest import DTYPES, MULTI_ROW_N, TEST_N
 
 from .gpu_cases import DETERMINISTIC_N, LARGE_MEAN_N, layernorm_cases
 from .gpu_utils import GRAD_TOL, TORCH_DTYPES, poison_allocator, rand
@@ -44,6 +44,26 @@ def test_layernorm_forward_backward(N: int, dtype: str) -> None:
                 g = next(grads)
                 assert g.dtype == p.dtype
                 assert_close_rel(g, ref, GRAD_TOL[p.dtype] + tol, "dparam " + what)
+
+
+@pytest.mark.parametrize("N", MULTI_ROW_N)
+def test_rows_sharing_a_block(N: int) -> None:
+    # Four rows of 128 threads a block: each row's sums stay its own, the block's dw/db
+    # partials add up in shared memory before the column sum, and the last block's rows
+    # past M add nothing (M = 3 and 4099 leave 3 of its 4 rows).
+    for M in (3, 4099):
+        x = rand((M, N), torch.bfloat16, seed=M, scale=2.0).requires_grad_()
+        w, b = _param(N, "bf16", 11, 1.0), _param(N, "bf16", 12, 0.0)
+        dy = rand((M, N), torch.bfloat16, seed=M + 1)
+        poison_allocator(M * N, torch.bfloat16)
+        dx, dw, db = torch.autograd.grad(kbuild.layernorm(x, w, b, 1e-5), [x, w, b], dy)
+        _, ref_dx, ref_dw, ref_db = layernorm_grads(x, w, b, dy, 1e-5)
+        tol = GRAD_TOL[torch.bfloat16]
+        assert_close_rel(dx, ref_dx, tol, f"dx M={M}")
+        assert_close_rel(dw, ref_dw, 2 * tol, f"dw M={M}")
+        assert_close_rel(db, ref_db, 2 * tol, f"db M={M}")
+        again = torch.autograd.grad(kbuild.layernorm(x, w, b, 1e-5), [w, b], dy)
+        assert torch.equal(again[0], dw) and torch.equal(again[1], db)
 
 
 def test_stats_match() -> None:
