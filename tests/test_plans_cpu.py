@@ -118,11 +118,11 @@ rmsnorm_fwd      128  bf16  sm_90   4t 4x8 r32 min8
 rmsnorm_bwd     1000  bf16  sm_90   32t 4x8 r4 prefetch
 rmsnorm_bwd     1000  f32   sm_90   64t 4x4 r2 prefetch
 rmsnorm_bwd     4096  bf16  sm_90   512t 1x8 prefetch min2
-rmsnorm_bwd     4096  f32   sm_90   512t 2x4 prefetch_l2 min2
+rmsnorm_bwd     4096  f32   sm_90   512t 2x4 min2
 rmsnorm_bwd    16384  bf16  sm_90   1024t 2x8 prefetch prefetch_l2 shared min1
 rmsnorm_bwd    16384  f32   sm_90   512t 1x4 c8 prefetch shared min2 mbarrier
 rmsnorm_bwd    65536  bf16  sm_90   512t 2x8 c8 prefetch_l2 shared held min2 mbarrier
-rmsnorm_bwd    65536  f32   sm_90   1024t 2x4 c8 prefetch_l2 shared min1 mbarrier
+rmsnorm_bwd    65536  f32   sm_90   1024t 2x4 c8 shared min1 mbarrier
 fused_bwd          1  bf16  sm_90   1t 1x1 r128 prefetch shared min8
 fused_bwd       1000  bf16  sm_90   32t 4x8 r4 prefetch shared
 fused_bwd       1000  f32   sm_90   64t 4x4 r2 prefetch shared
@@ -139,7 +139,7 @@ layernorm_bwd   4096  bf16  sm_90   256t 2x8 prefetch
 layernorm_bwd   4096  f32   sm_90   512t 2x4 prefetch
 layernorm_bwd   2048  bf16  sm_90   128t 2x8 r4 prefetch
 layernorm_bwd  16384  bf16  sm_90   512t 2x8 c2 stage1 shared held min2 mbarrier
-layernorm_bwd  16384  f32   sm_90   512t 2x4 c4 stage1 shared min2 mbarrier
+layernorm_bwd  16384  f32   sm_90   256t 2x4 c8 shared min4 mbarrier
 layernorm_bwd  65536  bf16  sm_90   512t 2x8 c8 stage1 shared held min2 mbarrier
 layernorm_bwd  65536  f32   sm_90   1024t 2x4 c8 stage1 shared min1 mbarrier
 rmsnorm_fwd        1  bf16  sm_80   1t 1x1 r128 min8
@@ -309,6 +309,10 @@ fused_bwd 65536 sm_90 cluster_sync='mbarrier' | 512t 2x8 c8 stage1 shared min2 m
 # Several rows per block: the register cap follows the bigger block.
 rmsnorm_bwd 1024 sm_90 rows_per_block=4 | 128t 1x8 r4 prefetch min2
 layernorm_bwd 2048 sm_90 rows_per_block=4 | 128t 2x8 r4 prefetch
+# Chunked rows add into their workspace row as they go: one row a block, never shared.
+layernorm_bwd 65536 sm_80 threads_per_row=32 | 32t 4x8 chunked
+# A forced thread count keeps its cluster (no fewer, fuller blocks: they spill).
+layernorm_bwd 16384 sm_90 threads_per_row=128 | 128t 2x8 c8 shared held min8 mbarrier
 """
 
 
@@ -346,8 +350,9 @@ layernorm_fwd 4096 sm_90 cluster=8 cluster_sync='mbarrier' | needs rows of more 
 rmsnorm_fwd 4096 sm_90 threads_per_row=48 | threads_per_row must be a multiple of 32
 layernorm_bwd 65536 sm_90 rows_per_block=2 | rows_per_block needs rows held by one block in
 layernorm_bwd 65536 sm_80 rows_per_block=2 | (these take a cluster of 1, chunked: True)
-layernorm_bwd 1024 sm_90 rows_per_block=16 | rows_per_block=16 at 128 threads a row exceeds 1024
+layernorm_bwd 1024 sm_90 rows_per_block=16 | makes blocks of 2048 threads; they must be whole warps
 layernorm_bwd 1024 sm_90 rows_per_block=0 | rows_per_block must be a positive number of rows, not 0
+rmsnorm_bwd 64 sm_90 rows_per_block=1 | blocks of 8 threads; they must be whole warps of 32
 """
 
 

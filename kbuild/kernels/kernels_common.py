@@ -163,12 +163,16 @@ class RowTile:
         """Store each thread's fp32 partials (per_base[j]: one vector per column vector) into
         row `slot` of each (R, N) workspace in `bases`, the block's rows summed first.
 
-        With several rows per block (short rows: 8-32 threads a row) the threads of one
-        column hold one partial each; they are added in row order through shared memory and
-        the block's first row stores the sum, so the workspace has one row per block, not per
-        row of it. (One per row left the column sum ~17000 rows at N = 64 on an H200: 36 us
-        against the backward's 98.) A fixed order: every bit depends on the launch shape."""
+        With several rows per block (short rows of 8-64 threads; LayerNorm's 128-thread rows
+        at N = 2048) the threads of one column hold one partial each; they are added in row
+        order through shared memory and the block's first row stores the sum, so the
+        workspace has one row per block, not per row of it. (One per row left the column sum
+        ~17000 rows at N = 64 on an H200: 36 us against the backward's 98.) A fixed order:
+        every bit depends on the launch shape. Called once, by every thread of the block
+        (it has a barrier), after the row loop."""
         cfg, k = self.cfg, self.k
+        if not bases:
+            return
         if cfg.rows_per_block == 1:
             for base, values in zip(bases, per_base, strict=True):
                 self.store_row(base, slot, values, "f32")

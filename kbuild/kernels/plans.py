@@ -230,15 +230,20 @@ def plan_backward(
         return _row(p.N, io, target, vectorize, budget, threads_per_row, blocks)
 
     row = shape(float(n_partials), cluster)  # partials in registers
-    if cluster is None and p.center and row.cluster > 1:
-        # LayerNorm rows split over a cluster: the fewest blocks whose 512-thread (or smaller)
-        # slices fit registers, so their rows can be staged (below). H200, bf16, N = 16384,
-        # kernel alone (h200_tune_long_backward.json): 2 x 512 threads, staged, 85.5% of copy;
-        # 4 x 256, 76.9%; 8 x 128, 81.5%. At N = 65536 that is the 8 x 512 already chosen.
+    most = min(SHARED_PARTIALS_MAX, target.shared_bytes_per_block - SHARED_SLACK)
+    if cluster is None and threads_per_row is None and p.center and io == "bf16":
+        # LayerNorm rows split over a cluster: the fewest blocks that hold their slices in
+        # 512 threads, in registers, with the partials in shared memory, so the rows can be
+        # staged (below). H200, bf16, N = 16384, kernel alone (h200_tune_long_backward.json):
+        # 2 x 512 threads, staged, 85.5% of copy; 4 x 256, 76.9%; 8 x 128, 81.5%. At N =
+        # 65536 that is the 8 x 512 already chosen; other blocks than 512 keep the pick.
         c = 2
-        while c < row.cluster and (shape(0.0, c).chunked or shape(0.0, c).block > 512):
+        while c < row.cluster:
+            alone = shape(0.0, c)
+            if alone.exact and alone.block == 512 and n_partials * alone.slice * 4 <= most:
+                row = shape(float(n_partials), c)
+                break
             c *= 2
-        row = shape(float(n_partials), c)
     # Measured on an H200 (bench/results/h200_tune_shared_partials.json): shared partials win
     # for the fused backward (97-103% of copy against 91-100%) and for every row split over a
     # cluster (LayerNorm N = 65536: 65% against 50%); a LayerNorm row that fits one block runs
@@ -259,8 +264,9 @@ def plan_backward(
         wanted = False
     if wanted:  # a shape for the row alone, partials off registers
         alone = shape(0.0, row.cluster)
+        if rows_per_block is not None:
+            alone = _rows_per_block(alone, rows_per_block, target.warp_size)
         size = n_partials * alone.slice * alone.rows_per_block * 4
-        most = min(SHARED_PARTIALS_MAX, target.shared_bytes_per_block - SHARED_SLACK)
         wanted = not alone.chunked and size <= most
         if shared_partials and not wanted:
             raise ValueError(
@@ -270,15 +276,20 @@ def plan_backward(
         row = alone if wanted else row
     shared_partials = bool(wanted)
     if rows_per_block is not None:
-        row = _rows_per_block(row, rows_per_block)
-    elif p.center and not shared_partials and io == "bf16" and target.vendor == "nvidia":
+        row = _rows_per_block(row, rows_per_block, target.warp_size)
+    elif row.chunked and row.rows_per_block > 1:
+        # A chunked row adds into its workspace row as it goes; the block's rows share one.
+        row = replace(row, rows_per_block=1)
+    elif p.center and not shared_partials and io == "bf16" and target.max_cluster > 1:
         # LayerNorm rows of 128 threads at two vectors a thread (bf16 N = 2048): four to a
         # block leave a quarter of the partial rows for the column sum (H200, with the column
         # sum: 83% -> 86% of copy; h200_tune_short_rows_s11.json). Not at one vector (N =
         # 1024: 92 registers, one block per SM, 80% -> 72%) nor at 256 threads (N = 4096:
-        # two rows a block spill).
-        if row.cluster == 1 and row.block == 128 and row.iters == 2 and row.exact:
-            row = _rows_per_block(row, 4)
+        # two rows a block spill); with 16-bit weights only (fp32 ones spill 16 bytes at the
+        # 128 registers of 512 threads), on Hopper and later (sm_80 spills), as measured.
+        w16 = p.weight_dtype is None or _all_16_bit([p.weight_dtype])
+        if w16 and row.cluster == 1 and row.block == 128 and row.iters == 2 and row.exact:
+            row = _rows_per_block(row, 4, target.warp_size)
     arrays = [p.x_dtype, p.dtype]  # staged: x and dy
     stage = _check_stage(stage, target, row, arrays)
     # Exact register-resident rows: ask for >= 1024 resident threads per SM (64 registers
@@ -311,12 +322,13 @@ def plan_backward(
         )
     prefetch = bool(prefetch)
     if prefetch_l2 is None:
-        # The plain RMSNorm backward's rows of two or more vectors a thread: the next row asked
-        # into L2 (H200, bf16, kernel alone, h200_tune_long_backward.json: N = 8192 95% ->
-        # 97% of copy, 16384 85% -> 93%, 65536 85% -> 88%). LayerNorm loses 1-4% with it
-        # (8192-65536), as did the fused backward in earlier sweeps (h200_tune_l2_persistent
-        # .json, h200_tune_cluster_sizes.json).
-        wide = plain_rms and row.iters >= 2 and row.exact and (ahead or not prefetch)
+        # The plain RMSNorm backward's 16-bit rows of two or more vectors a thread, one row a
+        # block: the next row asked into L2 (H200, bf16, kernel alone,
+        # h200_tune_long_backward.json: N = 8192 95% -> 97% of copy, 16384 85% -> 93%, 65536
+        # 85% -> 88%). LayerNorm loses 1-4% with it (8192-65536), as did the fused backward in
+        # earlier sweeps (h200_tune_l2_persistent.json, h200_tune_cluster_sizes.json).
+        wide = plain_rms and row.iters >= 2 and row.exact and row.rows_per_block == 1
+        wide = wide and _all_16_bit([io]) and (ahead or not prefetch)
         prefetch_l2 = wide and target.l2_prefetch and _vectors_of_16(row, arrays)
     elif prefetch_l2 and not (target.l2_prefetch and _vectors_of_16(row, arrays)):
         raise ValueError(f"prefetch_l2 needs 16-byte vectors on Hopper or later, not {target}")
@@ -444,20 +456,22 @@ def _blocks_per_sm(
     return given
 
 
-def _rows_per_block(row: RowConfig, rows: int) -> RowConfig:
+def _rows_per_block(row: RowConfig, rows: int, warp_size: int) -> RowConfig:
     """`row` with `rows` rows per block (a tuning override of the backward): rows held whole
-    by one block each, at most MAX_THREADS threads per block."""
+    by one block each (a chunked row adds into its workspace row as it goes, which the
+    block's rows share), blocks of whole warps, at most MAX_THREADS threads."""
     if not isinstance(rows, int) or rows < 1:
         raise ValueError(f"rows_per_block must be a positive number of rows, not {rows!r}")
-    if row.cluster > 1 or row.chunked:
+    if row.cluster > 1 or (row.chunked and rows > 1):
         raise ValueError(
             "rows_per_block needs rows held by one block in registers (these take a cluster "
             f"of {row.cluster}, chunked: {row.chunked})"
         )
-    if row.threads_per_row * rows > MAX_THREADS:
+    block = row.threads_per_row * rows
+    if block > MAX_THREADS or block % warp_size:
         raise ValueError(
-            f"rows_per_block={rows} at {row.threads_per_row} threads a row exceeds "
-            f"{MAX_THREADS} threads per block"
+            f"rows_per_block={rows} at {row.threads_per_row} threads a row makes blocks of "
+            f"{block} threads; they must be whole warps of {warp_size}, at most {MAX_THREADS}"
         )
     return replace(row, rows_per_block=rows)
 

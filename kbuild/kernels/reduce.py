@@ -65,6 +65,8 @@ def _sum_columns(
     sums); then the lanes' sums are added in a fixed tree through shared memory and lane 0 of
     each column vector in range calls finish(the fp32 sums, the first column) to store them.
     So every bit of the result depends only on the launch shape, never on timing."""
+    if lanes & (lanes - 1) or k.block % lanes:
+        raise ValueError(f"lanes must be a power of two dividing the block, not {lanes}")
     column_vectors = k.block // lanes
     tid = k.thread_id()
     column_vector, lane = tid % column_vectors, tid / column_vectors

@@ -374,10 +374,10 @@ std::vector<Tensor> column_sums(uint64_t partial, int planes, int64_t R, int64_t
   return sums;
 }
 
-// A backward kernel on a persistent grid: one fp32 partial row per block row for each wanted
-// parameter gradient, summed by the column-sum kernel in a fixed order. The grid is what the
-// device holds at once (fixed per device and kernel), so every bit of dw / db is the same on
-// every run. Returns the gradients of `params` (undefined where not wanted).
+// A backward kernel on a persistent grid: one fp32 partial row per cluster (block) for each
+// wanted parameter gradient, summed by the column-sum kernel in a fixed order. The grid is what
+// the device holds at once (fixed per device and kernel), so every bit of dw / db is the same
+// on every run. Returns the gradients of `params` (undefined where not wanted).
 std::vector<Tensor> launch_persistent(const Key& key, const Tensor& like, int64_t M, int64_t N,
                                       uint64_t* slots, std::vector<Tensor> params) {
   std::vector<Tensor> wanted;
