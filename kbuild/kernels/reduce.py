@@ -44,7 +44,7 @@ def row_lanes(N: int) -> int:
     Fewer lanes had few blocks walk long columns: 32 lanes at N = 64 (16 column vectors,
     2 blocks, 528 rows a thread) took 36 us on an H200, a third of the RMSNorm backward."""
     lanes = THREADS // max(1, N // 4)
-    return max(8, min(BLOCK, 1 << (lanes.bit_length() - 1) if lanes else 1))
+    return max(8, min(BLOCK // 2, 1 << (lanes.bit_length() - 1) if lanes else 1))
 
 
 def _sum_columns(
