@@ -4,13 +4,17 @@ the H200 machine, more than these kernels take) is paid once per graph, as in tr
 once per norm as in bench/backward_users.py.
 
     KBUILD_CACHE_DIR=.kbuild-aot KBUILD_OFFLINE=1 python bench/backward_chain.py [out.json]
-        [--n 64,128,256] [--ops rmsnorm] [--view]     (default: BENCH_N, both norms)
+        [--n 64,128,256] [--ops rmsnorm] [--view] [--profile]
+                                                      (default: BENCH_N, both norms)
 
 bf16, M x N = 64 Mi elements per norm, K = 8; reported per norm: ms (the chain's backward
 time / K, CUDA events around the autograd.grad call, calls back to back) and % of the copy
 bandwidth of the same run, kbuild beside torch eager. `--view`: QK-norm as a model with a
 fused qkv projection runs it: each of the K norms reads the q of its own qkv buffer, a strided
-(T, H, N) view (H = manifest.QK_HEADS), and the one grad call takes all K.
+(T, H, N) view (H = manifest.QK_HEADS), and the one grad call takes all K. `--profile`:
+also each of kbuild's kernels in the chain, device us per norm (torch.profiler over a few
+calls: the backward kernel beside the column sum of its dw/db partials), the split of the
+figure above into kernels and what is left (launch gaps, the engine's fixed cost / K).
 """
 
 from __future__ import annotations
@@ -80,12 +84,30 @@ NORMS = {
 }
 
 
+def kernel_us(fn, calls: int = 4) -> dict[str, float]:
+    """Device us per norm of each CUDA kernel `fn` (a chain's backward) launches, by name."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    totals: dict[str, float] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            totals[e.name] = totals.get(e.name, 0.0) + e.device_time
+    return {name: round(t / calls / K, 2) for name, t in sorted(totals.items())}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("path", nargs="?", default="bench/results/backward_chain.json")
     parser.add_argument("--n", default=",".join(map(str, BENCH_N)), help="row lengths")
     parser.add_argument("--ops", default=",".join(NORMS), help="comma-separated norms")
     parser.add_argument("--view", action="store_true", help="q views of fused qkv buffers")
+    parser.add_argument("--profile", action="store_true", help="kbuild's kernels, us per norm")
     args = parser.parse_args()
     build = views if args.view else chain
     path = args.path
@@ -97,11 +119,15 @@ def main() -> None:
         for N in (int(n) for n in args.n.split(",")):
             row = {"op": op, "N": N}
             for name, norm in impls.items():
-                ms = median_ms(build(norm, N, op == "layernorm"), reps=10) / K
+                fn = build(norm, N, op == "layernorm")
+                ms = median_ms(fn, reps=10) / K
                 row[name] = {
                     "ms": round(ms, 4),
                     "of_copy": round(bytes_per_norm / ms / 1e6 / copy, 4),
                 }
+                if args.profile and name == "kbuild":
+                    row[name]["kernels_us"] = kernel_us(fn)
+                del fn
             rows.append(row)
             print(op, N, {k: v for k, v in row.items() if k not in ("op", "N")}, flush=True)
             torch.cuda.empty_cache()
