@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import kbuild  # noqa: E402
 from bench.harness import measure_copy  # noqa: E402
 from kbuild.manifest import BENCH_ELEMENTS, BENCH_N, QK_HEADS  # noqa: E402
-from kbuild.timing import median_ms  # noqa: E402
+from kbuild.timing import kernel_device_us, median_ms  # noqa: E402
 
 K = 8
 F = torch.nn.functional
@@ -84,23 +84,6 @@ NORMS = {
 }
 
 
-def kernel_us(fn, calls: int = 4) -> dict[str, float]:
-    """Device us per norm of each CUDA kernel `fn` (a chain's backward) launches, by name."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    totals: dict[str, float] = {}
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            totals[e.name] = totals.get(e.name, 0.0) + e.device_time
-    return {name: round(t / calls / K, 2) for name, t in sorted(totals.items())}
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("path", nargs="?", default="bench/results/backward_chain.json")
@@ -126,7 +109,8 @@ def main() -> None:
                     "of_copy": round(bytes_per_norm / ms / 1e6 / copy, 4),
                 }
                 if args.profile and name == "kbuild":
-                    row[name]["kernels_us"] = kernel_us(fn)
+                    per_call = kernel_device_us(fn, reps=4, warmup=1)
+                    row[name]["kernels_us"] = {k: round(us / K, 2) for k, us in per_call.items()}
                 del fn
             rows.append(row)
             print(op, N, {k: v for k, v in row.items() if k not in ("op", "N")}, flush=True)

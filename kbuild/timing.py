@@ -60,21 +60,36 @@ def host_us_per_call(fn: Callable[[], object], calls: int = 2000, warmup: int = 
     return 1e6 * (time.perf_counter() - start) / calls
 
 
-def device_ms(fn: Callable[[], object], reps: int = 20) -> float:
-    """GPU time of the kernels one call of `fn` launches (profiler), per call.
-
-    For calls whose host side is slower than their kernels (a backward pass through the
-    autograd engine), event timing measures the host: this sums device time alone.
-    """
+def _profiled(fn: Callable[[], object], reps: int, warmup: int):
+    """A torch.profiler record (CUDA activity) of `reps` calls of `fn`, after `warmup`."""
     from torch.profiler import ProfilerActivity, profile
 
-    for _ in range(3):
+    for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(reps):
             fn()
         torch.cuda.synchronize()
+    return prof
+
+
+def kernel_device_us(fn: Callable[[], object], reps: int = 20, warmup: int = 3) -> dict[str, float]:
+    """Device us per call of `fn` of each CUDA kernel it launches, by kernel name."""
+    totals: dict[str, float] = {}
+    for event in _profiled(fn, reps, warmup).events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            totals[event.name] = totals.get(event.name, 0.0) + event.device_time
+    return {name: us / reps for name, us in sorted(totals.items())}
+
+
+def device_ms(fn: Callable[[], object], reps: int = 20) -> float:
+    """GPU time of the kernels one call of `fn` launches (profiler), per call.
+
+    For calls whose host side is slower than their kernels (a backward pass through the
+    autograd engine), event timing measures the host: this sums device time alone.
+    """
+    prof = _profiled(fn, reps, warmup=3)
     total_us = 0.0
     for event in prof.key_averages():
         total_us += getattr(event, "self_device_time_total", 0.0) or 0.0
