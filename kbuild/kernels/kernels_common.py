@@ -170,19 +170,21 @@ class RowTile:
         ~17000 rows at N = 64 on an H200: 36 us against the backward's 98.) A fixed order:
         every bit depends on the launch shape. Called once, by every thread of the block
         (it has a barrier), after the row loop."""
-        cfg, k = self.cfg, self.k
+        cfg = self.cfg
         if not bases:
             return
-        if cfg.rows_per_block == 1:
-            for base, values in zip(bases, per_base, strict=True):
-                self.store_row(base, slot, values, "f32")
-            return
+        storing = None  # every thread stores its own partials
+        if cfg.rows_per_block > 1:
+            per_base = self._sum_block_rows(per_base)
+            storing = self.row_in_block < 1  # the block's first row stores the sums
+        for base, values in zip(bases, per_base, strict=True):
+            self._store(base, slot * cfg.N + self.first, values, "f32", 0, storing)
+
+    def _sum_block_rows(self, per_base: list[list[V]]) -> list[list[V]]:
+        """per_base summed over the block's rows (ascending), as the first row sees it."""
+        cfg, k = self.cfg, self.k
         flat = [v for values in per_base for v in values]
-        count = len(flat) * cfg.vec * k.block
-        if k.shared_bytes + 4 * count <= ThreadShared.STATIC_BYTES:
-            shared = k.shared(count)
-        else:
-            shared = k.dynamic_shared(count, "f32")
+        shared = shared_array(k, len(flat) * cfg.vec * k.block, "f32")
 
         def at(i: int, thread: V) -> V:
             return get_llvm_ptr(shared, (thread + i * k.block) * cfg.vec, "f32")
@@ -200,17 +202,8 @@ class RowTile:
         # every row at once raised LayerNorm's registers from 64 to 92 at 4 rows a block).
         first = [load(at(i, self.lane), "f32", cfg.vec) for i in range(len(flat))]
         one = const(1, "i64")
-        sums = loop(one, const(cfg.rows_per_block, "i64"), one, first, add_row)
-        first_row = self.row_in_block < 1
-        n = len(per_base[0]) if per_base else 0
-        for j, base in enumerate(bases):
-            values = sums[j * n : (j + 1) * n]
-            offset = slot * cfg.N + self.first
-            for col, value in zip(self.columns(), values, strict=True):
-                ptr = get_llvm_ptr(base, offset + col, "f32")
-                guard = self._guarded(col)
-                guard = first_row if guard is None else guard & first_row
-                if_then(guard, lambda p=ptr, v=value: store(v, p))
+        sums = iter(loop(one, const(cfg.rows_per_block, "i64"), one, first, add_row))
+        return [[next(sums) for _ in values] for values in per_base]
 
     def load_row_scalar(self, base: V) -> V:
         """One f32 per row (the saved rstd, mean), read by every thread of the row."""
@@ -276,6 +269,18 @@ class RowTile:
         return out
 
 
+STATIC_SHARED_BYTES = 40 * 1024  # with the row sums' slots, under the 48 KB static limit
+
+
+def shared_array(k: Kernel, count: int, dtype: str, static_bytes: int = STATIC_SHARED_BYTES) -> V:
+    """A shared array of `count` elements: declared statically while the kernel's static
+    shared memory stays within `static_bytes`, past that as dynamic shared memory (reserved
+    at launch; see Kernel.dynamic_shared)."""
+    if k.shared_bytes + count * ELEMENT_BYTES[dtype] <= static_bytes:
+        return k.shared(count, dtype)
+    return k.dynamic_shared(count, dtype)
+
+
 class ThreadShared:
     """Shared memory that each thread uses alone: `n` values per thread, each `width`
     elements of `dtype`, kept off the register file (dw/db partials; parameters a persistent
@@ -283,21 +288,17 @@ class ThreadShared:
     over the block's threads, so a warp's accesses fall on distinct banks. A thread reads
     back only what it wrote: no barriers.
 
-    Declared statically while the kernel's static shared memory stays within `static_bytes`,
-    past that as dynamic shared memory (reserved at launch; see Kernel.dynamic_shared)."""
+    Static or dynamic shared memory as `shared_array` decides, within `static_bytes`."""
 
-    STATIC_BYTES = 40 * 1024  # with the row sums' slots, under the 48 KB static limit
-
-    def __init__(self, k: Kernel, n: int, dtype: str, width: int, static_bytes=STATIC_BYTES):
+    def __init__(
+        self, k: Kernel, n: int, dtype: str, width: int, static_bytes: int = STATIC_SHARED_BYTES
+    ):
         self.k, self.n, self.dtype, self.width = k, n, dtype, width
         self.sub = min(width, 16 // ELEMENT_BYTES[dtype])  # elements per piece
         self.pieces = width // self.sub
         count = n * width * k.block
         self.bytes = count * ELEMENT_BYTES[dtype]
-        if k.shared_bytes + self.bytes <= static_bytes:
-            self.base = k.shared(count, dtype)
-        else:
-            self.base = k.dynamic_shared(count, dtype)
+        self.base = shared_array(k, count, dtype, static_bytes)
         self.tid = k.thread_id()
 
     def _slots(self, i: int) -> list[V]:
