@@ -3,7 +3,9 @@ forced: threads per row, blocks per row in a cluster, prefetch, a persistent gri
 kernel alone (a backward with the column sum of its dw/db partials, as the op runs it), back
 to back. Shapes as the benchmarks (bf16, M*N = 64 Mi).
 
-    kbuild warmup --manifest tune ...   then   python bench/tune.py [out.json]
+    kbuild warmup --manifest tune ...   then   python bench/tune.py [out.json] [kernel:N ...]
+
+(`kernel:N` arguments, e.g. layernorm_bwd:65536: only those kernels' variants.)
 """
 
 from __future__ import annotations
@@ -92,9 +94,10 @@ def _with_column_sum(kernel, workspace: torch.Tensor) -> None:
 
 
 def _error(spec, t: dict[str, torch.Tensor]) -> float | None:
-    """Largest error of the variant's output (y, or dx) against an fp32 torch reference of
-    the same inputs, relative to the output's largest magnitude: a variant that is fast but
-    wrong shows here (bf16 rounding alone is about 4e-3)."""
+    """Largest error of the variant's output (y, or dx, and a backward's dw and db from its
+    workspace) against an fp32 torch reference of the same inputs, relative to the output's
+    largest magnitude: a variant that is fast but wrong shows here (bf16 rounding alone is
+    about 4e-3)."""
     f = {n: v.float() for n, v in t.items() if not n.endswith("_partial") and n != "workspace"}
     x, w = f["x"], f.get("weight")
     if spec.kernel == "fused_add_rmsnorm_fwd":
@@ -115,8 +118,17 @@ def _error(spec, t: dict[str, torch.Tensor]) -> float | None:
         if "mean" in f:
             g = g - wdy.mean(-1, keepdim=True)
         ref, out = g * rstd, f["dx"]
+        if "workspace" in t:  # dw (and db): the sums of the workspace's partial rows
+            planes = t["workspace"].sum(1)
+            sums = [(f["dy"] * x_hat).sum(0), f["dy"].sum(0)][: len(planes)]
+            errors = [_relative(p, r) for p, r in zip(planes, sums, strict=True)]
+            return max([_relative(out, ref)] + errors)
     else:
         return None
+    return _relative(out, ref)
+
+
+def _relative(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out - ref).abs().max() / ref.abs().max())
 
 
@@ -124,7 +136,10 @@ def main() -> None:
     copy = measure_copy()
     rows = []
     variants = []
+    only = set(sys.argv[2:])
     for spec in manifest("tune"):
+        if only and f"{spec.kernel}:{spec['N']}" not in only:
+            continue
         launcher = Launcher(artifact_for(spec, device_target(0)), 0)
         N = spec["N"]
         M = BENCH_ELEMENTS // N

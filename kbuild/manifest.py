@@ -258,7 +258,9 @@ def _tune() -> Iterator[KernelSpec]:
     """Launch-plan alternatives to the chooser's picks for bench/tune.py (the chooser's own
     pick first, for comparison). A variant forces plan fields by their builder keywords
     (kernels/plans.py: `override_keywords`); the fields it leaves out are the chooser's.
-    Here: the backwards that training ran below 85% of copy (issue 14). RMSNorm at N >= 8192
+    Here: the backwards that training ran below 85% of copy (issue 14). LayerNorm at N =
+    65536 with one block an SM (dw/db partials in registers), with and without the lagged
+    exchange that lifted RMSNorm's. RMSNorm at N >= 8192
     against the picks before the next row was asked into L2 (`prefetch_l2`) and, at 16384,
     before its dw partials moved to shared memory to free registers for a prefetched row;
     LayerNorm at 16384 against the 8 x 128-thread cluster it took before 2 x 512, and its
@@ -275,13 +277,24 @@ def _tune() -> Iterator[KernelSpec]:
     # column sum (LayerNorm at N = 1024: 1056 rows of 8 KB, 8.6 MB over both planes).
     yield from variants(rmsnorm_bwd_spec(1024, "bf16", "bf16", True), dict(rows_per_block=4))
     yield from variants(rmsnorm_bwd_spec(2048, "bf16", "bf16", True), dict(rows_per_block=2))
+    # RMSNorm at N = 65536: the lagged exchange against the mbarrier exchange it replaced
+    # (two blocks an SM, dw partials in shared memory) and against the same one-block plan
+    # without the lag.
+    yield from variants(
+        rmsnorm_bwd_spec(65536, "bf16", "bf16", True),
+        dict(cluster_sync="mbarrier"),
+        dict(cluster_sync="mbarrier", stage=2, shared_partials=False, blocks_per_sm=1),
+    )
     layernorm = {
         1024: (dict(rows_per_block=4),),
         2048: (dict(rows_per_block=4),),
         4096: (),
         8192: (),
         16384: (dict(cluster=4, threads_per_row=512), dict(cluster=8, threads_per_row=256)),
-        65536: (),
+        65536: (
+            dict(shared_partials=False, blocks_per_sm=1, stage=2),
+            dict(shared_partials=False, blocks_per_sm=1, stage=2, cluster_sync="lagged"),
+        ),
     }
     for N, options in layernorm.items():
         yield from variants(layernorm_bwd_spec(N, "bf16", "bf16", True, True), *options)
@@ -299,8 +312,13 @@ def _trace() -> Iterator[KernelSpec]:
         dict(resident_params=False, stage=1, persistent=True),
     ):
         yield KernelSpec.make("layernorm_fwd", N=65536, **options, **ln_fwd, **bf16)
-    for options in ({}, dict(resident_params=False)):
+    one_block = dict(shared_partials=False, blocks_per_sm=1, stage=2)
+    for options in ({}, dict(resident_params=False), dict(one_block, cluster_sync="lagged")):
         yield KernelSpec.make("layernorm_bwd", N=65536, **options, **ln_bwd, **bf16)
+    # RMSNorm's: the chooser's (a lagged exchange) and the mbarrier exchange it replaced.
+    rms_bwd = dict(weight_dtype="bf16", compute_dw=True)
+    for options in ({}, dict(cluster_sync="mbarrier")):
+        yield KernelSpec.make("rmsnorm_bwd", N=65536, **options, **rms_bwd, **bf16)
 
 
 def _standard() -> Iterator[KernelSpec]:

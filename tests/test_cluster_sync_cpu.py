@@ -1,5 +1,6 @@
-"""CPU tests of the two ways a cluster's blocks exchange row sums (dsl.exchange):
-a cluster barrier per row, or `st.async` stores counted against an mbarrier in each block.
+"""CPU tests of the ways a cluster's blocks exchange row sums (dsl.exchange): a cluster
+barrier per row, or `st.async` stores counted against an mbarrier in each block, waited for
+in the same row or (lagged) a row later.
 
 Whether the mbarrier exchange computes the same rows is checked on the GPU (the tune sweep's
 error column and bench/repeat_check.py while it is an option); here the PTX protocol each
@@ -34,8 +35,12 @@ FUSED_BWD = dict(
 )
 
 
+RMS_BWD = dict(dtype="bf16", weight_dtype="bf16", compute_dw=True)
+
+
 def _spec(kernel: str, N: int, **kwargs) -> KernelSpec:
-    base = {"layernorm_fwd": LN_FWD, "fused_add_rmsnorm_bwd": FUSED_BWD}.get(kernel, LN_BWD)
+    bases = {"layernorm_fwd": LN_FWD, "fused_add_rmsnorm_bwd": FUSED_BWD, "rmsnorm_bwd": RMS_BWD}
+    base = bases.get(kernel, LN_BWD)
     return KernelSpec.make(kernel, N=N, vectorize=True, **base, **kwargs)
 
 
@@ -65,6 +70,43 @@ def test_mbarrier_exchange_sends_each_state_with_st_async(kernel, states):
     assert _count(ptx, r"mbarrier\.arrive\.expect_tx\.shared::cta\.b64") == 1
     assert "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64" in ptx
     assert "fence.proxy.async" not in ptx  # see dsl.exchange (the ordering argument)
+
+
+def _loop_body(ptx: str) -> str:
+    """The PTX from the first st.async (a row's send, inside the row loop) on."""
+    return ptx[ptx.index("st.async") :]
+
+
+def test_lagged_exchange_waits_for_the_row_before_after_sending_this_one():
+    # The chooser's plain RMSNorm backward at N = 65536: one st.async per row (one sum), four
+    # mbarriers (the slots cycle through quarters), buffer = phase % 4 and parity = phase // 4
+    # derived in the wait. In the loop the send comes before the wait, which takes the row
+    # before (a wait first would be the unlagged exchange); one more wait after the loop
+    # takes the last row.
+    ptx = _ptx(_spec("rmsnorm_bwd", 65536))
+    assert _count(ptx, r"mbarrier\.init\.shared::cta\.b64") == 4
+    assert _count(ptx, r"st\.async\.shared::cluster\.mbarrier::complete_tx::bytes\.b32") == 1
+    waits = r"mbarrier\.try_wait\.parity\.acquire\.cluster\.shared::cta\.b64"
+    assert _count(ptx, waits) == 2
+    assert _count(_loop_body(ptx), waits) == 2  # both after the send
+    assert _count(ptx, r"and\.b32 offset, %r\d+, 3;") == 2
+    assert _count(ptx, r"shr\.u32 parity, %r\d+, 2;") == 2
+    assert _count(ptx, r"mbarrier\.arrive\.expect_tx\.shared::cta\.b64") == 2
+    unlagged = _ptx(_spec("rmsnorm_bwd", 65536, cluster_sync="mbarrier"))
+    assert _count(unlagged, r"mbarrier\.init\.shared::cta\.b64") == 2
+    assert _count(unlagged, r"and\.b32 offset, %r\d+, 1;") == 1
+
+
+def test_lagged_exchange_is_taken_in_two_calls():
+    from kbuild.dsl import Kernel, const
+
+    target = target_for_arch("sm_90")
+    k = Kernel("probe", target, block=256, cluster=2, exchange="lagged")
+    with k, pytest.raises(ValueError, match="taken in two calls: send, then receive"):
+        k.exchange.reduce([const(1.0)], const(0, "i32"), lambda a, b: a)
+    k = Kernel("probe2", target, block=256, cluster=2, exchange="mbarrier")
+    with k, pytest.raises(ValueError, match="send and receive are the lagged exchange's"):
+        k.exchange.lagged(1)
 
 
 def test_barrier_exchange_steps_the_cluster_each_row():
@@ -105,7 +147,9 @@ def test_mbarrier_exchange_assembles(kernel):
     "kernel, N, options, arch, message",
     [
         ("layernorm_bwd", 4096, dict(cluster_sync="mbarrier"), "sm_90", "needs rows split over"),
-        ("layernorm_fwd", 65536, dict(cluster_sync="fast"), "sm_90", "must be 'barrier' or"),
+        ("layernorm_fwd", 65536, dict(cluster_sync="fast"), "sm_90", "must be one of"),
+        ("layernorm_fwd", 65536, dict(cluster_sync="lagged"), "sm_90", "is the backward's"),
+        ("layernorm_bwd", 65536, dict(cluster_sync="lagged", stage=0), "sm_90", "staged rows"),
         ("layernorm_bwd", 65536, dict(cluster_sync="mbarrier"), "sm_80", "needs rows split over"),
         (
             "layernorm_fwd",
@@ -132,6 +176,8 @@ def test_cluster_sync_options_that_cannot_apply_raise(kernel, N, options, arch, 
         ("fused_add_rmsnorm_bwd", 65536, {}, "barrier"),  # the fused backward's staged rows
         ("fused_add_rmsnorm_bwd", 65536, dict(stage=0), "mbarrier"),
         ("layernorm_bwd", 4096, {}, "barrier"),  # one block per row: no cluster at all
+        ("rmsnorm_bwd", 65536, {}, "lagged"),  # staged, one block an SM
+        ("rmsnorm_bwd", 65536, dict(cluster_sync="mbarrier"), "mbarrier"),
         # Forced: rows of 4096 over 8 blocks take 32 threads, no block barrier per row.
         ("layernorm_fwd", 4096, dict(cluster=8), "barrier"),
     ],
@@ -140,7 +186,7 @@ def test_the_chooser_picks_the_exchange_measured_faster(kernel, N, options, exch
     kernel_ = compiler.build(_spec(kernel, N, **options), target_for_arch("sm_90"))
     assert kernel_.exchange.mode == exchange
     ptx = _ptx(_spec(kernel, N, **options))
-    assert ("st.async" in ptx) == (exchange == "mbarrier")
+    assert ("st.async" in ptx) == (exchange in ("mbarrier", "lagged"))
 
 
 # --- cluster shapes the plans no longer offer ------------------------------------------------
@@ -180,7 +226,11 @@ def test_the_exchange_is_fixed_when_the_kernel_is_made():
 
 @pytest.mark.parametrize(
     "cluster, exchange, message",
-    [(2, "fast", "exchange must be 'barrier' or 'mbarrier'"), (1, "mbarrier", "with clusters")],
+    [
+        (2, "fast", "exchange must be one of"),
+        (1, "mbarrier", "with clusters"),
+        (1, "lagged", "with clusters"),
+    ],
 )
 def test_exchanges_that_cannot_apply_raise(cluster, exchange, message):
     from kbuild.dsl import Kernel

@@ -124,13 +124,16 @@ def test_long_backward_rows_split_over_a_cluster_on_sm90(spec):
     assert "mapa.shared::cluster" in ptx
     assert "st.shared::cluster" in ptx or "st.async.shared::cluster" in ptx
     assert "barrier.cluster.arrive" in ptx and "barrier.cluster.wait" in ptx
-    # Partials in shared memory, 16 bytes at a time; the row itself is read once: one
-    # 128-bit load per vector of x and of dy, nothing re-read in a second pass.
+    # Partials or staged rows in shared memory, 16 bytes at a time; the row itself is read
+    # once: one 128-bit load per vector of x and of dy, nothing re-read in a second pass.
     assert re.search(r"\bld\.shared\.v4\.(?:b32|f32)\b", ptx)
     cfg_iters = len(re.findall(r"\bld\.global(?:\.nc)?\.v4\.b32\b", ptx))
     assert cfg_iters <= 3 * 2 * 2 + 2  # x, dy, w (+ dresidual) of two vectors, prefetch off
     artifact = compiler.compile_kernel(spec, SM90)
-    assert artifact.meta["spill_stores"] == 0 and artifact.meta["registers"] <= 64
+    # Two blocks an SM (64 registers), but RMSNorm's lagged rows: one block, dw partials in
+    # registers (plans.plan_backward).
+    registers = 128 if spec.kernel == "rmsnorm_bwd" else 64
+    assert artifact.meta["spill_stores"] == 0 and artifact.meta["registers"] <= registers
 
 
 @pytest.mark.parametrize(

@@ -121,7 +121,7 @@ rmsnorm_bwd     4096  bf16  sm_90   512t 1x8 prefetch min2
 rmsnorm_bwd     4096  f32   sm_90   512t 2x4 min2
 rmsnorm_bwd    16384  bf16  sm_90   1024t 2x8 prefetch prefetch_l2 shared min1
 rmsnorm_bwd    16384  f32   sm_90   512t 1x4 c8 prefetch shared min2 mbarrier
-rmsnorm_bwd    65536  bf16  sm_90   512t 2x8 c8 prefetch_l2 shared held min2 mbarrier
+rmsnorm_bwd    65536  bf16  sm_90   512t 2x8 c8 stage2 prefetch_l2 held min1 lagged
 rmsnorm_bwd    65536  f32   sm_90   1024t 2x4 c8 shared min1 mbarrier
 fused_bwd          1  bf16  sm_90   1t 1x1 r128 prefetch shared min8
 fused_bwd       1000  bf16  sm_90   32t 4x8 r4 prefetch shared
@@ -250,7 +250,12 @@ PARAMETERS = [
         {"weight_dtype": None, "compute_dw": False},
         "512t 2x8 c8 stage1 shared min2 mbarrier",
     ),
-    ("fused_bwd", {"has_dres": False}, "512t 2x8 c8 prefetch_l2 shared held min2 mbarrier"),
+    ("fused_bwd", {"has_dres": False}, "512t 2x8 c8 stage2 prefetch_l2 held min1 lagged"),
+    (
+        "fused_bwd",
+        {"has_dres": False, "dtype": "f16", "x_dtype": "f16", "weight_dtype": "f16"},
+        "512t 2x8 c8 prefetch_l2 shared min2 mbarrier",  # bf16 rows only, as measured
+    ),
     ("fused_bwd", {"x_dtype": "f32"}, "1024t 2x4 c8 shared min1 mbarrier"),
 ]
 
@@ -343,11 +348,15 @@ layernorm_bwd 4096 gfx942 blocks_per_sm=2 | blocks_per_sm needs a target with an
 layernorm_fwd 65536 sm_90 cluster=16 | cluster must be from 1 to 8 blocks on sm_90, not 16
 layernorm_bwd 65536 sm_80 cluster=2 | cluster must be from 1 to 1 blocks on sm_80, not 2
 layernorm_fwd 4104 sm_90 cluster=8 | a cluster of 8 cannot split rows of 4104 into vectors
-layernorm_fwd 65536 sm_90 cluster_sync='fast' | cluster_sync must be 'barrier' or 'mbarrier', not
+layernorm_fwd 65536 sm_90 cluster_sync='fast' | one of ('barrier', 'mbarrier', 'lagged'), not 'fast'
+layernorm_fwd 65536 sm_90 cluster_sync='lagged' | cluster_sync='lagged' is the backward's
+layernorm_bwd 65536 sm_90 cluster_sync='lagged' stage=0 | needs staged rows (stage >= 1), not stage=
+layernorm_bwd 4096 sm_90 cluster_sync='lagged' | cluster_sync='lagged' needs rows split over a
 layernorm_bwd 4096 sm_90 cluster_sync='barrier' | cluster_sync='barrier' needs rows split over a
 layernorm_bwd 65536 sm_80 cluster_sync='mbarrier' | cluster_sync='mbarrier' needs rows split over
 layernorm_fwd 4096 sm_90 cluster=8 cluster_sync='mbarrier' | needs rows of more than 32 threads
 rmsnorm_fwd 4096 sm_90 threads_per_row=48 | threads_per_row must be a multiple of 32
+layernorm_bwd 65536 sm_90 threads_per_row=8192 cluster=8 | must be at most 1024 (a block's
 layernorm_bwd 65536 sm_90 rows_per_block=2 | rows_per_block needs rows held by one block in
 layernorm_bwd 65536 sm_80 rows_per_block=2 | (these take a cluster of 1, chunked: True)
 layernorm_bwd 1024 sm_90 rows_per_block=16 | makes blocks of 2048 threads; they must be whole warps

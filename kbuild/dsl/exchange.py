@@ -14,9 +14,14 @@ Modes:
 - "mbarrier": the states are sent with `st.async`, which counts their bytes against an
   mbarrier in the receiving block (one per half of its buffer); a block waits only for its
   own mbarrier, with no cluster barrier and no release of its other stores (sm_90 on).
+- "lagged": "mbarrier" with the wait taken one row later. A row loop sends row r's state
+  (`send`), works on row r + 1 up to sending its state, and only then takes row r's result
+  (`receive`), so the exchange's latency hides behind a row's work instead of stalling it.
+  The buffers are quarters instead of halves (below); `reduce` is not offered.
 
 Why reusing the slots is safe (a call inside a row loop; `phase` is the loop's iteration
-count modulo 4, an i32 that RowGroups carries from `first_phase` through `next_phase`):
+count modulo 2 * `buffers` (4, or 8 lagged), an i32 that RowGroups carries from
+`first_phase` through `next_phase`):
 
 - Cluster slots alternate between two halves (`half(phase)` = phase % 2) in both modes. A
   fast block writing the next iteration's state never lands on a half a slow block still
@@ -37,6 +42,15 @@ count modulo 4, an i32 that RowGroups carries from `first_phase` through `next_p
   thread has consumed its reads before its block's barrier of the next row, and a peer can
   only send that later row after this block's state of the next row, sent after that
   barrier. (Measured with and without fence.proxy.async here: no difference.)
+- Lagged: a block sends row r + 1 before it reads row r's slots, so two rows' slots are
+  live at once and the cluster slots (and their mbarriers) cycle through four buffers,
+  `buffer(phase)` = phase % 4, the i-th use of one waiting for parity i % 2 = phase // 4.
+  A block sends row r + 4 into row r's buffer only after it has received row r + 2, which
+  each peer sent after a block barrier that follows its reads of row r's slots (it reads
+  them while working on row r + 1): the halves' argument with one row of lag more. The
+  same order keeps row r + 4's bytes off a buffer's mbarrier until its phase of row r has
+  completed (a peer sends row r + 2 only after it has received row r). The block's warp
+  slots still alternate halves: a row's block reduction is done within its own step.
 - The mbarriers are initialised before the block announces it has started (at cluster
   start, then `fence.mbarrier_init`), and no block stores into another before every block
   has started (Kernel.ensure_cluster_started).
@@ -67,36 +81,40 @@ if TYPE_CHECKING:
 
 Merge = Callable[[list[V], list[V]], list[V]]
 
-MODES = ("barrier", "mbarrier")
-HALVES = 2  # every buffer of the exchange is double: a use takes half phase % 2
-PHASES = 2 * HALVES  # a phase counts a loop's iterations modulo 4: half, then parity
+MODES = ("barrier", "mbarrier", "lagged")
+HALVES = 2  # the block's warp slots and, but lagged, the cluster slots: phase % 2
 
-# phase -> (half, parity) as the mbarrier wait derives them inside its instruction sequence
-# (from the pair's 32-bit shared address $0 and the i32 phase $1), so nothing but the phase
-# stays live while the wait spins: the same mapping as `half`, and parity = phase // 2.
-_HALF_AND_PARITY = (
-    "and.b32 offset, $1, 1;\n"  # half = phase % 2
-    "shl.b32 offset, offset, 3;\n"  # its mbarrier, 8 bytes each
-    "add.u32 bar, $0, offset;\n"
-    "shr.u32 parity, $1, 1;\n"  # parity = phase // 2: the half's use count, modulo 2
-)
+
+def _buffer_and_parity(buffers: int) -> str:
+    """phase -> (buffer, parity) as the mbarrier wait derives them inside its instruction
+    sequence (from the mbarriers' 32-bit shared address $0 and the i32 phase $1), so nothing
+    but the phase stays live while the wait spins: buffer = phase % buffers (as `buffer`),
+    parity = phase // buffers (the buffer's use count, modulo 2). `buffers`: 2 or 4."""
+    shift = buffers.bit_length() - 1
+    return (
+        f"and.b32 offset, $1, {buffers - 1};\n"
+        "shl.b32 offset, offset, 3;\n"  # its mbarrier, 8 bytes each
+        "add.u32 bar, $0, offset;\n"
+        f"shr.u32 parity, $1, {shift};\n"
+    )
 
 
 class ClusterExchange:
     """How the blocks of a cluster merge their block results of a row (see the module)."""
 
-    __slots__ = ("_k", "_mode")
+    __slots__ = ("_k", "_mode", "buffers")
 
     def __init__(self, k: Kernel, mode: str = "barrier"):
         if mode not in MODES:
-            raise ValueError(f"exchange must be 'barrier' or 'mbarrier', not {mode!r}")
-        if mode == "mbarrier" and k.cluster == 1:
-            raise ValueError("exchange='mbarrier' needs a kernel with clusters")
+            raise ValueError(f"exchange must be one of {MODES}, not {mode!r}")
+        if mode != "barrier" and k.cluster == 1:
+            raise ValueError(f"exchange={mode!r} needs a kernel with clusters")
         self._k, self._mode = k, mode
+        self.buffers = 4 if mode == "lagged" else HALVES  # cluster slot buffers (see module)
 
     @property
     def mode(self) -> str:
-        """The mode, "barrier" or "mbarrier" (fixed when the kernel is made)."""
+        """The mode, one of MODES (fixed when the kernel is made)."""
         return self._mode
 
     def __repr__(self) -> str:
@@ -110,7 +128,17 @@ class ClusterExchange:
 
     def next_phase(self, phase: V) -> V:
         """The phase of the iteration after the one of `phase`."""
-        return (phase + 1) % PHASES
+        return (phase + 1) % (2 * self.buffers)
+
+    def previous_phase(self, phase: V) -> V:
+        """The phase of the iteration before the one of `phase` (lagged: the row received)."""
+        phases = 2 * self.buffers
+        return (phase + (phases - 1)) % phases
+
+    def buffer(self, phase: V | None) -> V:
+        """The cluster slot buffer that the use of `phase` takes (i64): phase % buffers; 0
+        outside a loop (no phase)."""
+        return const(0, "i64") if phase is None else cast(phase % self.buffers, "i64")
 
     def half(self, phase: V | None) -> V:
         """The half of a double buffer that the use of `phase` takes (i64): phase % 2; 0
@@ -124,7 +152,7 @@ class ClusterExchange:
         itself; with mbarriers the slots alternate halves by `phase` (see the module)."""
         if self._k.cluster == 1:
             return reused, None
-        if self._mode == "mbarrier" and reused:
+        if self._mode != "barrier" and reused:
             return False, phase
         return False, None
 
@@ -149,13 +177,28 @@ class ClusterExchange:
         k = self._k
         if k.cluster == 1:
             raise ValueError("a cluster exchange needs a kernel with clusters")
+        if self._mode == "lagged":
+            raise ValueError("a lagged exchange is taken in two calls: send, then receive")
         lane = k.thread_id() if lane is None else lane
         slots = _Slots(self, len(state), phase)
         if self._mode == "mbarrier":
-            self._send_counted(state, phase, meanwhile, slots, lane)
+            bars = self._mbarriers()
+            self._send(state, slots, lane, bars)
+            if meanwhile is not None:
+                meanwhile()
+            self._wait(_live(state), phase, slots, bars)
         else:
             self._send_and_step(state, meanwhile, slots, lane)
         return slots.merge(state, merge)
+
+    def lagged(self, n: int) -> LaggedExchange:
+        """A lagged exchange of `n`-value row states at one place of a row loop: its slot
+        buffers and mbarriers, for its `send` and `receive` calls (see the module)."""
+        if self._mode != "lagged":
+            raise ValueError(f"send and receive are the lagged exchange's, not {self._mode!r}")
+        if self._k.cluster == 1:
+            raise ValueError("a cluster exchange needs a kernel with clusters")
+        return LaggedExchange(self, n)
 
     def _send_and_step(self, state, meanwhile, slots: _Slots, lane: V) -> None:
         """The "barrier" mode: remote stores, then the cluster barrier around `meanwhile`."""
@@ -174,41 +217,44 @@ class ClusterExchange:
             meanwhile()
         k.cluster_wait()
 
-    def _send_counted(self, state, phase, meanwhile, slots: _Slots, lane: V) -> None:
-        """The "mbarrier" mode: `st.async` into each block, counted by the receiving half's
-        mbarrier; then arrive (expecting every block's bytes) and wait for this half's parity."""
+    def _send(self, state: list[V], slots: _Slots, lane: V, bars: str) -> None:
+        """The mbarrier modes' send: `st.async` into each block (thread t of a row into block
+        t), counted by the receiving buffer's mbarrier (of the array `bars`)."""
         k = self._k
-        cluster = k.cluster
-        live = [j for j, v in enumerate(state) if isinstance(v, V)]
-        bars_name = self._mbarriers()
-        bar = get_llvm_ptr(k.shared_address(bars_name), slots.which, "i64")
+        bar = get_llvm_ptr(k.shared_address(bars), slots.which, "i64")
         rank = k.cluster_rank()
         k.ensure_cluster_started()
-        nbytes = cluster * len(live) * 4  # the row's state from every block
 
-        def publish() -> None:  # thread t of a row sends into block t
-            for j in live:
-                store_async(slots.slot(rank, j), state[j], bar, lane)
+        def publish() -> None:
+            for j, v in enumerate(state):
+                if isinstance(v, V):
+                    store_async(slots.slot(rank, j), v, bar, lane)
 
-        if_then(lane < cluster, publish)
-        if meanwhile is not None:
-            meanwhile()
+        if_then(lane < k.cluster, publish)
+
+    def _wait(self, live: int, phase: V | None, slots: _Slots, bars: str) -> None:
+        """The mbarrier modes' wait: arrive on the buffer's mbarrier expecting every block's
+        `live` values, then wait for its parity."""
+        k = self._k
+        bar = get_llvm_ptr(k.shared_address(bars), slots.which, "i64")
+        nbytes = k.cluster * live * 4  # the row's state from every block
         if_then(k.thread_id() < 1, lambda: arrive_expect_tx(bar, nbytes))
         if phase is None:
             wait_parity(bar, 0)
-        else:  # bar and parity rederived from phase: nothing extra held across `meanwhile`
-            wait_parity_derived(k.shared_address(bars_name), phase, _HALF_AND_PARITY)
+        else:  # bar and parity rederived from phase: nothing extra held across the wait
+            derive = _buffer_and_parity(self.buffers)
+            wait_parity_derived(k.shared_address(bars), phase, derive)
 
     def _mbarriers(self) -> str:
-        """A fresh pair of mbarriers (one per half, one arrival a phase), initialised at
-        cluster start; returns the shared array's name."""
+        """Fresh mbarriers for one place of the exchange (one per buffer, one arrival a
+        phase), initialised at cluster start; the shared array's name."""
         k = self._k
-        name = k.shared_array(HALVES, "i64")
+        name = k.shared_array(self.buffers, "i64")
         with k.at_cluster_start():  # initialised before the block announces it has started
 
             def init() -> None:
                 bars = k.shared_address(name)
-                for h in range(HALVES):
+                for h in range(self.buffers):
                     mbarrier_init(get_llvm_ptr(bars, h, "i64"), 1)
                 fence_mbarrier_init()
 
@@ -216,16 +262,62 @@ class ClusterExchange:
         return name
 
 
+def _live(state: list[V]) -> int:
+    """How many values of a state are sent (Python floats are the same in every block)."""
+    return sum(isinstance(v, V) for v in state)
+
+
+class LaggedExchange:
+    """One place of a lagged exchange in a row loop (ClusterExchange.lagged): its buffers and
+    mbarriers, shared by the `send` of each row and the `receive` of it a row later."""
+
+    def __init__(self, ex: ClusterExchange, n: int):
+        k = ex._k
+        self.ex, self.n = ex, n
+        self.buffer = k.shared(ex.buffers * k.cluster * n)
+        self.bars = ex._mbarriers()
+
+    def send(self, state: list[V], phase: V, lane: V | None = None) -> None:
+        """Send this row's block result (as ClusterExchange.reduce) to the cluster's blocks
+        and return without waiting; `receive` with the same phase takes the row's result,
+        after the next row's `send`."""
+        self._check(state)
+        lane = self.ex._k.thread_id() if lane is None else lane
+        self.ex._send(state, _Slots(self.ex, self.n, phase, self.buffer), lane, self.bars)
+
+    def receive(self, state: list[V], phase: V, merge: Merge, sent: V | None = None) -> list[V]:
+        """Wait for the row sent with `phase` and merge its states in rank order. `state`: the
+        values sent then, or any list of the same kinds (only which entries are Python
+        floats, never sent, matters; those are taken as they are). `sent` (i1, the same in
+        the whole block): whether that row was sent at all; where not, nothing is waited for
+        and the merge reads whatever the slots hold (the caller discards it)."""
+        self._check(state)
+        slots = _Slots(self.ex, self.n, phase, self.buffer)
+
+        def wait() -> None:
+            self.ex._wait(_live(state), phase, slots, self.bars)
+
+        if sent is None:
+            wait()
+        else:
+            if_then(sent, wait)
+        return slots.merge(state, merge)
+
+    def _check(self, state: list[V]) -> None:
+        if len(state) != self.n:
+            raise ValueError(f"this exchange carries {self.n} values a row, not {len(state)}")
+
+
 class _Slots:
     """One exchange's buffer in each block: [half][rank][value] f32, and the half this use
     takes."""
 
-    def __init__(self, ex: ClusterExchange, n: int, phase: V | None):
+    def __init__(self, ex: ClusterExchange, n: int, phase: V | None, buffer: V | None = None):
         k = ex._k
         self.n, self.cluster = n, k.cluster
         size = k.cluster * n
-        self.buffer = k.shared(HALVES * size)
-        self.which = ex.half(phase)
+        self.buffer = k.shared(ex.buffers * size) if buffer is None else buffer
+        self.which = ex.buffer(phase)
         self.base = self.which * size
 
     def slot(self, rank: V | int, j: int) -> V:

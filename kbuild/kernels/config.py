@@ -188,6 +188,11 @@ def _single_block(
     if threads_per_row is not None:
         if threads_per_row % warp_size and threads_per_row > warp_size or threads_per_row < 1:
             raise ValueError(f"threads_per_row must be a multiple of {warp_size} or below it")
+        if threads_per_row > MAX_THREADS:
+            raise ValueError(
+                f"threads_per_row must be at most {MAX_THREADS} (a block's threads), "
+                f"not {threads_per_row}"
+            )
         iters = -(-nv // threads_per_row)
         if fits(threads_per_row, iters):
             return _pack(N, vec, threads_per_row, iters, False)

@@ -26,6 +26,7 @@ from ..dsl import (
     to_f32,
     wait_async,
 )
+from ..dsl.exchange import LaggedExchange
 from ..dsl.values import scalar_type, vector_type
 from ..dtypes import ELEMENT_BYTES
 from .config import RowConfig
@@ -240,12 +241,41 @@ class RowTile:
         need the result, runs while the exchange waits for the other blocks (without a
         cluster: after the row's reduction).
         """
-        c = self.cfg
-        clustered = c.cluster > 1
+        clustered = self.cfg.cluster > 1
         if clustered and reused and phase is None:
             raise ValueError("a cluster row reduction inside a loop needs its phase")
-        exchange = self.k.exchange
-        block_reused, block_phase = exchange.block_slots(reused, phase)
+        out = self._block_reduce(state, merge, reused, phase)
+        if clustered:
+            out = self.k.exchange.reduce(out, phase, merge, meanwhile, self.lane)
+            self._mark("cluster")
+            return out
+        if meanwhile is not None:
+            meanwhile()
+        return out
+
+    def send_sum(self, lag: LaggedExchange, *per_thread: V, phase: V) -> list[V]:
+        """A lagged cluster row sum in a row loop, first half: the block's totals of the
+        per-thread partials, sent to the cluster's blocks (dsl.exchange, "lagged"); returns
+        them. `receive_sum` with the same phase, a row later, takes the row's totals."""
+        out = self._block_reduce(list(per_thread), add, True, phase)
+        lag.send(out, phase, self.lane)
+        return out
+
+    def receive_sum(
+        self, lag: LaggedExchange, sent: list[V], phase: V, when: V | None = None
+    ) -> list[V]:
+        """The second half of `send_sum`: the row totals of the row sent with `phase` (`sent`:
+        what send_sum returned then, or a list of the same kinds). `when` (block-uniform
+        i1): whether that row was sent; where not, the totals are garbage, not waited for."""
+        out = lag.receive(sent, phase, add, when)
+        self._mark("cluster")
+        return out
+
+    def _block_reduce(self, state: list[V], merge, reused: bool, phase: V | None) -> list[V]:
+        """dsl.row_reduce over the block's threads of the row, its warp slots reused as the
+        kernel's exchange says."""
+        c = self.cfg
+        block_reused, block_phase = self.k.exchange.block_slots(reused, phase)
         out = row_reduce(
             self.k,
             state,
@@ -256,17 +286,12 @@ class RowTile:
             merge,
             block_phase,
         )
-        trace = self.k.trace
-        if trace is not None:
-            trace.mark("block")
-        if clustered:
-            out = exchange.reduce(out, phase, merge, meanwhile, self.lane)
-            if trace is not None:
-                trace.mark("cluster")
-            return out
-        if meanwhile is not None:
-            meanwhile()
+        self._mark("block")
         return out
+
+    def _mark(self, point: str) -> None:
+        if self.k.trace is not None:
+            self.k.trace.mark(point)
 
 
 STATIC_SHARED_BYTES = 40 * 1024  # with the row sums' slots, under the 48 KB static limit

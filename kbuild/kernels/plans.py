@@ -31,7 +31,7 @@ from .config import (
     choose_row_config,
 )
 
-EXCHANGES = ("barrier", "mbarrier")  # dsl.exchange.MODES (which imports MLIR)
+EXCHANGES = ("barrier", "mbarrier", "lagged")  # dsl.exchange.MODES (which imports MLIR)
 RESIDENT = (None, False, "registers")  # resident_params: chooser, read per row, held
 SHARED_SLACK = 4 * 1024  # room kept for the row sums' slots and the like
 # Largest shared-memory partials, leaving room for the row sums' slots: 128 KB, or less where
@@ -194,6 +194,8 @@ def plan_forward(
     # also wait for the block's earlier stores to complete (H200, bf16, N = 65536: LayerNorm
     # 80-83% -> 83-86% of copy, fused add + RMSNorm 92% -> 99%; h200_tune_mbarrier*.json,
     # h200_tune_exchange*.json).
+    if cluster_sync == "lagged":
+        raise ValueError("cluster_sync='lagged' is the backward's (staged rows); not forward")
     exchange = cluster_exchange(cluster_sync, row, "mbarrier", target.warp_size)
     return ForwardPlan(row, persistent, stage, resident_params, blocks_per_sm, exchange)
 
@@ -254,6 +256,29 @@ def plan_backward(
     ahead = plain_rms and target.vendor == "nvidia" and row.cluster == 1 and row.block >= 1024
     ahead = ahead and row.iters <= 2
     ahead = ahead and not row.chunked and n_partials > 0
+    # Plain RMSNorm rows split over a cluster of 512-thread blocks at two vectors a thread
+    # (bf16 N = 65536): one block an SM with its dw partials in registers, rows staged two
+    # groups ahead, and the row sums exchanged a row late (dsl.exchange, "lagged"), so their
+    # latency is spent on the next row. H200, kernel alone with its column sum: 84% of copy
+    # -> 87-93% (h200_tune_lagged_s12.json; 88% without the lag). LayerNorm's rows, with
+    # twice the work a row, lose with it (78% -> 60-73%): one block an SM then has no
+    # slack for the cluster's slowest block, and the exchange adds no overlap.
+    if (
+        plain_rms
+        and n_partials
+        and cluster_sync in (None, "lagged")
+        and row.cluster > 1
+        and row.block == 512
+        and row.iters == 2
+        and row.exact
+        and io == "bf16"  # as measured (f16 rows widen to fp32 copies: 128 registers)
+        and target.vendor == "nvidia"
+        and target.async_copy
+    ):
+        shared_partials = False if shared_partials is None else shared_partials
+        blocks_per_sm = 1 if blocks_per_sm is None else blocks_per_sm
+        stage = 2 if stage is None else stage
+        cluster_sync = cluster_sync or "lagged"
     if shared_partials is None:
         wanted = p.has_dres or row.cluster > 1 or ahead
     else:
@@ -359,6 +384,8 @@ def plan_backward(
     # fused backward's staged rows keep the cluster barrier (95% against 88%).
     preferred = "barrier" if stage and p.has_dres else "mbarrier"
     exchange = cluster_exchange(cluster_sync, row, preferred, target.warp_size)
+    if exchange == "lagged" and not stage:
+        raise ValueError(f"cluster_sync='lagged' needs staged rows (stage >= 1), not stage={stage}")
     choices = (prefetch, prefetch_l2, shared_partials, stage, resident_params, blocks_per_sm)
     return BackwardPlan(row, *choices, exchange)
 
@@ -374,14 +401,14 @@ def cluster_exchange(
     next row's reduction (dsl.row_reduce), which rows of one warp or less do not have: those
     keep the cluster barrier (only forced tuning shapes split such rows over a cluster)."""
     if cluster_sync is not None and cluster_sync not in EXCHANGES:
-        raise ValueError(f"cluster_sync must be 'barrier' or 'mbarrier', not {cluster_sync!r}")
+        raise ValueError(f"cluster_sync must be one of {EXCHANGES}, not {cluster_sync!r}")
     if cluster_sync is not None and row.cluster == 1:
         raise ValueError(f"cluster_sync={cluster_sync!r} needs rows split over a cluster")
     within_warp = row.threads_per_row <= warp_size
-    if cluster_sync == "mbarrier" and within_warp:
+    if cluster_sync in ("mbarrier", "lagged") and within_warp:
         raise ValueError(
-            f"cluster_sync='mbarrier' needs rows of more than {warp_size} threads (a block "
-            f"barrier per row); these rows take {row.threads_per_row}"
+            f"cluster_sync={cluster_sync!r} needs rows of more than {warp_size} threads (a "
+            f"block barrier per row); these rows take {row.threads_per_row}"
         )
     if row.cluster == 1:
         return None
