@@ -290,7 +290,11 @@ def _tune() -> Iterator[KernelSpec]:
         2048: (dict(rows_per_block=4),),
         4096: (),
         8192: (),
-        16384: (dict(cluster=4, threads_per_row=512), dict(cluster=8, threads_per_row=256)),
+        16384: (
+            dict(cluster=4, threads_per_row=512),
+            dict(cluster=8, threads_per_row=256),
+            dict(shared_partials=False, blocks_per_sm=1, stage=2),
+        ),
         65536: (
             dict(shared_partials=False, blocks_per_sm=1, stage=2),
             dict(shared_partials=False, blocks_per_sm=1, stage=2, cluster_sync="lagged"),

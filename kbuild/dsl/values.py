@@ -187,7 +187,7 @@ def to_f32(v: V) -> V:
     return cast(v, "f32")
 
 
-def rewiden(v: V) -> V:
+def rewiden(v: V, by_words: bool = False) -> V:
     """Widen to fp32 a second time, in a form compilers do not merge with `to_f32`.
 
     A kernel that needs a row twice (statistics, then output) would otherwise get one fp32
@@ -195,10 +195,26 @@ def rewiden(v: V) -> V:
     here by moving its bits into the top half of an fp32 word (exact: a bf16 is a truncated
     fp32), so the raw row stays packed two to a register until its second use. Other dtypes
     widen as usual.
+
+    `by_words` (vectors of an even width): straight from the packed 32-bit words, the low
+    value shifted up and the high one masked, one integer op a value; the default goes
+    through 16-bit halves (an unpack, a zero-extension and a shift), which some kernels at
+    a register cap allocate better (the RMSNorm forward and backward rows that the
+    word form made spill 4-8 bytes).
     """
     element = v.type.element_type if isinstance(v.type, ir.VectorType) else v.type
     if not isinstance(element, ir.BF16Type):
         return cast(v, "f32")
+    if by_words and v.width % 2 == 0:
+        i32 = ir.IntegerType.get_signless(32)
+        words_type = ir.VectorType.get([v.width // 2], i32)
+        words = vector.bitcast(words_type, v.value)
+        low = arith.shli(words, const(16, words_type).value)
+        high = arith.andi(words, const(-65536, words_type).value)
+        half = v.width // 2
+        order = [j for i in range(half) for j in (i, half + i)]  # low, high of each word
+        both = vector.shuffle(low, high, order)
+        return V(arith.bitcast(ir.VectorType.get([v.width], ir.F32Type.get()), both))
     shape = [v.width] if v.width > 1 else None
 
     def typ(t: ir.Type) -> ir.Type:
@@ -269,6 +285,28 @@ def i32(v: V | int) -> V:
 
 def rsqrt(v: V) -> V:
     return V(math.rsqrt(v.value))
+
+
+def fma(a: V, b: V | float, c: V | float) -> V:
+    """a * b + c rounded once (fma.rn): one instruction where a multiply and an add take two
+    (the arith ops lower to mul.rn and add.rn, which ptxas never contracts). Scalars of b
+    and c broadcast over a vector a."""
+    a_, b_ = a._coerce(b)
+    _, c_ = V(a_)._coerce(c)
+    return V(math.fma(a_, b_, c_))
+
+
+def dot(a: V, b: V, start: V | float = 0.0) -> V:
+    """start + sum of a[i] * b[i] over the lanes, in lane order, one fma a lane (the order
+    `start + hsum(a * b)` adds in, with the products not rounded on their own)."""
+    total = start if isinstance(start, V) else const(start, _element_type(a.type))
+    if a.width == 1:
+        return fma(a, b, total)
+    for i in range(a.width):
+        lane_a = V(vector.extract(a.value, [], [i]))
+        lane_b = V(vector.extract(b.value, [], [i]))
+        total = fma(lane_a, lane_b, total)
+    return total
 
 
 def select(cond: V, a: V, b: V | float) -> V:

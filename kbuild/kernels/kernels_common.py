@@ -520,6 +520,6 @@ def widen(values: list[V]) -> list[V]:
     return [to_f32(v) for v in values]
 
 
-def rewiden_all(values: list[V]) -> list[V]:
+def rewiden_all(values: list[V], by_words: bool = False) -> list[V]:
     """Widen raw row values a second time without an fp32 copy kept alive (dsl.rewiden)."""
-    return [rewiden(v) for v in values]
+    return [rewiden(v, by_words) for v in values]

@@ -33,7 +33,9 @@ registers.
 
 from __future__ import annotations
 
-from ..dsl import Kernel, V, const, hsum, loop, opaque, select
+import functools
+
+from ..dsl import Kernel, V, const, dot, fma, hsum, loop, opaque, select
 from ..dsl.trace import Trace
 from ..dsl.values import vector_type
 from ..targets import Target
@@ -91,6 +93,13 @@ def build_norm_backward(
         slot = first_group  # its workspace row: one per cluster (block)
         zero_vec = const(0.0, vector_type("f32", cfg.vec) if cfg.vec > 1 else "f32")
         inv_n = 1.0 / p.N
+        # LayerNorm's row math in fused multiply-adds where they round less, never more
+        # (the row sums, dx, dw) and its second widening from packed words (dsl.rewiden):
+        # fewer instructions a value for its heavier rows. RMSNorm keeps separate multiplies
+        # and adds: its rows already run at 88-98% of copy, and its 1024-thread rows at the
+        # 64-register cap (N = 16384) spill 44-52 bytes with fma.
+        fused = p.center
+        rewidened = functools.partial(rewiden_all, by_words=fused)  # LayerNorm's: dsl.rewiden
         # Arrays whose next rows are asked into L2 a step ahead (`prefetch_l2`); a strided
         # x's row group is not one contiguous range.
         ahead = [(x_ptr, p.x_dtype)] if x_rows is None else []
@@ -111,6 +120,8 @@ def build_norm_backward(
             with different widenings, so only the packed raw row stays live across the sum."""
             mean, rstd = stats
             xs = widen_fn(x)
+            # (x - mean) * rstd, not x * rstd - mean * rstd in one fma: where x is near a
+            # large mean that cancels to the rounding error of mean * rstd, not to ~0.
             x_hat = [(v - mean) * rstd for v in xs] if p.center else [v * rstd for v in xs]
             wdy = widen_fn(dy)
             if w is not None:
@@ -122,19 +133,22 @@ def build_norm_backward(
 
         def sums(x_hat: list[V], wdy: list[V]) -> list[V]:
             """Per-thread partials of sum(wdy * x_hat) (and sum(wdy) for LayerNorm)."""
-            dot, total = const(0.0), const(0.0)
+            products, total = const(0.0), const(0.0)
             for a, b in zip(x_hat, wdy, strict=True):
-                dot = dot + hsum(a * b)
+                products = dot(a, b, products) if fused else products + hsum(a * b)
                 total = total + hsum(b)
-            return [dot, total] if p.center else [dot]
+            return [products, total] if p.center else [products]
 
         def write_dx(t, x_hat, wdy, row_sums, rstd, start: V | int = 0) -> None:
-            c2 = row_sums[0] * inv_n
-            dx = [g - xh * c2 for g, xh in zip(wdy, x_hat, strict=True)]
-            if p.center:
+            # (wdy - x_hat * c2 - c1) * rstd; LayerNorm's with one fma (see `fused`). The
+            # difference wdy - c1 is taken first, exactly 0 where the two agree (N = 1).
+            if fused:
+                c2 = -(row_sums[0] * inv_n)
                 c1 = row_sums[1] * inv_n
-                dx = [d - c1 for d in dx]
-            dx = [d * rstd for d in dx]
+                dx = [fma(xh, c2, g - c1) * rstd for g, xh in zip(wdy, x_hat, strict=True)]
+            else:
+                c2 = row_sums[0] * inv_n
+                dx = [(g - xh * c2) * rstd for g, xh in zip(wdy, x_hat, strict=True)]
             if dres_ptr is not None:
                 dres = widen(t.load(dres_ptr, p.x_dtype, start))
                 dx = [a + b for a, b in zip(dx, dres, strict=True)]
@@ -142,14 +156,18 @@ def build_norm_backward(
             if dres_out_ptr is not None:  # the fp32 residual stream's own gradient, unrounded
                 t.store(dres_out_ptr, dx, p.dres_dtype, start)
 
-        def partial_terms(t: RowTile, dy_raw: list[V], x_hat: list[V]) -> list[list[V]]:
-            """This row's contribution to each partial (dw: dy * x_hat; db: dy)."""
-            dy = rewiden_all(dy_raw)
+        def row_terms(t: RowTile, dy_raw: list[V], x_hat: list[V]) -> list:
+            """Per partial, how this row adds to its vector i: f(i, old) -> new (dw += dy *
+            x_hat, one fma; db += dy). Applied a vector at a time, so partials in shared
+            memory are read and written back one by one."""
+            dy = rewidened(dy_raw)
             out = []
-            if dw_ptr is not None:
-                out.append([d * xh for d, xh in zip(dy, x_hat, strict=True)])
+            if dw_ptr is not None and fused:
+                out.append(lambda i, old: fma(dy[i], x_hat[i], old))
+            elif dw_ptr is not None:
+                out.append(lambda i, old: old + dy[i] * x_hat[i])
             if db_ptr is not None:  # a row past M contributes nothing (x_hat is 0 there)
-                out.append([select(t.valid, d, 0.0) for d in dy])
+                out.append(lambda i, old: old + select(t.valid, dy[i], 0.0))
             return out
 
         def row_stats(g: V) -> tuple[RowTile, tuple[V, V]]:
@@ -198,13 +216,16 @@ def build_norm_backward(
                         put(j, i, zero_vec)
 
             def add_partials(t: RowTile, dy: list[V], x_hat: list[V], acc: list[V]) -> list[V]:
-                """This row's dw/db terms added to the partials (they need no row sums)."""
-                new = [v for terms_ in partial_terms(t, dy, x_hat) for v in terms_]
-                if shared_partials:
-                    for index, d in enumerate(new):
-                        put(*divmod(index, n), get(*divmod(index, n)) + d)
-                    return acc
-                return [a + d for a, d in zip(acc, new, strict=True)]
+                """This row's dw/db terms added to the partials (they need no row sums): in
+                shared memory (returns `acc` as it is), or the register partials `acc`."""
+                acc = list(acc)
+                for j, add_row in enumerate(row_terms(t, dy, x_hat)):
+                    for i in range(n):
+                        if shared_partials:
+                            put(j, i, add_row(i, get(j, i)))
+                        else:
+                            acc[j * n + i] = add_row(i, acc[j * n + i])
+                return acc
 
             def lagged_rows(init: list[V]) -> list[V]:
                 """Staged rows with the lagged exchange (dsl.exchange): each step sends its
@@ -230,7 +251,7 @@ def build_norm_backward(
                     stats = (carried[2 * n] if p.center else None, carried[2 * n + 1])
                     sent = [const(0.0)] * lag.n
                     row_sums = t.receive_sum(lag, sent, phase, when=g < walk.count)
-                    x_hat, wdy = terms(x, dy, weight(t), stats, rewiden_all)
+                    x_hat, wdy = terms(x, dy, weight(t), stats, rewidened)
                     write_dx(t, x_hat, wdy, row_sums, stats[1])
                     return add_partials(t, dy, x_hat, acc)
 
@@ -273,12 +294,7 @@ def build_norm_backward(
 
                 def accumulate(x_hat: list[V]) -> None:
                     """This row's dw/db terms: they do not need the row sums."""
-                    new = [v for terms_ in partial_terms(t, dy, x_hat) for v in terms_]
-                    if shared_partials:
-                        for index, d in enumerate(new):
-                            put(*divmod(index, n), get(*divmod(index, n)) + d)
-                    else:
-                        acc[:] = [a + d for a, d in zip(acc, new, strict=True)]
+                    acc[:] = add_partials(t, dy, x_hat, acc)
 
                 if C > 1:
                     # Split over a cluster: x_hat and the accumulation fill the wait for the
@@ -286,14 +302,14 @@ def build_norm_backward(
                     done = []
 
                     def meanwhile() -> None:
-                        done.extend(terms(x, dy, w, stats, rewiden_all))
+                        done.extend(terms(x, dy, w, stats, rewidened))
                         accumulate(done[0])
 
                     row_sums = t.sum(*row_state, reused=True, phase=phase, meanwhile=meanwhile)
                     write_dx(t, *done, row_sums, stats[1])
                 else:  # one block: dx first, so fewer values stay live across the barrier
                     row_sums = t.sum(*row_state, reused=True)
-                    x_hat, wdy = terms(x, dy, w, stats, rewiden_all)
+                    x_hat, wdy = terms(x, dy, w, stats, rewidened)
                     write_dx(t, x_hat, wdy, row_sums, stats[1])
                     accumulate(x_hat)
                 return acc
@@ -365,9 +381,9 @@ def build_norm_backward(
                     x, dy, w = loads(t, start)
                     x_hat, wdy = terms(x, dy, w, stats, widen)
                     write_dx(t, x_hat, wdy, row_sums, stats[1], start)
-                    for ptr, new in zip(partials, partial_terms(t, dy, x_hat), strict=True):
+                    for ptr, add_row in zip(partials, row_terms(t, dy, x_hat), strict=True):
                         old = t.load_row(ptr, slot, "f32", start)
-                        summed = [a + d for a, d in zip(old, new, strict=True)]
+                        summed = [add_row(i, v) for i, v in enumerate(old)]
                         t.store_row(ptr, slot, summed, "f32", start)
 
                 chunked(finish)
