@@ -181,7 +181,8 @@ def rmsnorm_reference(
     rstd = torch.rsqrt(xf.square().mean(-1) + eps)
     y = xf * rstd.unsqueeze(-1)
     if weight is not None:
-        y = y * (weight.float() + offset)
+        w = weight.float()
+        y = y * (w + offset if offset else w)  # no add of 0 in a traced graph (torch.compile)
     return y.to(x.dtype), rstd
 
 
