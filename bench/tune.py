@@ -118,10 +118,11 @@ def _error(spec, t: dict[str, torch.Tensor]) -> float | None:
         if "mean" in f:
             g = g - wdy.mean(-1, keepdim=True)
         ref, out = g * rstd, f["dx"]
-        if "workspace" in t:  # dw (and db): the sums of the workspace's partial rows
-            planes = t["workspace"].sum(1)
-            sums = [(f["dy"] * x_hat).sum(0), f["dy"].sum(0)][: len(planes)]
-            errors = [_relative(p, r) for p, r in zip(planes, sums, strict=True)]
+        if "workspace" in t:  # dw and/or db: the sums of the workspace's partial rows
+            references = {"dw_partial": (f["dy"] * x_hat).sum(0), "db_partial": f["dy"].sum(0)}
+            planes = [n for n in t if n.endswith("_partial")]  # in the workspace's order
+            sums = t["workspace"].sum(1)
+            errors = [_relative(s, references[n]) for n, s in zip(planes, sums, strict=True)]
             return max([_relative(out, ref)] + errors)
     else:
         return None

@@ -97,6 +97,36 @@ def test_lagged_exchange_waits_for_the_row_before_after_sending_this_one():
     assert _count(unlagged, r"and\.b32 offset, %r\d+, 1;") == 1
 
 
+def test_lagged_rows_receive_the_row_before_under_a_guard(monkeypatch):
+    # What the PTX counts above cannot see: the loop's receive must take the phase carried
+    # from the iteration before (the row sent then), not this iteration's (which would wait
+    # for a row not yet sent by the slowest peer and read it as the row before's), and both
+    # receives must be guarded: the row before the first was never sent, and an unguarded
+    # wait would complete buffer 0's first phase with it, leaving every later wait one
+    # phase behind.
+    from kbuild.dsl.exchange import LaggedExchange
+
+    calls = []
+    send, receive = LaggedExchange.send, LaggedExchange.receive
+
+    def record_send(self, state, phase, lane=None):
+        calls.append(("send", phase, None))
+        return send(self, state, phase, lane)
+
+    def record_receive(self, state, phase, merge, sent=None):
+        calls.append(("receive", phase, sent))
+        return receive(self, state, phase, merge, sent)
+
+    monkeypatch.setattr(LaggedExchange, "send", record_send)
+    monkeypatch.setattr(LaggedExchange, "receive", record_receive)
+    compiler.build(_spec("rmsnorm_bwd", 65536), target_for_arch("sm_90"))
+    assert [c[0] for c in calls] == ["send", "receive", "receive"]  # loop body, epilogue
+    (_, sent_phase, _), (_, loop_phase, loop_guard), (_, last_phase, last_guard) = calls
+    assert loop_guard is not None and last_guard is not None
+    assert loop_phase.value != sent_phase.value
+    assert last_phase.value != sent_phase.value  # the loop's result, not a value inside it
+
+
 def test_lagged_exchange_is_taken_in_two_calls():
     from kbuild.dsl import Kernel, const
 
@@ -107,6 +137,21 @@ def test_lagged_exchange_is_taken_in_two_calls():
     k = Kernel("probe2", target, block=256, cluster=2, exchange="mbarrier")
     with k, pytest.raises(ValueError, match="send and receive are the lagged exchange's"):
         k.exchange.lagged(1)
+    # A lagged row sends every value (a receive counts on their bytes): no Python floats.
+    k = Kernel("probe3", target, block=256, cluster=2, exchange="lagged")
+    with k, pytest.raises(ValueError, match="sends 2 values a row"):
+        k.exchange.lagged(2).send([const(1.0), 0.0], const(0, "i32"))
+
+
+def test_layernorm_backward_alone_uses_fma_and_word_widening():
+    # LayerNorm's backward: fma for its sums, dx and dw, and the second widening from packed
+    # words (the mask of a word's high bf16); RMSNorm's and the fused add's keep separate
+    # multiplies and adds (fma spilled their 1024-thread rows) and the 16-bit widening.
+    ln = _ptx(_spec("layernorm_bwd", 65536))
+    assert _count(ln, r"fma\.rn\.f32") >= 32 and _count(ln, r"and\.b32\s+%r\d+, %r\d+, -65536;") > 0
+    for kernel in ("rmsnorm_bwd", "fused_add_rmsnorm_bwd"):
+        ptx = _ptx(_spec(kernel, 65536))
+        assert "fma.rn.f32" not in ptx and "-65536" not in ptx
 
 
 def test_barrier_exchange_steps_the_cluster_each_row():

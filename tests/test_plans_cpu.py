@@ -311,6 +311,12 @@ layernorm_bwd 65536 sm_90 resident_params=False | 512t 2x8 c8 stage1 shared min2
 fused_bwd 16384 sm_90 prefetch_l2=True | 1024t 2x8 stage1 prefetch_l2 shared min1
 fused_bwd 65536 sm_90 stage=0 | 512t 2x8 c8 shared min2 mbarrier
 fused_bwd 65536 sm_90 cluster_sync='mbarrier' | 512t 2x8 c8 stage1 shared min2 mbarrier
+# RMSNorm's lagged rows at 65536 (one block an SM, staged) give way to a forced field that
+# rules them out: the two-block plan they replaced (with 2 blocks an SM they spilled 216 B).
+rmsnorm_bwd 65536 sm_90 stage=0 | 512t 2x8 c8 prefetch_l2 shared held min2 mbarrier
+rmsnorm_bwd 65536 sm_90 prefetch=True | 512t 2x8 c8 prefetch shared held min2 mbarrier
+rmsnorm_bwd 65536 sm_90 blocks_per_sm=2 | 512t 2x8 c8 prefetch_l2 shared held min2 mbarrier
+rmsnorm_bwd 65536 sm_90 stage=1 | 512t 2x8 c8 stage1 prefetch_l2 held min1 lagged
 # Several rows per block: the register cap follows the bigger block.
 rmsnorm_bwd 1024 sm_90 rows_per_block=4 | 128t 1x8 r4 prefetch min2
 layernorm_bwd 2048 sm_90 rows_per_block=4 | 128t 2x8 r4 prefetch

@@ -130,11 +130,6 @@ class ClusterExchange:
         """The phase of the iteration after the one of `phase`."""
         return (phase + 1) % (2 * self.buffers)
 
-    def previous_phase(self, phase: V) -> V:
-        """The phase of the iteration before the one of `phase` (lagged: the row received)."""
-        phases = 2 * self.buffers
-        return (phase + (phases - 1)) % phases
-
     def buffer(self, phase: V | None) -> V:
         """The cluster slot buffer that the use of `phase` takes (i64): phase % buffers; 0
         outside a loop (no phase)."""
@@ -287,10 +282,12 @@ class LaggedExchange:
 
     def receive(self, state: list[V], phase: V, merge: Merge, sent: V | None = None) -> list[V]:
         """Wait for the row sent with `phase` and merge its states in rank order. `state`: the
-        values sent then, or any list of the same kinds (only which entries are Python
-        floats, never sent, matters; those are taken as they are). `sent` (i1, the same in
-        the whole block): whether that row was sent at all; where not, nothing is waited for
-        and the merge reads whatever the slots hold (the caller discards it)."""
+        values sent then, or any list of as many values (its entries are not read). `sent`
+        (i1, the same in the whole block): whether that row was sent at all; where not,
+        nothing is waited for and the merge reads whatever the slots hold, which the caller
+        must discard (the backward's row before the first: its stores are off and its terms
+        zero). Those reads may meet a peer's st.async of the first row landing in the same
+        slots: harmless for values that are thrown away."""
         self._check(state)
         slots = _Slots(self.ex, self.n, phase, self.buffer)
 
@@ -304,12 +301,13 @@ class LaggedExchange:
         return slots.merge(state, merge)
 
     def _check(self, state: list[V]) -> None:
-        if len(state) != self.n:
-            raise ValueError(f"this exchange carries {self.n} values a row, not {len(state)}")
+        """Every row sends all n values (the bytes a receive waits for count on it)."""
+        if len(state) != self.n or not all(isinstance(v, V) for v in state):
+            raise ValueError(f"a lagged exchange sends {self.n} values a row, got {state!r}")
 
 
 class _Slots:
-    """One exchange's buffer in each block: [half][rank][value] f32, and the half this use
+    """One exchange's buffer in each block: [buffer][rank][value] f32, and the buffer this use
     takes."""
 
     def __init__(self, ex: ClusterExchange, n: int, phase: V | None, buffer: V | None = None):

@@ -297,8 +297,8 @@ def fma(a: V, b: V | float, c: V | float) -> V:
 
 
 def dot(a: V, b: V, start: V | float = 0.0) -> V:
-    """start + sum of a[i] * b[i] over the lanes, in lane order, one fma a lane (the order
-    `start + hsum(a * b)` adds in, with the products not rounded on their own)."""
+    """((start + a[0] * b[0]) + a[1] * b[1]) + ...: the lanes in order, one fma each (the
+    products are not rounded on their own)."""
     total = start if isinstance(start, V) else const(start, _element_type(a.type))
     if a.width == 1:
         return fma(a, b, total)

@@ -263,10 +263,15 @@ def plan_backward(
     # -> 87-93% (h200_tune_lagged_s12.json; 88% without the lag). LayerNorm's rows, with
     # twice the work a row, lose with it (78% -> 60-73%): one block an SM then has no
     # slack for the cluster's slowest block, and the exchange adds no overlap.
+    # Not where a forced field rules the plan out (unstaged rows, a register prefetch, two
+    # blocks an SM: 216 bytes of spills).
     if (
         plain_rms
         and n_partials
         and cluster_sync in (None, "lagged")
+        and stage != 0
+        and not prefetch
+        and blocks_per_sm in (None, 1)
         and row.cluster > 1
         and row.block == 512
         and row.iters == 2
