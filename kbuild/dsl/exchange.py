@@ -51,6 +51,8 @@ count modulo 2 * `buffers` (4, or 8 lagged), an i32 that RowGroups carries from
   same order keeps row r + 4's bytes off a buffer's mbarrier until its phase of row r has
   completed (a peer sends row r + 2 only after it has received row r). The block's warp
   slots still alternate halves: a row's block reduction is done within its own step.
+  tests/test_lagged_protocol_cpu.py runs a model of this under random interleavings (three
+  buffers fail it).
 - The mbarriers are initialised before the block announces it has started (at cluster
   start, then `fence.mbarrier_init`), and no block stores into another before every block
   has started (Kernel.ensure_cluster_started).
