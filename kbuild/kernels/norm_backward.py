@@ -24,7 +24,8 @@ row's loads are issued before the current row's sum where registers allow (prefe
 Rows too long for one block are split over a cluster of blocks where the target has them:
 the persistent loop runs over clusters, each block holds its slice of the row, and the row
 sums are merged through distributed shared memory (mbarrier exchanges, or a cluster barrier
-for the fused backward's staged rows: dsl.exchange). Elsewhere such rows are walked in
+for the fused backward's staged rows, or for plain RMSNorm's 8 x 512-thread rows a lagged
+exchange whose sums are taken a row later: dsl.exchange). Elsewhere such rows are walked in
 chunks, twice, with the partial rows read and written in the workspace instead (it stays in
 L2). The fused backward's longest rows and LayerNorm's rows split over 512-thread blocks copy
 the next row's x and dy into shared memory ahead (`RowStage`) instead of prefetching into
