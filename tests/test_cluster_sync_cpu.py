@@ -113,9 +113,9 @@ def test_lagged_rows_receive_the_row_before_under_a_guard(monkeypatch):
         calls.append(("send", phase, None))
         return send(self, state, phase, lane)
 
-    def record_receive(self, state, phase, merge, sent=None):
+    def record_receive(self, phase, merge, sent=None):
         calls.append(("receive", phase, sent))
-        return receive(self, state, phase, merge, sent)
+        return receive(self, phase, merge, sent)
 
     monkeypatch.setattr(LaggedExchange, "send", record_send)
     monkeypatch.setattr(LaggedExchange, "receive", record_receive)

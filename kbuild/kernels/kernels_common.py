@@ -261,13 +261,11 @@ class RowTile:
         lag.send(out, phase, self.lane)
         return out
 
-    def receive_sum(
-        self, lag: LaggedExchange, sent: list[V], phase: V, when: V | None = None
-    ) -> list[V]:
-        """The second half of `send_sum`: the row totals of the row sent with `phase` (`sent`:
-        what send_sum returned then, or a list of the same kinds). `when` (block-uniform
-        i1): whether that row was sent; where not, the totals are garbage, not waited for."""
-        out = lag.receive(sent, phase, add, when)
+    def receive_sum(self, lag: LaggedExchange, phase: V, when: V | None = None) -> list[V]:
+        """The second half of `send_sum`: the row totals of the row sent with `phase`. `when`
+        (block-uniform i1): whether that row was sent; where not, the totals are garbage,
+        not waited for."""
+        out = lag.receive(phase, add, when)
         self._mark("cluster")
         return out
 

@@ -250,8 +250,7 @@ def build_norm_backward(
                     t = RowTile(k, cfg, rows, row_group=g)
                     x, dy = carried[:n], carried[n : 2 * n]
                     stats = (carried[2 * n] if p.center else None, carried[2 * n + 1])
-                    sent = [const(0.0)] * lag.n
-                    row_sums = t.receive_sum(lag, sent, phase, when=g < walk.count)
+                    row_sums = t.receive_sum(lag, phase, when=g < walk.count)
                     x_hat, wdy = terms(x, dy, weight(t), stats, rewidened)
                     write_dx(t, x_hat, wdy, row_sums, stats[1])
                     return add_partials(t, dy, x_hat, acc)
