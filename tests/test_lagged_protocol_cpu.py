@@ -65,7 +65,7 @@ def _run(C: int, R: int, B: int, seed: int) -> str | None:
                 row = j - 1
                 bars[me][row % B].arrive_expect(C)
                 while not bars[me][row % B].passed((row // B) % 2):
-                    yield "blocked"
+                    yield  # spins: the phase has not completed yet
                 for rank in range(C):
                     if slots[me][row % B][rank] != (row, rank):
                         raise AssertionError(
