@@ -4,6 +4,8 @@ between processes: test_cache_locking.py)."""
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -218,6 +220,30 @@ def test_damage_is_a_miss_and_put_repairs(tmp_path, keys, damage):
     assert list(cache.entries()) == []
     cache.put(*keys, make_artifact(), TOOLCHAIN)
     assert cache.get(*keys) == make_artifact()
+
+
+def test_an_entry_pruned_between_its_meta_and_its_binary_is_a_miss(tmp_path, keys, monkeypatch):
+    # A prune in another process can remove the whole entry directory after a reader has
+    # read its meta.json: the reader's clean-up of the "missing" binary must not fail on the
+    # missing directory, the load is a plain miss. Python 3.11's glob raises
+    # FileNotFoundError when the directory goes between its own check and its listing (seen
+    # in CI, test_prune_cpu.py); the glob below always lists, so the race is not needed.
+    cache = DiskCache(tmp_path)
+    cache.put(*keys, make_artifact(), TOOLCHAIN)
+    read_meta = DiskCache._meta
+
+    def meta_then_pruned(self, directory):
+        meta = read_meta(self, directory)
+        shutil.rmtree(directory)
+        return meta
+
+    def listing(self, pattern):
+        return iter(list(os.scandir(self)))  # FileNotFoundError for a directory that went
+
+    monkeypatch.setattr(DiskCache, "_meta", meta_then_pruned)
+    monkeypatch.setattr(Path, "glob", listing)
+    assert cache.get(*keys) is None
+    assert cache.get(keys[0], None) is None
 
 
 def test_read_only_leaves_damage_alone(tmp_path, keys):

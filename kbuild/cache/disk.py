@@ -168,7 +168,11 @@ class DiskCache:
         """
         if self.read_only:
             return None
-        for path in [directory / _META, *directory.glob(f"{_BINARY}.*")]:
+        try:
+            binaries = list(directory.glob(f"{_BINARY}.*"))
+        except OSError:  # the whole entry went meanwhile (a prune in another process)
+            binaries = []
+        for path in [directory / _META, *binaries]:
             with contextlib.suppress(OSError):
                 path.unlink()
         return None
