@@ -14,9 +14,6 @@ KBUILD_RECORD=FILE         append every kernel spec this process asks for to FIL
                            raise); `kbuild warmup --from FILE --arch ...` compiles them
 KBUILD_NATIVE=0            do not build or load the C++ hot path (kbuild/native): the Python
                            launch path runs (same kernels, more host time per call)
-KBUILD_DEPENDENT_LAUNCH=0  launch every kernel only once the one ahead of it in the stream has
-                           finished (default on Hopper and later: launched early, a kernel
-                           waits for its predecessor in its first instruction)
 KBUILD_NATIVE_DIR          where the C++ extension is built and kept (default
                            $XDG_CACHE_HOME/kbuild/native, else ~/.cache/kbuild/native)
 CXX                        the C++ compiler that builds it (default g++)
@@ -36,12 +33,6 @@ import os
 
 def offline() -> bool:
     return os.environ.get("KBUILD_OFFLINE", "") not in ("", "0") or not compiler_available()
-
-
-def dependent_launch() -> bool:
-    """Whether kernels built for it (meta "dependent_launch") are launched early; read when
-    a kernel is loaded."""
-    return os.environ.get("KBUILD_DEPENDENT_LAUNCH", "") != "0"
 
 
 @functools.cache

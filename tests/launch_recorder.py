@@ -30,7 +30,6 @@ class FakeLauncher:
     rows_per_block = 2
     cluster = 1
     resident_blocks = resident_clusters = 3
-    dependent_launch = False
 
     def __init__(self, spec):
         self.spec = spec

@@ -101,15 +101,6 @@ class Kernel:
             self._entry = self._fn.body.blocks.append()
         self._ip = ir.InsertionPoint(self._entry)
         self._ip.__enter__()
-        if self.target.dependent_launch:
-            # Launched early (the runtime's dependent launch), the kernel first waits until
-            # the grid ahead of it has finished and its writes are visible: nothing before
-            # this reads or writes global memory. Then it lets the next kernel in the stream
-            # launch at once; that one waits in turn for this grid to finish, so the
-            # trigger's place changes when its blocks become resident, never what they see.
-            nvvm.griddepcontrol(nvvm.GridDepActionKind.wait)
-            nvvm.griddepcontrol(nvvm.GridDepActionKind.launch_dependents)
-            self.meta["dependent_launch"] = True
         self._cluster_started = self.cluster == 1
         if not self._cluster_started:
             # Distributed shared memory is only valid once every block of the cluster runs:

@@ -37,27 +37,9 @@ constexpr uint8_t STATS = 1, DW = 2, DB = 4, DRES = 8, RES32 = 16, STRIDED = 32;
 using CUresult = int;
 constexpr CUresult CUDA_ERROR_INVALID_CONTEXT = 201;
 
-// cuLaunchKernelEx's arguments as cuda.h lays them out, with the one attribute kbuild sets
-// (kbuild/runtime/cuda.py has the same): a dependent launch, see Target.dependent_launch.
-struct LaunchAttribute {
-  int id;
-  char pad[4];
-  int value;  // the first member of a 64-byte union
-  char rest[60];
-};
-struct LaunchConfig {
-  unsigned grid[3], block[3], shared;
-  void* stream;
-  LaunchAttribute* attrs;
-  unsigned count;
-};
-static_assert(sizeof(LaunchAttribute) == 72 && sizeof(LaunchConfig) == 56, "cuda.h layout");
-constexpr int kProgrammaticStreamSerialization = 6;
-
 struct Driver {
   CUresult (*launch)(void*, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
                      unsigned, void*, void**, void**) = nullptr;
-  CUresult (*launch_ex)(const LaunchConfig*, void*, void**, void**) = nullptr;
   CUresult (*device_get)(int*, int) = nullptr;
   CUresult (*primary_ctx_retain)(void**, int) = nullptr;
   CUresult (*ctx_set_current)(void*) = nullptr;
@@ -76,7 +58,6 @@ const Driver& driver() {
       return p;
     };
     d.launch = reinterpret_cast<decltype(d.launch)>(sym("cuLaunchKernel"));
-    d.launch_ex = reinterpret_cast<decltype(d.launch_ex)>(sym("cuLaunchKernelEx"));
     d.device_get = reinterpret_cast<decltype(d.device_get)>(sym("cuDeviceGet"));
     d.primary_ctx_retain =
         reinterpret_cast<decltype(d.primary_ctx_retain)>(sym("cuDevicePrimaryCtxRetain"));
@@ -128,7 +109,6 @@ struct Record {
   int64_t cluster = 1, rows_per_block = 1, resident_clusters = 1, columns_per_block = 1;
   int64_t units = 1;  // the device's multiprocessors (the bias gradient's chunking)
   bool persistent = false;
-  bool dependent = false;  // launched early: the kernel waits for its predecessor first
   std::vector<int8_t> slots;
   std::string name;
 };
@@ -185,8 +165,8 @@ const Record& record(const Key& key) {
       rethrow_python(e);
     }
     auto t = out.cast<py::tuple>();
-    TORCH_CHECK(t.size() == 12, "kbuild native: the resolver returned ", t.size(),
-                " fields, expected 12");
+    TORCH_CHECK(t.size() == 11, "kbuild native: the resolver returned ", t.size(),
+                " fields, expected 11");
     rec.function = reinterpret_cast<void*>(t[0].cast<uintptr_t>());
     rec.block = t[1].cast<unsigned>();
     rec.shared = t[2].cast<unsigned>();
@@ -201,7 +181,6 @@ const Record& record(const Key& key) {
     }
     rec.name = t[9].cast<std::string>();
     rec.units = t[10].cast<int64_t>();
-    rec.dependent = t[11].cast<bool>();
   }
   std::lock_guard<std::mutex> lock(g_mutex);
   return g_records.emplace(key, std::move(rec)).first->second;  // a racing thread's wins
@@ -245,20 +224,14 @@ void launch(const Record& k, int64_t grid, const uint64_t* slots, void* stream, 
   for (size_t i = 0; i < k.slots.size(); ++i)
     params[i] = const_cast<uint64_t*>(slots + k.slots[i]);
   const Driver& d = driver();
-  auto call = [&]() -> CUresult {
-    unsigned blocks = static_cast<unsigned>(grid);
-    if (!k.dependent)
-      return d.launch(k.function, blocks, 1, 1, k.block, 1, 1, k.shared, stream, params, nullptr);
-    LaunchAttribute attr{kProgrammaticStreamSerialization, {}, 1, {}};
-    LaunchConfig config{{blocks, 1, 1}, {k.block, 1, 1}, k.shared, stream, &attr, 1};
-    return d.launch_ex(&config, k.function, params, nullptr);
-  };
-  CUresult err = call();
+  CUresult err = d.launch(k.function, static_cast<unsigned>(grid), 1, 1, k.block, 1, 1,
+                          k.shared, stream, params, nullptr);
   if (err == CUDA_ERROR_INVALID_CONTEXT) {
     // A thread that never touched CUDA has no current context: bind the device's primary
     // context (the one torch uses) and retry once.
     TORCH_CHECK(d.ctx_set_current(primary_context(device)) == 0, "kbuild: cuCtxSetCurrent");
-    err = call();
+    err = d.launch(k.function, static_cast<unsigned>(grid), 1, 1, k.block, 1, 1, k.shared,
+                   stream, params, nullptr);
   }
   TORCH_CHECK(err == 0, "kbuild: launching ", k.name, " failed: ", error_name(err));
 }

@@ -88,7 +88,6 @@ def launch_record(launcher, name: str, units: int = 1) -> tuple:
         [SLOTS[name] for name in launcher.names],
         name,
         units,  # the device's multiprocessors, for kernels whose grid is sized by them
-        launcher.dependent_launch,  # launched early (runtime.cuda: Hopper and later)
     )
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import ctypes
 import functools
 
-from .. import env
 from ..artifact import Artifact
 from .prepared import PreparedLaunch, launch_prototype
 
@@ -48,35 +47,6 @@ _INVALID_CONTEXT = 201  # CUDA_ERROR_INVALID_CONTEXT
 def _libcuda_launch():
     _driver()  # cuInit
     return launch_prototype(ctypes.CDLL("libcuda.so.1").cuLaunchKernel)
-
-
-# A dependent launch (see Target.dependent_launch) goes through cuLaunchKernelEx with one
-# attribute. The driver's structs, as cuda.h lays them out (the C++ hot path has the same).
-_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-
-
-class _LaunchAttribute(ctypes.Structure):  # CUlaunchAttribute: id, pad, a 64-byte union
-    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int)]
-    _fields_ += [("rest", ctypes.c_char * 60)]
-
-
-class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
-    _fields_ = [
-        ("grid", ctypes.c_uint * 3),
-        ("block", ctypes.c_uint * 3),
-        ("shared", ctypes.c_uint),
-        ("stream", ctypes.c_void_p),
-        ("attrs", ctypes.POINTER(_LaunchAttribute)),
-        ("count", ctypes.c_uint),
-    ]
-
-
-@functools.cache
-def _libcuda_launch_ex():
-    _driver()  # cuInit
-    fn = ctypes.CDLL("libcuda.so.1").cuLaunchKernelEx
-    fn.restype = ctypes.c_int
-    return fn
 
 
 def device_attribute(device_index: int, name: str) -> int:
@@ -159,10 +129,6 @@ class Launcher(PreparedLaunch):
         finally:
             driver.cuCtxPopCurrent()
         self._context = context
-        # Built with a griddepcontrol.wait first (meta "dependent_launch"): launch it early.
-        self.dependent_launch = bool(artifact.meta.get("dependent_launch")) and (
-            env.dependent_launch()
-        )
         super().__init__(
             [kind for _, kind in artifact.meta["signature"]],
             self.names,
@@ -173,21 +139,6 @@ class Launcher(PreparedLaunch):
             retry=self._bind_context,
             fail=self._raise,
         )
-
-        if self.dependent_launch:
-            self._attribute = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
-            self._config = _LaunchConfig(shared=self.dynamic_shared, count=1)
-            self._config.block[:] = (self.block, 1, 1)
-            self._config.grid[:] = (1, 1, 1)
-            self._config.attrs = ctypes.pointer(self._attribute)
-            self._c_config = ctypes.byref(self._config)
-            self._launch_ex = _libcuda_launch_ex()
-
-    def _launch_now(self) -> int:
-        if not self.dependent_launch:
-            return super()._launch_now()
-        self._config.grid[0], self._config.stream = self._grid, self._stream
-        return self._launch_ex(self._c_config, self._c_function, self._c_params, None)
 
     def _bind_context(self, err: int) -> bool:
         """A thread that has not touched CUDA yet (autograd's backward threads, user threads)

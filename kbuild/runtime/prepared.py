@@ -37,8 +37,6 @@ class PreparedLaunch:
     with a failed launch's error code, returns True when it fixed the cause (binding a
     context) and the launch should be made once more; `fail(err)`: raises for an error."""
 
-    dependent_launch = False  # launched before its predecessor ends (runtime.cuda, Hopper+)
-
     def __init__(
         self,
         kinds: list[str],

@@ -114,14 +114,6 @@ class Target:
         return self._sm >= 80
 
     @property
-    def dependent_launch(self) -> bool:
-        """Whether a kernel may be launched before the one ahead of it in its stream has
-        finished (programmatic dependent launch, Hopper and later): it then waits for that
-        kernel's results in its first instruction (`griddepcontrol.wait`), so the launch and
-        the block start-up overlap the previous kernel's tail instead of following it."""
-        return self._sm >= 90
-
-    @property
     def max_cluster(self) -> int:
         """Most blocks a kernel may group into one cluster sharing shared memory (thread
         block clusters, Hopper and later); 1 where there are none."""
