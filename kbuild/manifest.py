@@ -258,7 +258,8 @@ def _tune() -> Iterator[KernelSpec]:
     """Launch-plan alternatives to the chooser's picks for bench/tune.py (the chooser's own
     pick first, for comparison). A variant forces plan fields by their builder keywords
     (kernels/plans.py: `override_keywords`); the fields it leaves out are the chooser's.
-    Here: the backwards that training ran below 85% of copy (issue 14). LayerNorm at N =
+    Here: the RMSNorm forward's second widening (from packed words or 16-bit halves), and
+    the backwards that training ran below 85% of copy (issue 14). LayerNorm at N =
     65536 with one block an SM (dw/db partials in registers), with and without the lagged
     exchange that lifted RMSNorm's. RMSNorm at N >= 8192
     against the picks before the next row was asked into L2 (`prefetch_l2`) and, at 16384,
@@ -285,6 +286,14 @@ def _tune() -> Iterator[KernelSpec]:
         dict(cluster_sync="mbarrier"),
         dict(cluster_sync="mbarrier", stage=2, shared_partials=False, blocks_per_sm=1),
     )
+    # The RMSNorm forward's second widening of its packed bf16 row, from 32-bit words (one
+    # integer op a value; the pick for rows of one block of >= 512 threads, N >= 16384) or
+    # from 16-bit halves (with which ptxas spilled 8 bytes at N = 65536, 232 on sm_80).
+    # Inference (no rstd) and training forms, each against the other widening.
+    for N in BENCH_N:
+        for store_rstd in (False, True):
+            spec = rmsnorm_fwd_spec(N, "bf16", "bf16", store_rstd, 1e-6)
+            yield from variants(spec, dict(word_widening=N < 16384))
     layernorm = {
         1024: (dict(rows_per_block=4),),
         2048: (dict(rows_per_block=4),),

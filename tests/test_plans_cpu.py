@@ -45,6 +45,7 @@ def describe(plan: ForwardPlan | BackwardPlan) -> str:
         out += ["prefetch_l2"] if plan.prefetch_l2 else []
         out += ["shared"] if plan.shared_partials else []
     out += ["held"] if plan.resident_params else []
+    out += ["words"] if isinstance(plan, ForwardPlan) and plan.word_widening else []
     out += [f"min{plan.blocks_per_sm}"] if plan.blocks_per_sm else []
     return " ".join(out + ([plan.exchange] if plan.exchange else []))
 
@@ -87,9 +88,9 @@ rmsnorm_fwd     1000  bf16  sm_90   32t 4x8 r4
 rmsnorm_fwd     1000  f32   sm_90   64t 4x4 r2
 rmsnorm_fwd     4096  bf16  sm_90   128t 4x8 min8
 rmsnorm_fwd     4096  f32   sm_90   256t 4x4 min4
-rmsnorm_fwd    16384  bf16  sm_90   512t 4x8 min2
+rmsnorm_fwd    16384  bf16  sm_90   512t 4x8 words min2
 rmsnorm_fwd    16384  f32   sm_90   1024t 4x4 min1
-rmsnorm_fwd    65536  bf16  sm_90   1024t 8x8 min1
+rmsnorm_fwd    65536  bf16  sm_90   1024t 8x8 words min1
 rmsnorm_fwd    65536  f32   sm_90   512t 4x4 c8 min2 mbarrier
 fused_fwd          1  bf16  sm_90   1t 1x1 r128 min8
 fused_fwd       1000  bf16  sm_90   32t 4x8 r4
@@ -145,8 +146,8 @@ layernorm_bwd  65536  f32   sm_90   1024t 2x4 c8 stage1 shared min1 mbarrier
 rmsnorm_fwd        1  bf16  sm_80   1t 1x1 r128 min8
 rmsnorm_fwd     1000  bf16  sm_80   32t 4x8 r4
 rmsnorm_fwd     4096  bf16  sm_80   128t 4x8 min8
-rmsnorm_fwd    16384  bf16  sm_80   512t 4x8 min2
-rmsnorm_fwd    65536  bf16  sm_80   1024t 8x8 min1
+rmsnorm_fwd    16384  bf16  sm_80   512t 4x8 words min2
+rmsnorm_fwd    65536  bf16  sm_80   1024t 8x8 words min1
 fused_fwd          1  bf16  sm_80   1t 1x1 r128 min8
 fused_fwd       1000  bf16  sm_80   32t 4x8 r4
 fused_fwd       4096  bf16  sm_80   128t 4x8 min8
@@ -297,7 +298,12 @@ layernorm_fwd 16384 sm_90 resident_params='registers' | 512t 4x8 persistent stag
 layernorm_fwd 16384 sm_80 stage=2 | 512t 4x8 persistent stage2 min2
 # Rows of one warp per block keep the cluster barrier.
 layernorm_fwd 4096 sm_90 cluster=8 | 32t 2x8 c8 persistent stage1 held min24 barrier
-rmsnorm_fwd 65536 sm_90 threads_per_row=512 | 512t 16x8 min2
+rmsnorm_fwd 65536 sm_90 threads_per_row=512 | 512t 16x8 words min2
+# The second widening from packed words: RMSNorm's bf16 rows of one block of >= 512 threads
+# (measured there); forced elsewhere, on bf16 rows only (refused below for f16).
+rmsnorm_fwd 65536 sm_90 word_widening=False | 1024t 8x8 min1
+rmsnorm_fwd 4096 sm_90 word_widening=True | 128t 4x8 words min8
+layernorm_fwd 16384 sm_90 word_widening=True | 512t 4x8 persistent stage1 words min2
 # Rows a forced block leaves too long for registers are split over a cluster, or chunked.
 rmsnorm_fwd 65536 sm_90 threads_per_row=256 | 256t 4x8 c8 min4 mbarrier
 rmsnorm_fwd 65536 sm_80 threads_per_row=256 | 256t 4x8 chunked
@@ -401,6 +407,12 @@ def test_overrides_a_shape_or_target_cannot_honour_raise(kernel, N, arch, overri
             dict(weight_dtype=None, bias_dtype=None),
             dict(resident_params="registers"),
             "needs a weight or bias to hold",
+        ),
+        (
+            "rmsnorm_fwd",
+            dict(dtype="f16", weight_dtype="f16"),
+            dict(word_widening=True),
+            "word_widening widens bf16 rows held packed; these are f16",
         ),
     ],
 )

@@ -179,14 +179,14 @@ def build_norm_forward(
                 # rounded centre, one subtraction per element.
                 centre = shift + local_mean if shifted_moments else local_mean
                 m2 = const(0.0)
-                for d, g in zip(rewiden_all(x), inside, strict=True):
+                for d, g in zip(rewiden_all(x, plan.word_widening), inside, strict=True):
                     d = d - centre
                     d = d if g is None else select(g, d, 0.0)
                     m2 = m2 + hsum(d * d)
                 return [count, local_mean, m2]
 
             def normalize(x: list[V], mean: V | None, rstd: V, start: V | int = 0) -> None:
-                xs = rewiden_all(x)
+                xs = rewiden_all(x, plan.word_widening)
                 y = [(v - mean) * rstd for v in xs] if mean is not None else [v * rstd for v in xs]
                 if w_ptr is not None:
                     w = widen(param(t, "weight", start))

@@ -93,6 +93,7 @@ class ForwardPlan:
     resident_params: str | bool = _field("resident_params")  # "registers": w, b held raw
     blocks_per_sm: int | None = _field("blocks_per_sm")  # .minnctapersm; None: no cap
     exchange: str | None = _field("cluster_sync")  # EXCHANGES; None without a cluster
+    word_widening: bool = _field("word_widening")  # bf16 widened again from packed words
 
 
 @dataclass(frozen=True)
@@ -124,6 +125,7 @@ def plan_forward(
     resident_params: str | bool | None = None,
     blocks_per_sm: int | None = None,
     cluster_sync: str | None = None,
+    word_widening: bool | None = None,
 ) -> ForwardPlan:
     """The forward's launch plan (None: the chooser's pick)."""
     fused = p.residual_dtype is not None
@@ -197,7 +199,23 @@ def plan_forward(
     if cluster_sync == "lagged":
         raise ValueError("cluster_sync='lagged' is the backward's (staged rows); not forward")
     exchange = cluster_exchange(cluster_sync, row, "mbarrier", target.warp_size)
-    return ForwardPlan(row, persistent, stage, resident_params, blocks_per_sm, exchange)
+    # The second widening of a held bf16 row (dsl.rewiden): from 16-bit halves, or straight
+    # from the packed words (one integer op a value). The words for the plain RMSNorm's rows
+    # of one block of 512 threads or more (H200, bf16, kernel alone, without / with rstd:
+    # N = 16384 92.0 / 92.7% -> 93.6 / 93.2% of copy, 65536 89.8 / 89.6% -> 90.8 / 90.7%;
+    # ptxas spilled 8 bytes there with the halves, 232 on sm_80; h200_tune_word_widening_s13
+    # .json). Level within 0.7 points on shorter rows, so they keep the halves, as LayerNorm
+    # (whose forward spilled 4-8 bytes with the words at N = 4096-8192) and the fused form.
+    if word_widening is None:
+        plain_rms = not p.center and not fused and row_dtype == "bf16"
+        one_block = row.cluster == 1 and row.block >= 512 and not row.chunked
+        word_widening = plain_rms and one_block and target.vendor == "nvidia"
+    elif word_widening and row_dtype != "bf16":
+        raise ValueError(f"word_widening widens bf16 rows held packed; these are {row_dtype}")
+    word_widening = bool(word_widening)
+    return ForwardPlan(
+        row, persistent, stage, resident_params, blocks_per_sm, exchange, word_widening
+    )
 
 
 def plan_backward(
