@@ -105,6 +105,10 @@ def main() -> None:
     path = args.path
     copy = measure_copy()
     bytes_per_norm = 3 * BENCH_ELEMENTS * 2  # read x, dy; write dx
+
+    def of_copy(ms: float) -> float:
+        return bytes_per_norm / ms / 1e6 / copy
+
     entries = [(op, int(n)) for op in args.ops.split(",") for n in args.n.split(",")]
     times: dict[tuple[str, int, str], list[float]] = {}
     kernels: dict[tuple[str, int], dict[str, float]] = {}
@@ -115,7 +119,7 @@ def main() -> None:
                 fn = build(norm, N, op == "layernorm")
                 ms = median_ms(fn, reps=10) / K
                 times.setdefault((op, N, name), []).append(ms)
-                line[name] = round(bytes_per_norm / ms / 1e6 / copy, 4)
+                line[name] = round(of_copy(ms), 4)
                 if args.profile and name == "kbuild" and r == 0:
                     per_call = kernel_device_us(fn, reps=4, warmup=1)
                     kernels[op, N] = {k: round(us / K, 2) for k, us in per_call.items()}
@@ -124,11 +128,11 @@ def main() -> None:
             torch.cuda.empty_cache()
 
     def summary(ms: list[float]) -> dict:
-        of_copy = sorted(bytes_per_norm / t / 1e6 / copy for t in ms)
+        shares = sorted(of_copy(t) for t in ms)
         out = {"ms": round(statistics.median(ms), 4)}
-        out["of_copy"] = round(statistics.median(of_copy), 4)
+        out["of_copy"] = round(statistics.median(shares), 4)
         if len(ms) > 1:
-            out["of_copy_range"] = [round(of_copy[0], 4), round(of_copy[-1], 4)]
+            out["of_copy_range"] = [round(shares[0], 4), round(shares[-1], 4)]
         return out
 
     rows = []

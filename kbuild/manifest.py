@@ -258,14 +258,13 @@ def _tune() -> Iterator[KernelSpec]:
     """Launch-plan alternatives to the chooser's picks for bench/tune.py (the chooser's own
     pick first, for comparison). A variant forces plan fields by their builder keywords
     (kernels/plans.py: `override_keywords`); the fields it leaves out are the chooser's.
-    Here: the RMSNorm forward's second widening (from packed words or 16-bit halves), and
-    the backwards that training ran below 85% of copy (issue 14). LayerNorm at N =
-    65536 with one block an SM (dw/db partials in registers), with and without the lagged
-    exchange that lifted RMSNorm's. RMSNorm at N >= 8192
-    against the picks before the next row was asked into L2 (`prefetch_l2`) and, at 16384,
-    before its dw partials moved to shared memory to free registers for a prefetched row;
-    LayerNorm at 16384 against the 8 x 128-thread cluster it took before 2 x 512, and its
-    one-block rows (1024-8192) under register caps (`blocks_per_sm`) and other thread counts.
+    Here: the backward's rows per block at short N (RMSNorm 1024 / 2048, LayerNorm 1024 /
+    2048: fewer partial rows for the column sum); RMSNorm at N = 65536 with its lagged
+    exchange against the mbarrier exchange it replaced and the same one-block plan without
+    the lag; the RMSNorm forward's second widening (from packed words or 16-bit halves) at
+    every bench N; LayerNorm's backward at 16384 against clusters of 4 x 512 and 8 x 256
+    and one block an SM, at 65536 with one block an SM (dw/db partials in registers) with
+    and without the lag, and its picks alone at 4096 / 8192 (their sweeps: session 13).
     Earlier sweeps (the exchange x staging, rows per block of a cluster, clusters of 16,
     reloading staged rows, staging depth, parameters held in registers, ...) and what they
     showed: bench/results/README.md."""
