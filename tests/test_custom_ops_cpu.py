@@ -172,7 +172,7 @@ def test_layernorm_fwd_op_matches_fp64(dtype, wdtype, bdtype, store):
 # weight term dropped from dx, dresidual_out not added, the saved rstd misread.
 
 
-@pytest.mark.parametrize("need_dx, need_dw", itertools.product(TRUE_FALSE, TRUE_FALSE))
+@pytest.mark.parametrize("need_dx, need_dw", list(itertools.product(TRUE_FALSE, TRUE_FALSE)))
 @pytest.mark.parametrize("dtype, wdtype", RMS_CASES, ids=_ids)
 def test_rmsnorm_bwd_op(dtype, wdtype, need_dx, need_dw):
     x, w, dy = _x(dtype, 0), _param(wdtype, 1, 1.0), _x(dtype, 2)

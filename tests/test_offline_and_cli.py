@@ -194,13 +194,14 @@ def test_gpu_tests_collect_without_mlir():
     """The GPU machine has no MLIR (kernels are compiled here and carried): every test module
     the GPU run collects must import without it, or the whole `-m gpu` run stops at collection
     (a CPU test module importing kbuild.kernels.encoder at the top once did)."""
+    # A finder first on sys.meta_path hides MLIR from every import route: `import`,
+    # importlib.import_module (pytest.importorskip since pytest 9.1) and __import__ alike.
     code = (
-        "import builtins, sys\n"
-        "real = builtins.__import__\n"
-        "def guard(name, *a, **k):\n"
-        "    if name.split('.')[0] == 'mlir': raise ModuleNotFoundError(name)\n"
-        "    return real(name, *a, **k)\n"
-        "builtins.__import__ = guard\n"
+        "import sys\n"
+        "class NoMLIR:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] == 'mlir': raise ModuleNotFoundError(name, name=name)\n"
+        "sys.meta_path.insert(0, NoMLIR())\n"
         "import pytest\n"
         "sys.exit(pytest.main(['-q', '--collect-only', '-m', 'gpu', '-p', 'no:cacheprovider',"
         " 'tests']))\n"
