@@ -19,7 +19,7 @@ figure above into kernels and what is left (launch gaps, the engine's fixed cost
 "ms" and "of_copy" are then the median over the rounds and "of_copy_range" their least and
 most. On the H200 the spread between rounds is real (the board runs these kernels at its
 700 W power cap and the SM clock moves between ~1500 and 1980 MHz: bench/NOTES.md,
-session 13), so a figure near a threshold is read from one run's rounds, not from one round.
+"Measuring"), so a figure near a threshold is read from one run's rounds, not from one round.
 """
 
 from __future__ import annotations

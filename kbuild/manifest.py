@@ -264,7 +264,7 @@ def _tune() -> Iterator[KernelSpec]:
     the lag; the RMSNorm forward's second widening (from packed words or 16-bit halves) at
     every bench N; LayerNorm's backward at 16384 against clusters of 4 x 512 and 8 x 256
     and one block an SM, at 65536 with one block an SM (dw/db partials in registers) with
-    and without the lag, and its picks alone at 4096 / 8192 (their sweeps: session 13).
+    and without the lag, and its picks alone at 4096 / 8192 (all swept on 2026-12-04).
     Earlier sweeps (the exchange x staging, rows per block of a cluster, clusters of 16,
     reloading staged rows, staging depth, parameters held in registers, ...) and what they
     showed: bench/results/README.md."""

@@ -203,9 +203,10 @@ def plan_forward(
     # from the packed words (one integer op a value). The words for the plain RMSNorm's rows
     # of one block of 512 threads or more (H200, bf16, kernel alone, without / with rstd:
     # N = 16384 92.0 / 92.7% -> 93.6 / 93.2% of copy, 65536 89.8 / 89.6% -> 90.8 / 90.7%;
-    # ptxas spilled 8 bytes there with the halves, 232 on sm_80; h200_tune_word_widening_s13
-    # .json). Level within 0.7 points on shorter rows, so they keep the halves, as LayerNorm
-    # (whose forward spilled 4-8 bytes with the words at N = 4096-8192) and the fused form.
+    # ptxas spilled 8 bytes there with the halves, 232 on sm_80;
+    # h200_tune_word_widening_2026-12-04.json). Level within 0.7 points on shorter rows, so
+    # they keep the halves, as LayerNorm (whose forward spilled 4-8 bytes with the words at
+    # N = 4096-8192) and the fused form.
     if word_widening is None:
         plain_rms = not p.center and not fused and row_dtype == "bf16"
         one_block = row.cluster == 1 and row.block >= 512 and not row.chunked
@@ -278,7 +279,7 @@ def plan_backward(
     # (bf16 N = 65536): one block an SM with its dw partials in registers, rows staged two
     # groups ahead, and the row sums exchanged a row late (dsl.exchange, "lagged"), so their
     # latency is spent on the next row. H200, kernel alone with its column sum: 84% of copy
-    # -> 87-93% (h200_tune_lagged_s12.json; 88% without the lag). LayerNorm's rows, with
+    # -> 87-93% (h200_tune_lagged_2026-12-04.json; 88% without the lag). LayerNorm's rows, with
     # twice the work a row, lose with it (78% -> 60-73%): one block an SM then has no
     # slack for the cluster's slowest block, and the exchange adds no overlap.
     # Not where a forced field rules the plan out (unstaged rows, a register prefetch, two
@@ -331,7 +332,7 @@ def plan_backward(
     elif p.center and not shared_partials and io == "bf16" and target.max_cluster > 1:
         # LayerNorm rows of 128 threads at two vectors a thread (bf16 N = 2048): four to a
         # block leave a quarter of the partial rows for the column sum (H200, with the column
-        # sum: 83% -> 86% of copy; h200_tune_short_rows_s11.json). Not at one vector (N =
+        # sum: 83% -> 86% of copy; h200_tune_short_rows_2026-12-04.json). Not at one vector (N =
         # 1024: 92 registers, one block per SM, 80% -> 72%) nor at 256 threads (N = 4096:
         # two rows a block spill); with 16-bit weights only (fp32 ones spill 16 bytes at the
         # 128 registers of 512 threads), on Hopper and later (sm_80 spills), as measured.

@@ -68,8 +68,8 @@ def rmsnorm(
     # Under torch.compile, plain RMSNorm is this same fp32 math in torch operations, which
     # inductor fuses with its neighbours (the residual add before it, RoPE after a QK-norm):
     # as an opaque kbuild::rmsnorm_fwd op it made a compiled Qwen3-style model 0.973x the
-    # stock one and Llama-style ones 1.00x, as torch operations 1.002x / 0.997x (H200, bench/
-    # NOTES.md, session 10). The eager path, the fused form and LayerNorm keep the kernels.
+    # stock one and Llama-style ones 1.00x, as torch operations 1.002x / 0.997x (H200, 8ca1d1c:
+    # bench/NOTES.md, "Models"). The eager path, the fused form and LayerNorm keep the kernels.
     if not x.is_cuda or torch.compiler.is_compiling():
         return rmsnorm_reference(x, weight, eps, offset)[0]
     x = readable_rows(x)
