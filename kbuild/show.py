@@ -47,12 +47,16 @@ def parse_spec(text: str) -> KernelSpec:
 
 
 def stages(spec: KernelSpec, arch: str, wanted: tuple[str, ...]) -> dict[str, str]:
-    """{stage: text} for the stages asked for (see STAGES); a stage the machine cannot make
-    (no ptxas or cuobjdump for sass) says why instead."""
+    """{stage: text} for the stages asked for (see STAGES). A stage the target does not have
+    (PTX or SASS for AMD) raises ValueError; one this machine cannot make (SASS without ptxas
+    and cuobjdump or nvdisasm) raises ToolchainError."""
     from . import compiler
     from .targets import target_for_arch
 
     target = target_for_arch(arch)
+    foreign = [s for s in wanted if s in ("ptx", "sass") and target.vendor == "amd"]
+    if foreign:
+        raise ValueError(f"--{foreign[0]} is NVIDIA's; for {arch} ask for --asm (or --llvm)")
     out: dict[str, str] = {}
     kernel = compiler.build(spec, target)
     if "mlir" in wanted:
@@ -67,9 +71,6 @@ def stages(spec: KernelSpec, arch: str, wanted: tuple[str, ...]) -> dict[str, st
             out["llvm"] = ir_text
         if "asm" in wanted:
             out["asm"] = amd.llvm_ir_to_assembly(ir_text, arch)
-        for stage in ("ptx", "sass"):
-            if stage in wanted:
-                out[stage] = f"({stage} is NVIDIA's; {arch} has asm: --asm)"
         return out
     if "llvm" in wanted:
         out["llvm"] = lowered
@@ -84,11 +85,12 @@ def stages(spec: KernelSpec, arch: str, wanted: tuple[str, ...]) -> dict[str, st
 
 
 def _sass(ptx: bytes, arch: str) -> str:
+    from .targets import ToolchainError
     from .targets.nvidia import ptx_to_cubin, ptxas_path
 
     tool = shutil.which("cuobjdump") or shutil.which("nvdisasm")
     if ptxas_path() is None or tool is None:
-        return "(sass needs ptxas and cuobjdump or nvdisasm on PATH)"
+        raise ToolchainError("--sass needs ptxas and cuobjdump or nvdisasm on PATH")
     cubin, _ = ptx_to_cubin(ptx, arch)
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "kernel.cubin"

@@ -11,6 +11,7 @@ different kernel, and a width warmup that leaves out a kernel a training step la
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -50,6 +51,22 @@ def test_an_offline_miss_is_recorded_before_it_raises(record_file, monkeypatch):
     lines = record_file.read_text().splitlines()
     assert lines == [s.canonical_json() for s in SPECS]
     assert record.read_specs(str(record_file)) == SPECS
+
+
+def test_switching_the_record_file_records_there_too(record_file, monkeypatch):
+    """Catches a dedupe set global across files (or a path read once per process): a spec
+    recorded to one KBUILD_RECORD file, then the variable pointed at a second file within
+    the process, must be written to the second file too, and once to each."""
+    second = record_file.with_name("second.jsonl")
+    record.record(SPECS[0])
+    monkeypatch.setenv(record.RECORD_ENV, str(second))
+    for spec in (SPECS[0], SPECS[1], SPECS[0]):
+        record.record(spec)
+    monkeypatch.setenv(record.RECORD_ENV, str(record_file))
+    record.record(SPECS[0])  # back to the first: already there
+    assert record.read_specs(str(record_file)) == [SPECS[0]]
+    assert len(record_file.read_text().splitlines()) == 1
+    assert second.read_text().splitlines() == [s.canonical_json() for s in SPECS[:2]]
 
 
 WRITER = """
@@ -93,9 +110,9 @@ def test_warmup_from_a_record_compiles_exactly_what_it_holds(tmp_path, capsys):
     assert "rmsnorm_bwd(N=64" in out and "rmsnorm_fwd(N=64" in out
 
 
-def test_warmup_from_a_missing_file_is_a_clear_error(tmp_path):
-    with pytest.raises(SystemExit, match="--from .*nope.jsonl"):
-        cli.main(["warmup", "--from", str(tmp_path / "nope.jsonl")])
+def test_warmup_from_a_missing_file_is_a_clear_error(tmp_path, capsys):
+    assert cli.main(["warmup", "--from", str(tmp_path / "nope.jsonl")]) == 1
+    assert re.fullmatch(r"kbuild warmup: --from .*nope.jsonl: .*\n", capsys.readouterr().err)
 
 
 # --- --hidden: every kernel of a training and an inference step at a width ------------------
@@ -137,8 +154,8 @@ def test_width_warmup_on_the_command_line(capsys, tmp_path, monkeypatch):
     assert seen == for_width(2048, "bf16", "f32", ("layernorm",))
     assert {s.kernel for s in seen} == {"layernorm_fwd", "layernorm_bwd", "column_sum"}
     assert LAYERNORM_FWD.spec(2048, "bf16", "f32", "f32", True, 1e-5) in seen
-    with pytest.raises(SystemExit, match="ops must be among"):
-        cli.main(["warmup", "--hidden", "64", "--ops", "softmax"])
+    assert cli.main(["warmup", "--hidden", "64", "--ops", "softmax"]) == 2
+    assert "ops must be among" in capsys.readouterr().err
 
 
 def test_width_warmup_covers_a_gemma_step_with_an_fp32_stream(monkeypatch):
@@ -167,7 +184,7 @@ def test_width_warmup_covers_a_gemma_step_with_an_fp32_stream(monkeypatch):
     assert set(seen) == warmed
 
 
-def test_width_warmup_covers_a_qk_norm(monkeypatch):
+def test_width_warmup_covers_a_qk_norm(monkeypatch, capsys):
     """--head-dim 128 warms a QK-norm's kernels as a Qwen3-style block launches them: the
     q and k views of a fused qkv projection (read in place, strided kernels) and separate
     projections (dense rows), training and inference. Without it, none of them is warmed."""
@@ -192,7 +209,9 @@ def test_width_warmup_covers_a_qk_norm(monkeypatch):
     monkeypatch.setattr(cli, "warmup", lambda specs, arch, root, jobs: seen.extend(specs))
     assert cli.main(["warmup", "--hidden", "2048", "--ops", "rmsnorm", "--head-dim", "128"]) == 0
     assert set(seen) == warmed
-    with pytest.raises(SystemExit, match="--head-dim goes with --hidden"):
-        cli.main(["warmup", "--head-dim", "128"])
-    with pytest.raises(SystemExit, match="head_dim must be a positive int"):
+    assert cli.main(["warmup", "--head-dim", "128"]) == 2
+    assert "--head-dim goes with --hidden" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as usage:  # argparse: the type check, exit 2
         cli.main(["warmup", "--hidden", "2048", "--head-dim", "0"])
+    assert usage.value.code == 2
+    assert "--head-dim: expected a positive integer, got '0'" in capsys.readouterr().err

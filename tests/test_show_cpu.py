@@ -52,7 +52,7 @@ def test_show_prints_the_stage(capsys, arch, flag, marker):
 
 
 def test_show_errors_go_to_stderr(capsys):
-    assert cli.main(["show", "nope(N=1)"]) == 1
+    assert cli.main(["show", "nope(N=1)"]) == 2
     captured = capsys.readouterr()
     assert "unknown kernel" in captured.err and captured.out == ""
 

@@ -7,6 +7,7 @@ size from it and never branch on the vendor.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 # Each NVIDIA arch with the lowest PTX ISA that supports it. LLVM aborts the whole process
@@ -49,6 +50,22 @@ AMD_PIPELINE = (
     "builtin.module(gpu.module(convert-scf-to-cf, convert-gpu-to-rocdl{{chipset={arch} "
     "index-bitwidth=64}}, canonicalize, cse), reconcile-unrealized-casts)"
 )
+
+
+class ToolchainError(RuntimeError):
+    """A compiler tool kbuild needs is missing or cannot run; the message names it and the fix."""
+
+
+def tool_from_env(variable: str) -> str | None:
+    """The executable `$variable` names, None where the variable is unset or empty; a path
+    that is not an executable file raises ToolchainError naming the variable (rather than a
+    subprocess traceback at the first compile)."""
+    path = os.environ.get(variable)
+    if not path:
+        return None
+    if not (os.path.isfile(path) and os.access(path, os.X_OK)):
+        raise ToolchainError(f"{variable}={path} is not an executable file")
+    return path
 
 
 @dataclass(frozen=True)

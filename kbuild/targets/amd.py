@@ -27,6 +27,8 @@ import sys
 import tempfile
 from importlib import metadata
 
+from . import ToolchainError, tool_from_env
+
 TRIPLE = "amdgcn-amd-amdhsa"
 CODE_OBJECT_VERSION = 5
 EM_AMDGPU = 224
@@ -37,7 +39,7 @@ MACH = {"gfx90a": 0x03F, "gfx942": 0x04C, "gfx950": 0x04F, "gfx1100": 0x041, "gf
 NT_AMDGPU_METADATA = 32
 
 
-class AmdToolchainMissing(RuntimeError):
+class AmdToolchainMissing(ToolchainError):
     """llvmlite or an ld.lld is not installed (`pip install kbuild[amd]`)."""
 
 
@@ -46,8 +48,9 @@ class AmdToolchainMissing(RuntimeError):
 
 def _lld() -> list[str]:
     """The ld.lld command: $KBUILD_LLD, ROCm's own, else the ziglang wheel's."""
-    if os.environ.get("KBUILD_LLD"):
-        return [os.environ["KBUILD_LLD"]]
+    explicit = tool_from_env("KBUILD_LLD")
+    if explicit:
+        return [explicit]
     rocm = os.path.join(os.environ.get("ROCM_PATH", "/opt/rocm"), "llvm", "bin", "ld.lld")
     if os.path.exists(rocm):
         return [rocm]

@@ -14,13 +14,13 @@ import shutil
 import subprocess
 import tempfile
 
-from . import Target
+from . import Target, ToolchainError, tool_from_env
 
 
 @functools.cache
 def ptxas_path() -> str | None:
     """`$KBUILD_PTXAS`, else ptxas on PATH, else the CUDA toolkit's; None when absent."""
-    explicit = os.environ.get("KBUILD_PTXAS")
+    explicit = tool_from_env("KBUILD_PTXAS")
     if explicit:
         return explicit
     found = shutil.which("ptxas")
@@ -65,7 +65,7 @@ def ptx_to_cubin(ptx: bytes, arch: str) -> tuple[bytes, dict[str, int]]:
     """Assemble PTX for `arch` with ptxas -O3; return the cubin and its resource report."""
     path = ptxas_path()
     if path is None:
-        raise FileNotFoundError("ptxas not found (set KBUILD_PTXAS or put CUDA's bin on PATH)")
+        raise ToolchainError("ptxas not found (set KBUILD_PTXAS or put CUDA's bin on PATH)")
     with tempfile.TemporaryDirectory(prefix="kbuild-ptxas-") as tmp:
         src, dst = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
         with open(src, "wb") as f:

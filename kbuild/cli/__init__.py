@@ -1,0 +1,286 @@
+"""`kbuild` command line: warmup (ahead-of-time compile), demo (the main job), cache.
+
+kbuild warmup --arch sm_90 --manifest tests --cache-dir .kbuild-aot
+kbuild warmup --arch gfx942 --hidden 4096 --dtype bf16     # every kernel of a model width
+kbuild warmup --hidden 2048 --head-dim 128                  # ... with a QK-norm (Qwen3)
+kbuild warmup --arch sm_90 --from run.jsonl                 # what KBUILD_RECORD=run.jsonl saw
+kbuild demo                       # compile the standard set; with a GPU also run and time it
+kbuild cache list | path | clear | info | export FILE | import FILE | prune --max-size 2G
+kbuild show SPEC --ptx             # what a kernel became (--mlir --llvm --asm --sass)
+
+An error is one line on stderr and a non-zero status (2: the arguments, 1: the work failed);
+output piped into `head` ends quietly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+
+from ..cache import DiskCache
+from ..manifest import DEFAULT_WIDTH_OPS, MANIFESTS, WIDTH_OPS, manifest
+from ..spec import KernelSpec
+from ..targets import target_for_arch
+from .args import CACHE_DIR_HELP, CLIError, Parser, cache_root, check_arch, plural, positive_int
+from .cache import add_cache_parser
+
+
+def _warm_one(spec_json: str, arch: str, root: str) -> tuple[str, dict, bool, float]:
+    """Compile one spec into the cache (a worker process); returns its label and metadata."""
+    from ..jit import build_into
+
+    spec, target = KernelSpec.from_json(json.loads(spec_json)), target_for_arch(arch)
+    start = time.perf_counter()
+    artifact, built = build_into(DiskCache(root), spec, target)
+    return spec.short(), artifact.meta, built, 1e3 * (time.perf_counter() - start)
+
+
+def _describe(label: str, meta: dict, built: bool, ms: float) -> str:
+    state = f"compiled {meta['compile_ms']['total']:7.1f} ms" if built else f"cached   {ms:7.1f} ms"
+    if "vgprs" in meta:  # AMD: registers by kind, LDS, and scratch (its spill signal)
+        return (
+            f"{state}  vgprs {meta['vgprs']:>3}  sgprs {meta['sgprs']:>3}  lds "
+            f"{meta['lds_bytes']:>6}  scratch {meta['scratch_bytes']:>4}  {label}"
+        )
+    spills = meta.get("spill_stores", 0) + meta.get("spill_loads", 0)
+    return f"{state}  regs {meta.get('registers', '?'):>3}  spills {spills:>3}  {label}"
+
+
+def warmup(specs: list[KernelSpec], arch: str, root: str, jobs: int) -> list[tuple]:
+    """Compile `specs` for `arch` into `root`, printing a progress line per kernel."""
+    os.makedirs(root, exist_ok=True)
+    results = []
+    args = [(s.canonical_json(), arch, root) for s in specs]
+    width = len(str(len(specs)))
+
+    def report(i: int, result: tuple) -> None:
+        print(f"[{i:>{width}}/{len(specs)}] {arch}  {_describe(*result)}", flush=True)
+        results.append(result)
+
+    if jobs <= 1:  # in this process: nothing outlives it if it is killed
+        for i, arg in enumerate(args, 1):
+            report(i, _warm_one(*arg))
+        return results
+    # forkserver, not fork: a caller may have threads (torch's, a test runner's), and a
+    # forked child can block forever on a lock one of them held at the fork.
+    context = multiprocessing.get_context("forkserver")
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=context) as pool:
+        for i, result in enumerate(pool.map(_warm_one, *zip(*args, strict=True)), 1):
+            report(i, result)
+    return results
+
+
+def _specs_from(args) -> list[KernelSpec]:
+    from ..manifest import for_width
+    from ..record import read_specs
+
+    specs = [s for name in args.manifest or [] for s in manifest(name)]
+    for path in args.from_file or []:
+        try:
+            specs += read_specs(path)
+        except (OSError, ValueError) as err:
+            raise CLIError(f"--from {path}: {err}", 1) from None
+    if args.head_dim is not None and args.hidden is None:
+        raise CLIError("--head-dim goes with --hidden (the model's width)")
+    if args.hidden is not None:
+        ops = tuple(filter(None, args.ops.split(",")))
+        try:
+            specs += for_width(
+                args.hidden,
+                args.dtype,
+                args.weight_dtype,
+                ops,
+                residual_fp32=args.residual_fp32,
+                rms_offset=args.rms_offset,
+                head_dim=args.head_dim,
+            )
+        except (ValueError, TypeError) as err:
+            raise CLIError(f"--hidden: {err}") from None
+    for text in args.spec or []:
+        try:
+            specs.append(KernelSpec.from_json(json.loads(text)))
+        except (ValueError, KeyError, TypeError, AttributeError) as err:
+            raise CLIError(f"--spec is not a kernel spec ({err}): {text}") from None
+    return list(dict.fromkeys(specs))
+
+
+def _cmd_warmup(args) -> int:
+    check_arch(args.arch)
+    specs = _specs_from(args)
+    if not specs:
+        raise CLIError(
+            "nothing to warm: give --manifest NAME, --spec JSON, --from FILE or --hidden N"
+        )
+    root = cache_root(args)
+    start = time.perf_counter()
+    warmup(specs, args.arch, root, args.jobs)
+    elapsed = time.perf_counter() - start
+    print(f"{plural(len(specs), 'kernel')} for {args.arch} in {root} ({elapsed:.1f} s)")
+    return 0
+
+
+def _cmd_show(args) -> int:
+    from ..show import STAGES, parse_spec, stages
+
+    check_arch(args.arch)
+    wanted = tuple(s for s in STAGES if getattr(args, s)) or ("ptx",)
+    try:
+        spec = parse_spec(args.spec)
+    except (ValueError, TypeError) as err:
+        raise CLIError(f"SPEC: {err}") from None
+    try:
+        texts = stages(spec, args.arch, wanted)
+    except ValueError as err:
+        raise CLIError(str(err)) from None
+    for stage in wanted:
+        if len(wanted) > 1:
+            print(f"// ---- {stage} ({spec.short()}, {args.arch})")
+        print(texts[stage])
+    return 0
+
+
+def _cmd_demo(args) -> int:
+    check_arch(args.arch)
+    root = cache_root(args)
+    print(f"kbuild demo: the standard kernel set for {args.arch}, cache {root}")
+    from .. import env
+
+    if env.compiler_available():
+        warmup(manifest("standard"), args.arch, root, args.jobs)
+    else:
+        print("MLIR is not installed here: running from the cache as it is")
+    from ..demo import run_on_gpu
+
+    return run_on_gpu(root)
+
+
+_JOBS_HELP = "compile this many kernels at once, one process each (default: the CPU count)"
+
+
+def _add_warmup_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--manifest", action="append", choices=sorted(MANIFESTS))
+    p.add_argument("--spec", action="append", help="a spec as JSON (see warmup hints)")
+    p.add_argument(
+        "--from",
+        dest="from_file",
+        action="append",
+        metavar="FILE",
+        help="specs recorded with KBUILD_RECORD=FILE (JSON lines)",
+    )
+    p.add_argument("--hidden", type=positive_int, help="every kernel of a model of this width")
+    p.add_argument("--dtype", default="bf16", choices=("bf16", "f16", "f32"))
+    p.add_argument("--weight-dtype", choices=("bf16", "f16", "f32"))
+    p.add_argument(
+        "--ops",
+        default=",".join(DEFAULT_WIDTH_OPS),
+        help=f"comma-separated, among {', '.join(WIDTH_OPS)} (encoder: GPT-2's "
+        "embedding; linear: a GPT-2 block's bias gradients)",
+    )
+    p.add_argument("--residual-fp32", action="store_true")
+    p.add_argument(
+        "--rms-offset",
+        type=float,
+        default=0.0,
+        help="RMSNorm's weight offset (Gemma: 1.0) for --hidden",
+    )
+    p.add_argument(
+        "--head-dim",
+        type=positive_int,
+        help="with --hidden: a QK-norm over heads of this width (Qwen3: 128)",
+    )
+
+
+def _parser() -> argparse.ArgumentParser:
+    from .. import __version__
+
+    raw = argparse.RawDescriptionHelpFormatter
+    parser = Parser(prog="kbuild", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"kbuild {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
+    for name, helptext, example in (
+        (
+            "warmup",
+            "compile kernels into the disk cache (no GPU needed)",
+            "examples:\n  kbuild warmup --arch sm_90 --manifest tests --cache-dir DIR\n"
+            "  kbuild warmup --arch gfx942 --hidden 4096 --dtype bf16 --weight-dtype f32\n"
+            "  KBUILD_RECORD=run.jsonl python train.py; kbuild warmup --from run.jsonl",
+        ),
+        (
+            "demo",
+            "compile the standard kernels and, with a GPU, check and time them",
+            "example:\n  kbuild demo --arch sm_90 --cache-dir DIR",
+        ),
+    ):
+        p = sub.add_parser(name, help=helptext, epilog=example, formatter_class=raw)
+        p.add_argument("--arch", default="sm_90", help="target arch (default sm_90)")
+        p.add_argument("--cache-dir", help=CACHE_DIR_HELP)
+        p.add_argument(
+            "-j", "--jobs", type=positive_int, default=os.cpu_count() or 1, help=_JOBS_HELP
+        )
+        if name == "warmup":
+            _add_warmup_options(p)
+    p = sub.add_parser(
+        "show",
+        help="print what a kernel became: MLIR, LLVM, PTX or AMDGPU asm, SASS",
+        epilog="examples:\n  kbuild show 'rmsnorm_fwd(N=4096, dtype=bf16, eps=1e-06, "
+        "store_rstd=True, vectorize=True, weight_dtype=bf16)' --ptx\n"
+        '  kbuild show \'{"kernel": "column_sum", "params": {"N": 1024, '
+        '"out_dtype": "bf16"}}\' --asm --arch gfx942',
+        formatter_class=raw,
+    )
+    p.add_argument("spec", help="a spec as JSON, or the label warmup prints")
+    p.add_argument("--arch", default="sm_90", help="target arch (default sm_90)")
+    for stage, what in (
+        ("mlir", "the builder's MLIR"),
+        ("llvm", "the LLVM dialect (NVIDIA) or LLVM IR (AMD)"),
+        ("ptx", "PTX (NVIDIA; the default stage there)"),
+        ("asm", "PTX on NVIDIA, AMDGPU assembly on AMD"),
+        ("sass", "SASS (NVIDIA; needs ptxas and cuobjdump or nvdisasm)"),
+    ):
+        p.add_argument(f"--{stage}", action="store_true", help=what)
+    add_cache_parser(sub, raw)
+    return parser
+
+
+def _one_line(err: BaseException, limit: int = 600) -> str:
+    """An exception as one line: an OSError names its path; a message of several lines (a
+    ptxas report) has them joined by " | " and cut at `limit` characters."""
+    if isinstance(err, OSError) and err.filename:
+        return f"{err.filename}: {err.strerror or err}"
+    text = " | ".join(line.strip() for line in str(err).splitlines() if line.strip())
+    text = text or type(err).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def main(argv: list[str] | None = None) -> int:
+    from ..compiler import CompileError
+    from ..targets import ToolchainError
+
+    parser = _parser()
+    args, extra = parser.parse_known_args(argv)
+    commands = {"warmup": _cmd_warmup, "demo": _cmd_demo, "show": _cmd_show}
+    command = commands.get(args.command) or args.run
+    name = f"kbuild {args.command}" + (f" {args.action}" if args.command == "cache" else "")
+    if extra:  # named by the command they were given to, not by the top-level parser
+        parser.exit(2, f"{name}: unrecognized arguments: {' '.join(extra)}\n")
+    try:
+        return command(args)
+    except CLIError as err:
+        print(f"{name}: {err}", file=sys.stderr)
+        return err.code
+    except BrokenPipeError:  # `kbuild cache list | head`: the reader left; end quietly
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141
+    except (ToolchainError, CompileError, OSError) as err:
+        print(f"{name}: {_one_line(err)}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
