@@ -7,7 +7,7 @@ only what applies: rows per block (r), blocks per row (c), chunked rows, a persi
 (the backward's always is), staged row groups, prefetch, shared dw/db partials, parameters
 held in registers, the .minnctapersm cap (min) and the cluster exchange. Every kernel of
 the tests, bench, tune and trace manifests builds the PTX it built when these choices were
-made inside the builders (bench/ptx_hashes.py against ptx_hashes_before.json).
+made inside the builders (bench/ptx_hashes.py against bench/results/archive/ptx_hashes_before.json).
 """
 
 from __future__ import annotations

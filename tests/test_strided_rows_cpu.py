@@ -1,4 +1,4 @@
-"""Strided RMSNorm inputs read in place (issue 18: QK-norm over a fused qkv's heads).
+"""Strided RMSNorm inputs read in place (QK-norm over a fused qkv's heads).
 
 `grouped_rows` decides which strided views the kernels read without a copy and with which
 (x_group, x_stride); the kernels then address row r at (r // x_group) * x_stride +
