@@ -174,3 +174,21 @@ def test_one_kernel_is_singular(env):
     run = kbuild_cli("warmup", "--spec", COLUMN_SUM, "-j", "1", env=env)
     assert run.returncode == 0, run.stderr
     assert run.stdout.splitlines()[-1].startswith("1 kernel for sm_90 in ")
+
+
+def test_the_readme_quick_start_runs_as_is_on_this_machine(subprocess_env, tmp_path):
+    """The README's quick start block, copied as is, runs on a CPU machine (it once asserted
+    `Torch not compiled with CUDA enabled`)."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme.split("## Quick start", 1)[1]
+    block = section.split("```python\n", 1)[1].split("```", 1)[0]
+    run = subprocess.run(
+        [sys.executable, "-c", block],
+        env={**subprocess_env, "KBUILD_CACHE_DIR": str(tmp_path)},
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "rmsnorm max error" in run.stdout and "dw (1024,)" in run.stdout

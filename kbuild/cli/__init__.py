@@ -83,6 +83,12 @@ def _specs_from(args) -> list[KernelSpec]:
     for path in args.from_file or []:
         try:
             specs += read_specs(path)
+        except FileNotFoundError:
+            raise CLIError(
+                f"--from {path}: no such file (KBUILD_RECORD writes it on a GPU run: a CPU "
+                "run asks for no kernel)",
+                1,
+            ) from None
         except (OSError, ValueError) as err:
             raise CLIError(f"--from {path}: {err}", 1) from None
     if args.head_dim is not None and args.hidden is None:
