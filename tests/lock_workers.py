@@ -125,6 +125,17 @@ def get_or_build_worker(
     _wait_for(conn, ("exit",))
 
 
+def hold_lock_worker(conn: Connection, root: str, entry_key: str, toolchain_key: str) -> None:
+    """Hold `DiskCache(root).lock(entry_key, toolchain_key)`, as a process compiling into that
+    entry does: ("locked",) once it has it, ("released",) after the parent's ("release",);
+    then stays alive until ("exit",)."""
+    with DiskCache(root).lock(entry_key, toolchain_key):
+        conn.send(("locked",))
+        _wait_for(conn, ("release",))
+    conn.send(("released",))
+    _wait_for(conn, ("exit",))
+
+
 def artifact_for_worker(conn: Connection, spec_json: str, lock_path: str) -> None:
     """`kbuild.jit.artifact_for(spec, sm_90)` on the default (KBUILD_CACHE_DIR) cache, online;
     ends with ("returned", sha256 of the binary). The spec comes as JSON so this child imports

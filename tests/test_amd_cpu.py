@@ -12,6 +12,7 @@ The AMD runtime has not run on an AMD GPU here.
 from __future__ import annotations
 
 import ctypes
+import re
 import struct
 
 import pytest
@@ -84,6 +85,46 @@ def test_check_code_object_refuses_what_the_loader_would(artifacts):
     v4[8] = 2
     with pytest.raises(ValueError, match="not code object v5"):
         amd.check_code_object(bytes(v4), "gfx942", art.entry, sig)
+
+
+def _kernarg_offsets_moved(binary: bytes, moves: dict[int, int]) -> bytes:
+    """`binary` with its metadata's kernarg offsets rewritten in place: `moves` maps an
+    argument's index (in the metadata's order) to its new offset. Old and new offsets are
+    msgpack fixints (one byte), so the ELF around the note stays as it was."""
+    out = bytearray(binary)
+    found = [m.end() for m in re.finditer(re.escape(b"\xa7.offset"), binary)]
+    for k, offset in moves.items():
+        assert out[found[k]] < 0x80 and 0 <= offset < 0x80
+        out[found[k]] = offset
+    return bytes(out)
+
+
+def test_kernarg_offsets_other_than_the_launchers_are_refused(artifacts, monkeypatch):
+    """Catches a code-object check that no longer compares kernarg offsets (sizes and kinds
+    alone): a kernel whose metadata puts arguments elsewhere than the launcher packs them
+    (x and weight swapped, M moved past a gap) would read the wrong pointers and sizes."""
+    art = artifacts["gfx942", "rmsnorm_fwd"]
+    sig = art.meta["signature"]
+    packed = [8 * k for k in range(len(sig))]
+    for moves in ({0: 8, 1: 0}, {len(sig) - 1: 8 * len(sig)}):
+        bad = _kernarg_offsets_moved(art.binary, moves)
+        kernargs = amd.kernel_resources(bad, art.entry)["kernargs"]
+        offsets = [a["offset"] for a in kernargs[: len(sig)]]
+        assert offsets == [moves.get(k, o) for k, o in enumerate(packed)]  # the edit took
+        assert [a["kind"] for a in kernargs[: len(sig)]] == [
+            "global_buffer" if kind == "ptr" else "by_value" for _, kind in sig
+        ]  # sizes and kinds as the launcher packs: only the offsets differ
+        with pytest.raises(ValueError, match="kernargs"):
+            amd.check_code_object(bad, "gfx942", art.entry, sig)
+    # compile_kernel checks what it assembled: such a code object is a CompileError
+    assemble = amd.llvm_ir_to_hsaco
+    monkeypatch.setattr(
+        amd,
+        "llvm_ir_to_hsaco",
+        lambda ir, arch: _kernarg_offsets_moved(assemble(ir, arch), {0: 8, 1: 0}),
+    )
+    with pytest.raises(compiler.CompileError, match="kernargs"):
+        compiler.compile_kernel(SPECS["rmsnorm_fwd"], target_for_arch("gfx942"))
 
 
 def test_msgpack_reader():

@@ -159,6 +159,44 @@ def test_a_meta_that_lies_about_its_binary_is_refused(tmp_path):
     _refused(tmp_path, out.getvalue(), "not the binary its meta.json names")
 
 
+def _rewritten(good: bytes, edit) -> bytes:
+    """The bundle `good` with each member's bytes replaced by edit(name, data)."""
+    out = io.BytesIO()
+    with tarfile.open(fileobj=io.BytesIO(good)) as src, tarfile.open(fileobj=out, mode="w") as dst:
+        for member in src:
+            data = edit(member.name, src.extractfile(member).read())
+            info = tarfile.TarInfo(member.name)
+            info.size = len(data)
+            dst.addfile(info, io.BytesIO(data))
+    return out.getvalue()
+
+
+def test_a_meta_edited_validly_but_not_in_the_index_is_refused(tmp_path):
+    """Catches an import that checks meta.json only for describing its binary, not against
+    its checksum in the index: a meta.json edited validly (still JSON, still naming its
+    binary's size and sha256, another target) with index.json unchanged is taken."""
+    import json
+
+    def edit(name, data):
+        if not name.endswith("meta.json"):
+            return data
+        meta = json.loads(data)
+        meta["meta"]["target"] = "sm_80"  # the binary is sm_90's (or gfx942's)
+        meta["entry"] = "other_kernel"
+        return json.dumps(meta, sort_keys=True, indent=1).encode()
+
+    data = _rewritten(_bundle(tmp_path), edit)
+    with tarfile.open(fileobj=io.BytesIO(data)) as tar:  # the edit is valid, the index old
+        members = {m.name: tar.extractfile(m).read() for m in tar}
+    for name, meta_bytes in members.items():
+        if name.endswith("meta.json"):
+            meta = json.loads(meta_bytes)
+            binary = members[name.replace("meta.json", f"kernel.{meta['format']}")]
+            assert meta["sha256"] == hashlib.sha256(binary).hexdigest()
+            assert meta["size"] == len(binary)
+    _refused(tmp_path, data, "meta.json does not match its checksum")
+
+
 def test_cli_export_import_and_info(tmp_path, capsys):
     _fill(tmp_path / "a")
     bundle = str(tmp_path / "w.tar.gz")

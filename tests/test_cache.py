@@ -22,6 +22,7 @@ from kbuild.cache import (
     toolchain_key,
 )
 from kbuild.cache.keys import fingerprint_tree
+from kbuild.kernels.table import _REQUIRED, KERNELS, RMSNORM_BWD, RMSNORM_FWD, KernelDef
 from kbuild.spec import KernelSpec
 from kbuild.targets import target_for_arch
 
@@ -63,6 +64,58 @@ def test_entry_key_is_stable_and_ignores_param_order():
 )
 def test_entry_key_changes_with_every_param(change):
     assert entry_key(make_spec(**change), SM90) != entry_key(make_spec(), SM90)
+
+
+def _one_param_changes(kdef: KernelDef):
+    """(name, base spec, the spec with only that parameter changed) for each parameter of
+    the table entry: a weight and every flag set, so a parameter that `needs` one means
+    something; the changed value is another of the parameter's kind."""
+    base: dict = {}
+    for p in kdef.params:
+        if p.default is not _REQUIRED:
+            base[p.name] = p.default  # offset 0, strided False, residual_in_dtype None, ...
+        else:  # a weight (dtype?), every flag set
+            base[p.name] = {"int": 4096, "float": 1e-5, "bool": True, "index": "i32"}.get(
+                p.kind, "bf16"
+            )
+    for p in kdef.params:
+        value = base[p.name]
+        other = {
+            "int": lambda v: v * 2,
+            "float": lambda v: v + 1.0,  # offset 0 -> 1 (Gemma), eps 1e-5 -> 1 + 1e-5
+            "bool": lambda v: not v,
+            "dtype": lambda v: "f16" if v != "f16" else "f32",
+            "dtype?": lambda v: "f32" if v != "f32" else "f16",
+            "index": lambda v: "i64" if v != "i64" else "i32",
+        }[p.kind](value)
+        yield p.name, kdef.spec(**base), kdef.spec(**(base | {p.name: other}))
+
+
+@pytest.mark.parametrize("name", sorted(KERNELS))
+def test_entry_key_changes_with_every_table_param(name):
+    """Catches an entry key (or the spec's canonical JSON it hashes) that leaves out a
+    compile-time parameter, e.g. RMSNorm's weight `offset`: Gemma's offset-1 call would be
+    served the plain kernel from the disk cache."""
+    for param, base, changed in _one_param_changes(KERNELS[name]):
+        assert changed != base, (name, param)  # the table keeps the change in the spec
+        assert entry_key(changed, SM90) != entry_key(base, SM90), (name, param)
+        # meta.json's spec (read back by `cache prune --stale`) names the same entry
+        again = KernelSpec.from_json(json.loads(json.dumps(changed.to_json())))
+        assert entry_key(again, SM90) == entry_key(changed, SM90), (name, param)
+
+
+def test_the_weight_offset_is_keyed_only_when_nonzero():
+    """Catches RMSNorm's `offset` dropped from the key (a stale plain kernel served for
+    Gemma), and an offset of 0 keyed anyway (every warmed plain entry would miss)."""
+    flags = {RMSNORM_FWD: {"store_rstd": True, "eps": 1e-6}, RMSNORM_BWD: {"compute_dw": True}}
+    for kdef, more in flags.items():
+        plain, zero, gemma = (
+            kdef.spec(N=4096, dtype="bf16", weight_dtype="bf16", **more, **offset)
+            for offset in ({}, {"offset": 0}, {"offset": 1.0})
+        )
+        assert "offset" not in plain.canonical_json() and zero == plain
+        assert entry_key(zero, SM90) == entry_key(plain, SM90)
+        assert entry_key(gemma, SM90) != entry_key(plain, SM90)
 
 
 def test_entry_key_changes_with_target_and_kernel_name():

@@ -75,10 +75,32 @@ def recorder(monkeypatch):
     NATIVE.clear_records()
 
 
-def _labelled(launches, tensors):
-    """Each launch with its pointer arguments named by the input tensor they point into
-    ("new" for an output the call allocated); integer arguments (M, R, ...) kept as they are."""
+def _outputs(result) -> list:
+    """A call's returned tensors in order (a tensor, a tuple or list of them, or None)."""
+    if result is None:
+        return []
+    return [result] if isinstance(result, torch.Tensor) else list(result)
+
+
+def _labelled(launches, tensors, outputs=None):
+    """Each launch with its pointer arguments named by the input tensor they point into;
+    integer arguments (M, R, ...) kept as they are. With `outputs` (what the call returned):
+    a pointer to one of them is "out<k>", k its place in the returned tuple, and any other
+    pointer (a workspace) "new<k>" in the order the log first shows it, so two outputs or
+    two workspaces written the other way round differ; without: "new" for all those."""
     named = {t.data_ptr(): name for name, t in tensors.items() if t is not None}
+    for k, t in enumerate(outputs or []):
+        if isinstance(t, torch.Tensor) and t.numel() > 0:
+            named.setdefault(t.data_ptr(), f"out{k}")
+    fresh: dict = {}
+
+    def label(address):
+        if address in named:
+            return named[address]
+        if outputs is None:
+            return "new"
+        return fresh.setdefault(address, f"new{len(fresh)}")
+
     out = []
     for spec, grid, args in launches:
         kdef = kernel_def(spec.kernel)
@@ -86,20 +108,22 @@ def _labelled(launches, tensors):
         names = kdef.arg_names(spec)
         assert len(names) == len(args), (spec.short(), names, args)
         labels = [
-            a if kinds[name] == "i64" else named.get(a, "new")
-            for name, a in zip(names, args, strict=True)
+            a if kinds[name] == "i64" else label(a) for name, a in zip(names, args, strict=True)
         ]
         out.append((spec, grid, labels))
     return out
 
 
 def _both(recorder, python_call, native_call, tensors):
-    """Run the Python path, then the native one; return both launch logs, labelled."""
-    python_call()
-    python_log = _labelled(recorder.launches, tensors)
+    """Run the Python path, then the native one; return both launch logs, each labelled by
+    the inputs and by that call's own returned tensors (the calls return in the same order),
+    so an output pointer in the other output's slot shows."""
+    result = _outputs(python_call())
+    python_log = _labelled(recorder.launches, tensors, result)
     recorder.launches.clear()
-    native_call()
-    return python_log, _labelled(recorder.launches, tensors)
+    native = _outputs(native_call())
+    assert len(native) == len(result)
+    return python_log, _labelled(recorder.launches, tensors, native)
 
 
 def _inputs(M, N, dtype, wdtype, misaligned=()):
@@ -187,6 +211,49 @@ def test_backward_launches_match_python(recorder, M, N, dtype, wdtype, off, need
             len(native_log) - 1
         )
         assert len(native_log) >= 1 + wanted
+        recorder.launches.clear()
+
+
+def test_each_output_pointer_is_the_output_it_names(recorder):
+    """Catches two outputs' pointers swapped in a launch (LayerNorm's mean and rstd, the
+    fused form's residual_out and rstd, dw and db in the column sum): every argument is named
+    by the returned tensor it points to, on both paths, not "new" for all of them."""
+    t = _inputs(3, 64, "bf16", "bf16")
+    x, r, w, b, dy = t["x"], t["residual"], t["weight"], t["bias"], t["dy"]
+    cases = [
+        (
+            lambda: layernorm.layernorm_fwd(x, w, b, 1e-5, True),
+            lambda: NATIVE.layernorm_fwd_cuda(x, w, b, 1e-5, True),
+            {"y": "out0", "mean": "out1", "rstd": "out2"},
+        ),
+        (
+            lambda: rmsnorm.fused_add_rmsnorm_fwd(x, r, w, 1e-6, torch.float32, True),
+            lambda: NATIVE.fused_add_rmsnorm_fwd_cuda(x, r, w, 1e-6, torch.float32, True),
+            {"y": "out0", "residual_out": "out1", "rstd": "out2"},
+        ),
+        (
+            lambda: layernorm.layernorm_bwd(dy, x, w, t["mean"], t["rstd"], True, b, True),
+            lambda: NATIVE.layernorm_bwd_cuda(dy, x, w, b, t["mean"], t["rstd"], True, True, True),
+            {
+                "dx": "out0",
+                "dw_partial": "new0",
+                "db_partial": "new1",
+                "out": "out1",
+                "out1": "out2",
+            },
+        ),
+    ]
+    for py_call, native_call, wanted in cases:
+        python_log, native_log = _both(recorder, py_call, native_call, t)
+        for log in (python_log, native_log):
+            named = {
+                name: label
+                for spec, _, labels in log
+                for name, label in zip(kernel_def(spec.kernel).arg_names(spec), labels, strict=True)
+                if name in wanted
+            }
+            assert named == wanted
+        assert native_log == python_log
         recorder.launches.clear()
 
 
@@ -620,9 +687,11 @@ def test_fp32_residual_stream_launches_match_python(recorder):
         out["native"] = NATIVE.fused_add_rmsnorm_bwd_cuda(
             dy, dres, res_out, w, rstd, True, 0.0, f32
         )
+        return out["native"]
 
     def python():
         out["python"] = rmsnorm.fused_add_rmsnorm_bwd(dy, dres, res_out, w, rstd, True, 0.0, f32)
+        return out["python"]
 
     python_log, native_log = _both(recorder, python, native, tensors)
     assert native_log == python_log

@@ -14,6 +14,7 @@ import sys
 import time
 
 import pytest
+from filelock import FileLock, Timeout
 
 from kbuild import cli
 from kbuild.artifact import Artifact
@@ -21,6 +22,8 @@ from kbuild.cache import DiskCache, entry_key
 from kbuild.cache.prune import parse_age, parse_size, prune, scan
 from kbuild.kernels.table import RMSNORM_FWD
 from kbuild.targets import target_for_arch
+
+from .lock_workers import children, hold_lock_worker
 
 T = "c" * 16
 
@@ -80,6 +83,31 @@ def test_a_new_cache_is_private_and_entries_follow_the_umask(tmp_path):
     os.umask(old)
     binary = next(root.rglob("kernel.cubin"))
     assert stat.S_IMODE(binary.stat().st_mode) == 0o666 & ~old
+
+
+def test_prune_leaves_a_lock_another_process_holds(tmp_path):
+    """Catches prune unlinking an entry's lock file without taking the lock: the process
+    compiling into that entry would hold a lock on a file no longer there, and the next one
+    would lock a new file and compile beside it. The holder has the lock (its "locked"
+    message) before prune runs; no sleep decides anything."""
+    keys = _fill(tmp_path, count=2)
+    held, free = (tmp_path / key[:2] / key / f"{T}.lock" for key in keys)
+    assert held.exists() and free.exists()
+    cache = DiskCache(tmp_path)
+    with children() as spawn:
+        holder = spawn(hold_lock_worker, str(tmp_path), keys[0], T)
+        holder.expect(("locked",))
+        removed = prune(cache, max_size=0)
+        assert sorted(e.entry_key for e in removed) == keys  # both entries go
+        assert not free.exists()  # a lock nobody holds goes with its entry
+        assert held.exists(), "prune removed a lock file another process holds"
+        with pytest.raises(Timeout):  # and it is still the file the holder locked
+            with FileLock(held, timeout=0):
+                pass
+        holder.send(("release",))
+        holder.expect(("released",))
+    with FileLock(held, timeout=0):  # released: free for the next compile
+        pass
 
 
 READER = """
