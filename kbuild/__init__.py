@@ -13,7 +13,11 @@ from __future__ import annotations
 import importlib
 
 __version__ = "0.1.0"
+# Declaring and launching kernels of your own (kbuild/kernels/declare.py): pure Python but
+# `launch`, which is torch's.
+_DECLARE = {"Arg": "kernels.table", "Param": "kernels.table", "kernel": "kernels.declare"}
 __all__ = [
+    "Arg",
     "FusedAddRMSNormFunction",
     "LayerNormFunction",
     "LinearFunction",
@@ -22,14 +26,21 @@ __all__ = [
     "encoder",
     "encoder_backward",
     "fused_add_rmsnorm",
+    "kernel",
+    "launch",
     "layernorm",
     "linear",
     "nn",
+    "Param",
     "rmsnorm",
 ]
 
 
 def __getattr__(name: str):
+    if name in _DECLARE:
+        value = getattr(importlib.import_module(f".{_DECLARE[name]}", __name__), name)
+        globals()[name] = value
+        return value
     if name in __all__:
         module = importlib.import_module(".nn" if name == "nn" else ".ops", __name__)
         value = module if name == "nn" else getattr(module, name)

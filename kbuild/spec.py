@@ -28,7 +28,8 @@ def _canonical(value: Any) -> Any:
 
 @dataclass(frozen=True)
 class KernelSpec:
-    """`kernel` names a builder in kbuild.kernels.REGISTRY; `params` are its keyword arguments."""
+    """`kernel` names a kernel of kbuild.kernels.KERNELS; `params` are its builder's keyword
+    arguments."""
 
     kernel: str
     params: tuple[tuple[str, Scalar], ...]

@@ -21,7 +21,6 @@ from kbuild.cache import (
     source_fingerprint,
     toolchain_key,
 )
-from kbuild.cache.keys import fingerprint_tree
 from kbuild.kernels.table import _REQUIRED, KERNELS, RMSNORM_BWD, RMSNORM_FWD, KernelDef
 from kbuild.spec import KernelSpec
 from kbuild.targets import target_for_arch
@@ -140,29 +139,29 @@ def test_toolchain_key():
 
 
 def test_source_fingerprint_is_cached_hex():
-    assert source_fingerprint() is source_fingerprint()
-    assert len(source_fingerprint()) == 16
-    int(source_fingerprint(), 16)
+    from kbuild.cache.sources import builder_fingerprint
+
+    builder = "kbuild.kernels.rmsnorm:build_rmsnorm_module"
+    assert builder_fingerprint(builder) is builder_fingerprint(builder)
+    assert len(source_fingerprint("rmsnorm_fwd")) == 16
+    int(source_fingerprint("rmsnorm_fwd"), 16)
 
 
-def test_fingerprint_tree_sees_edits_renames_and_only_codegen_files(tmp_path):
-    (tmp_path / "kernels").mkdir()
+def test_the_base_fingerprint_sees_edits_renames_and_only_codegen_files(tmp_path):
+    from kbuild.cache.sources import _hash, base_files
+
+    (tmp_path / "dsl").mkdir()
     (tmp_path / "runtime").mkdir()
-    (tmp_path / "kernels" / "rmsnorm.py").write_text("N = 1\n")
+    (tmp_path / "dsl" / "values.py").write_text("N = 1\n")
     (tmp_path / "spec.py").write_text("x = 1\n")
-    base = fingerprint_tree(tmp_path)
+    base = _hash(base_files(tmp_path))
     (tmp_path / "runtime" / "loader.py").write_text("unrelated\n")
-    assert fingerprint_tree(tmp_path) == base
-    (tmp_path / "kernels" / "rmsnorm.py").write_text("N = 2\n")
-    edited = fingerprint_tree(tmp_path)
+    assert _hash(base_files(tmp_path)) == base
+    (tmp_path / "dsl" / "values.py").write_text("N = 2\n")
+    edited = _hash(base_files(tmp_path))
     assert edited != base
-    (tmp_path / "kernels" / "rmsnorm.py").rename(tmp_path / "kernels" / "layernorm.py")
-    assert fingerprint_tree(tmp_path) != edited
-    (tmp_path / "compiler.py").write_text("")
-    assert fingerprint_tree(tmp_path) != edited
-
-
-# --- disk: hits and misses ----------------------------------------------------------------
+    (tmp_path / "dsl" / "values.py").rename(tmp_path / "dsl" / "memory.py")
+    assert _hash(base_files(tmp_path)) != edited
 
 
 def test_put_then_get_round_trips(tmp_path, keys):

@@ -1,6 +1,9 @@
-"""The kernel-source fingerprint (kbuild.cache.keys) covers everything that generates code.
+"""The kernel-source fingerprints (kbuild.cache.sources) cover everything that generates code.
 
-Its set of files must be closed under imports: a fingerprinted module that imports a kbuild
+Each kernel's key covers the shared code generator (dsl, targets, compiler) and its builder's
+own files; together they are the fingerprinted set, which must be closed under imports (bar
+the descriptions: the table and the package root, which describe kernels and generate
+none): a fingerprinted module that imports a kbuild
 module outside the set (dsl/trace.py once took its layout from kbuild/timing.py) changes
 generated code when that module is edited, without changing any cache key, and a warmed
 cache then hands out stale binaries. Imports are read from the source (ast), so neither MLIR
@@ -15,7 +18,8 @@ import sys
 from pathlib import Path
 
 import kbuild
-from kbuild.cache.keys import fingerprint_tree, source_files
+from kbuild.cache.sources import DESCRIPTIONS, _hash, base_files, builder_files
+from kbuild.kernels.table import KERNELS
 
 PACKAGE = Path(kbuild.__file__).parent
 # Third-party packages code-generating modules may import: those whose versions the
@@ -26,7 +30,13 @@ TOOLCHAIN_PACKAGES = {"mlir", "llvmlite"}
 
 
 def _fingerprinted() -> dict[str, Path]:
-    return dict(source_files(PACKAGE))
+    files = dict(base_files())
+    for definition in KERNELS.values():
+        files.update(
+            (label.removeprefix("kbuild/"), path)
+            for label, path in builder_files(definition.builder)
+        )
+    return files
 
 
 def _module_name(rel: str) -> str:
@@ -88,7 +98,7 @@ def test_fingerprinted_modules_import_only_fingerprinted_modules():
     outside = [
         f"{rel}:{line} imports {module} ({file or 'no such module'})"
         for rel, line, module, file in _edges()
-        if file not in fingerprinted
+        if file not in fingerprinted and file not in DESCRIPTIONS
     ]
     assert not outside, "code generation reads modules the cache key does not cover:\n" + (
         "\n".join(outside)
@@ -119,12 +129,10 @@ def test_code_generating_modules_import_only_the_stdlib_and_the_toolchain():
 
 
 def test_builders_imported_by_name_are_fingerprinted():
-    from kbuild.kernels import REGISTRY
-
-    fingerprinted = _fingerprinted()
-    for kernel, builder in REGISTRY.items():
-        module = builder.split(":")[0]
-        assert _file_of(module) in fingerprinted, f"{kernel}: {builder}"
+    for kernel, definition in KERNELS.items():
+        module = definition.builder.split(":")[0]
+        labels = [label for label, _ in builder_files(definition.builder)]
+        assert f"kbuild/{_file_of(module)}" in labels, f"{kernel}: {definition.builder}"
 
 
 def test_the_package_root_imports_nothing_at_import_time():
@@ -145,9 +153,10 @@ def test_an_edit_of_the_trace_layout_changes_the_fingerprint(tmp_path):
     (tmp_path / "dsl").mkdir()
     (tmp_path / "dsl" / "trace.py").write_text("from ..trace_layout import TRACE_ITERATIONS\n")
     (tmp_path / "trace_layout.py").write_text("TRACE_ITERATIONS = 64\n")
-    base = fingerprint_tree(tmp_path)
+    assert "trace_layout.py" in dict(base_files(tmp_path))
+    base = _hash(base_files(tmp_path))
     (tmp_path / "trace_layout.py").write_text("TRACE_ITERATIONS = 128\n")
-    assert fingerprint_tree(tmp_path) != base
+    assert _hash(base_files(tmp_path)) != base
 
 
 def test_the_trace_layout_imports_without_mlir_or_torch():

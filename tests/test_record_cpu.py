@@ -148,7 +148,7 @@ def test_width_warmup_covers_a_training_step(monkeypatch, N, dtype, wdtype):
 
 def test_width_warmup_on_the_command_line(capsys, tmp_path, monkeypatch):
     seen = []
-    monkeypatch.setattr(cli, "warmup", lambda specs, arch, root, jobs: seen.extend(specs))
+    monkeypatch.setattr(cli, "warmup", lambda specs, arch, root, jobs, **_: seen.extend(specs))
     argv = ["warmup", "--hidden", "2048", "--dtype", "bf16", "--weight-dtype", "f32"]
     assert cli.main([*argv, "--ops", "layernorm", "--cache-dir", str(tmp_path)]) == 0
     assert seen == for_width(2048, "bf16", "f32", ("layernorm",))
@@ -178,7 +178,7 @@ def test_width_warmup_covers_a_gemma_step_with_an_fp32_stream(monkeypatch):
     assert any(s.kwargs.get("dresidual_dtype") == "f32" for s in asked)
     assert all(s.kwargs.get("offset") == 1.0 for s in asked if s.kernel != "column_sum")
     seen = []
-    monkeypatch.setattr(cli, "warmup", lambda specs, arch, root, jobs: seen.extend(specs))
+    monkeypatch.setattr(cli, "warmup", lambda specs, arch, root, jobs, **_: seen.extend(specs))
     argv = ["warmup", "--hidden", "2048", "--ops", "rmsnorm,fused_add_rmsnorm"]
     assert cli.main([*argv, "--residual-fp32", "--rms-offset", "1.0"]) == 0
     assert set(seen) == warmed
@@ -206,7 +206,7 @@ def test_width_warmup_covers_a_qk_norm(monkeypatch, capsys):
     assert asked <= warmed, sorted(s.short() for s in asked - warmed)
     assert not asked & set(for_width(2048, "bf16", ops=("rmsnorm",)))
     seen = []
-    monkeypatch.setattr(cli, "warmup", lambda specs, arch, root, jobs: seen.extend(specs))
+    monkeypatch.setattr(cli, "warmup", lambda specs, arch, root, jobs, **_: seen.extend(specs))
     assert cli.main(["warmup", "--hidden", "2048", "--ops", "rmsnorm", "--head-dim", "128"]) == 0
     assert set(seen) == warmed
     assert cli.main(["warmup", "--head-dim", "128"]) == 2

@@ -12,32 +12,25 @@ things:
 
 The entry key covers everything that changes the binary apart from the compilers: the kernel
 name and every builder parameter (floats by their exact bits, see KernelSpec), the target
-(arch, features, warp size, pass pipeline), kbuild's own code-generating source, and the
-on-disk format version. This module imports neither MLIR nor torch.
+(arch, features, warp size, pass pipeline), the source that generates this kernel (the DSL,
+the targets and the compiler, plus the kernel's own builder and what it imports: adding or
+editing one kernel re-keys only it; kbuild/cache/sources.py), and the on-disk format
+version. This module imports neither MLIR nor torch.
 """
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
-from pathlib import Path
 from typing import Any
 
+from kbuild.cache.sources import builder_fingerprint
 from kbuild.spec import KernelSpec
 from kbuild.targets import Target
 
 # Bump when the meaning of an entry changes (what a key covers, how meta.json reads), so old
 # entries become misses instead of being misread.
 CACHE_FORMAT_VERSION = 1
-
-# What generates code, relative to the package: edits here must invalidate every entry.
-# The runtime, the cache and the ops are left out, since they never change a binary. The set
-# is closed under imports: whatever these modules import from kbuild is in it too (the trace
-# layout the kernels write by, the Artifact the compiler returns), which
-# tests/test_fingerprint_cpu.py checks.
-_SOURCE_DIRS = ("kernels", "dsl", "targets")
-_SOURCE_FILES = ("spec.py", "compiler.py", "dtypes.py", "trace_layout.py", "artifact.py")
 
 
 def _digest(payload: Any) -> str:
@@ -46,31 +39,12 @@ def _digest(payload: Any) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
-def source_files(package: Path) -> list[tuple[str, Path]]:
-    """The code-generating `*.py` files under `package`, as sorted (relative path, path)."""
-    files = [path for name in _SOURCE_DIRS for path in (package / name).rglob("*.py")]
-    files += [package / name for name in _SOURCE_FILES if (package / name).is_file()]
-    return sorted((path.relative_to(package).as_posix(), path) for path in files)
+def source_fingerprint(kernel: str) -> str:
+    """The source that generates `kernel` (a registered kernel's name), 16 hex: the shared
+    code generator plus its builder's own files (kbuild/cache/sources.py)."""
+    from kbuild.kernels.table import kernel_def
 
-
-def fingerprint_tree(package: Path) -> str:
-    """Hash the code-generating `*.py` files under `package`, each with its relative path.
-
-    Paths are hashed too, so renaming or moving a file counts as a change; each part is
-    length-prefixed so no two different trees can produce the same byte stream.
-    """
-    digest = hashlib.sha256()
-    for rel, path in source_files(package):
-        data = path.read_bytes()
-        digest.update(f"{len(rel)}:{rel}:{len(data)}:".encode())
-        digest.update(data)
-    return digest.hexdigest()[:16]
-
-
-@functools.cache
-def source_fingerprint() -> str:
-    """kbuild's own code-generating source, hashed once per process (16 hex chars)."""
-    return fingerprint_tree(Path(__file__).parents[1])
+    return builder_fingerprint(kernel_def(kernel).builder)
 
 
 def entry_key(spec: KernelSpec, target: Target) -> str:
@@ -79,7 +53,7 @@ def entry_key(spec: KernelSpec, target: Target) -> str:
         "format_version": CACHE_FORMAT_VERSION,
         "spec": spec.canonical_json(),
         "target": target.key_fields(),
-        "source": source_fingerprint(),
+        "source": source_fingerprint(spec.kernel),
     }
     return _digest(payload)[:32]
 

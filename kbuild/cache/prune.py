@@ -70,7 +70,9 @@ def scan(cache: DiskCache) -> list[Entry]:
 
 def is_stale(entry: Entry) -> bool:
     """Written by another kbuild source (or cache format): its key is not the one this kbuild
-    computes for its spec and target, so nothing here will ever hit it."""
+    computes for its spec and target, so nothing here will ever hit it. A kernel this
+    process does not know (a user's, whose module is not imported) cannot be judged: kept."""
+    from ..kernels.table import KERNELS
     from ..spec import KernelSpec
     from ..targets import target_for_arch
     from .keys import entry_key
@@ -80,6 +82,8 @@ def is_stale(entry: Entry) -> bool:
         target = target_for_arch(entry.meta["meta"]["target"])
     except (KeyError, TypeError, ValueError):
         return True
+    if spec.kernel not in KERNELS:
+        return False
     return entry_key(spec, target) != entry.entry_key
 
 

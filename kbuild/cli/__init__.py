@@ -21,6 +21,7 @@ import os
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
 
 from ..cache import DiskCache
 from ..manifest import DEFAULT_WIDTH_OPS, MANIFESTS, WIDTH_OPS, manifest
@@ -30,9 +31,32 @@ from .args import CACHE_DIR_HELP, CLIError, Parser, cache_root, check_arch, plur
 from .cache import add_cache_parser
 
 
-def _warm_one(spec_json: str, arch: str, root: str) -> tuple[str, dict, bool, float]:
-    """Compile one spec into the cache (a worker process); returns its label and metadata."""
+def import_user_module(name: str):
+    """Import a module that declares kernels of its own (`kbuild.kernel`), by module name or
+    by the path of its file (whose folder goes first on sys.path, as `python FILE` does)."""
+    import importlib
+
+    if name.endswith(".py"):
+        path = Path(name).expanduser().resolve()
+        if not path.is_file():
+            raise CLIError(f"--module {name}: no such file")
+        sys.path.insert(0, str(path.parent))
+        name = path.stem
+    try:
+        return importlib.import_module(name)
+    except ImportError as err:
+        raise CLIError(f"--module {name}: {err}", 1) from None
+
+
+def _warm_one(
+    spec_json: str, arch: str, root: str, modules: tuple[str, ...] = ()
+) -> tuple[str, dict, bool, float]:
+    """Compile one spec into the cache (a worker process, which imports the user modules
+    first so their kernels are known); returns its label and metadata."""
     from ..jit import build_into
+
+    for module in modules:
+        import_user_module(module)
 
     spec, target = KernelSpec.from_json(json.loads(spec_json)), target_for_arch(arch)
     start = time.perf_counter()
@@ -51,11 +75,14 @@ def _describe(label: str, meta: dict, built: bool, ms: float) -> str:
     return f"{state}  regs {meta.get('registers', '?'):>3}  spills {spills:>3}  {label}"
 
 
-def warmup(specs: list[KernelSpec], arch: str, root: str, jobs: int) -> list[tuple]:
-    """Compile `specs` for `arch` into `root`, printing a progress line per kernel."""
+def warmup(
+    specs: list[KernelSpec], arch: str, root: str, jobs: int, modules: tuple[str, ...] = ()
+) -> list[tuple]:
+    """Compile `specs` for `arch` into `root`, printing a progress line per kernel; `modules`
+    declare kernels of their own that the specs may name."""
     os.makedirs(root, exist_ok=True)
     results = []
-    args = [(s.canonical_json(), arch, root) for s in specs]
+    args = [(s.canonical_json(), arch, root, tuple(modules)) for s in specs]
     width = len(str(len(specs)))
 
     def report(i: int, result: tuple) -> None:
@@ -80,6 +107,9 @@ def _specs_from(args) -> list[KernelSpec]:
     from ..record import read_specs
 
     specs = [s for name in args.manifest or [] for s in manifest(name)]
+    for name in args.module or []:  # a user's kernels, and the specs it asks to warm
+        module = import_user_module(name)
+        specs += list(getattr(module, "warmup_specs", list)())
     for path in args.from_file or []:
         try:
             specs += read_specs(path)
@@ -119,12 +149,10 @@ def _cmd_warmup(args) -> int:
     check_arch(args.arch)
     specs = _specs_from(args)
     if not specs:
-        raise CLIError(
-            "nothing to warm: give --manifest NAME, --spec JSON, --from FILE or --hidden N"
-        )
+        raise CLIError("nothing to warm: give --manifest, --module, --spec, --from or --hidden")
     root = cache_root(args)
     start = time.perf_counter()
-    warmup(specs, args.arch, root, args.jobs)
+    warmup(specs, args.arch, root, args.jobs, modules=tuple(args.module or ()))
     elapsed = time.perf_counter() - start
     print(f"{plural(len(specs), 'kernel')} for {args.arch} in {root} ({elapsed:.1f} s)")
     return 0
@@ -170,6 +198,13 @@ _JOBS_HELP = "compile this many kernels at once, one process each (default: the 
 
 def _add_warmup_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--manifest", action="append", choices=sorted(MANIFESTS))
+    p.add_argument(
+        "--module",
+        action="append",
+        metavar="MODULE",
+        help="a module (name or FILE.py) declaring kernels of your own: its warmup_specs() "
+        "are warmed, and --spec / --from may name its kernels",
+    )
     p.add_argument("--spec", action="append", help="a spec as JSON (see warmup hints)")
     p.add_argument(
         "--from",

@@ -6,7 +6,8 @@ the rules that make two spellings of one kernel one spec) and its launch argumen
 
 - the spec: `RMSNORM_FWD.spec(N, dtype, ...)` (positional in table order, or by keyword),
   what the cache keys on and what manifests list;
-- the registry: `REGISTRY[name]` -> "module:function" of the builder (imported on compile);
+- the registry: `KERNELS[name]`, whose `builder` ("module:function") is imported on compile;
+  kernels defined outside kbuild join it through `register` (`kbuild.kernel` does it);
 - the in-memory key: the table's name and the parameter values as given, plus the device
   (ops/launch.py `launcher_for`);
 - the argument order: `arg_names(spec)`, which the compiler checks each built kernel's
@@ -20,7 +21,7 @@ no MLIR, no torch.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..dtypes import ELEMENT_BYTES, FLOAT_DTYPES
 from ..spec import KernelSpec, Scalar
@@ -94,6 +95,9 @@ class KernelDef:
     params: tuple[Param, ...]
     args: tuple[Arg, ...]
     tunable: bool = False  # takes launch-plan overrides as extra keywords (kernels/plans.py)
+    # The builder itself where it is at hand (`kbuild.kernel` declares it so); else imported
+    # from `builder` on compile. Not part of what the definition is.
+    function: Callable | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         names = [p.name for p in self.params]
@@ -394,10 +398,30 @@ KERNELS: dict[str, KernelDef] = {
         ENCODER_BWD_WTE_MERGE,
     )
 }
+BUILTIN = frozenset(KERNELS)
+
+
+def register(definition: KernelDef) -> KernelDef:
+    """Add a kernel defined outside this table (a user's, `kbuild.kernel`) to the registry,
+    so specs of it compile, cache, warm and launch like kbuild's own. Registering the same
+    name with the same builder again replaces the entry (a module imported twice: as
+    `__main__` and by name); another builder under a taken name is a ValueError."""
+    if not isinstance(definition, KernelDef):
+        raise TypeError(f"register takes a KernelDef, got {type(definition).__name__}")
+    known = KERNELS.get(definition.name)
+    if known is not None and (definition.name in BUILTIN or known.builder != definition.builder):
+        raise ValueError(
+            f"kernel name {definition.name!r} is taken (by {known.builder}); choose another"
+        )
+    KERNELS[definition.name] = definition
+    return definition
 
 
 def kernel_def(name: str) -> KernelDef:
     try:
         return KERNELS[name]
     except KeyError:
-        raise ValueError(f"unknown kernel {name!r}; known: {', '.join(sorted(KERNELS))}") from None
+        raise ValueError(
+            f"unknown kernel {name!r}; known: {', '.join(sorted(KERNELS))} (a kernel of your "
+            "own is known once the module that defines it is imported)"
+        ) from None

@@ -2,6 +2,7 @@
 
 from .api import fused_add_rmsnorm, layernorm, rmsnorm
 from .autograd import FusedAddRMSNormFunction, LayerNormFunction, RMSNormFunction
+from .launch import launch_kernel as launch
 from .llmc import LinearFunction, bias_grad, encoder, encoder_backward, linear
 
 __all__ = [
@@ -13,6 +14,7 @@ __all__ = [
     "encoder",
     "encoder_backward",
     "fused_add_rmsnorm",
+    "launch",
     "layernorm",
     "linear",
     "rmsnorm",

@@ -1,0 +1,179 @@
+"""Kernels users write themselves, outside the package, and per-kernel cache keys.
+
+A kernel declared with `kbuild.kernel` in a module of its own compiles, caches and warms like
+kbuild's own; its cache key covers its own file and what that imports (kbuild/cache/sources.py),
+so adding a kernel leaves every other kernel's key as it was, editing one builder re-keys only
+its kernels, and a user's kernel is re-keyed when its file or a module it imports changes."""
+
+from __future__ import annotations
+
+import importlib
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from kbuild.cache.keys import entry_key, source_fingerprint
+from kbuild.cache.sources import builder_files
+from kbuild.kernels.table import KERNELS, kernel_def, register
+from kbuild.targets import target_for_arch
+
+SM90 = target_for_arch("sm_90")
+
+USER_KERNEL = '''
+from kbuild import Arg, Param, kernel
+from kbuild.dsl import Kernel, get_llvm_ptr, if_then, load, store
+from {helper} import FACTOR
+
+
+@kernel("{name}", params=(Param("N", "int"),), args=(Arg("x"), Arg("y"), Arg("M", "i64")))
+def build_scale(N, target):
+    """y = x * FACTOR over M rows of N f32 values: one thread an element."""
+    with Kernel("{name}", target, 128) as k:
+        x, y, M = k.ptr("x"), k.ptr("y"), k.i64("M")
+        i = k.block_id() * 128 + k.thread_id()
+        if_then(i < M * N, lambda: store(load(get_llvm_ptr(x, i, "f32"), "f32") * FACTOR,
+                                         get_llvm_ptr(y, i, "f32")))
+    return k
+'''
+
+
+@pytest.fixture
+def user_module(tmp_path, monkeypatch):
+    """A user's kernel module `my_scale_<n>` in a folder of its own on sys.path, importing
+    a helper module beside it; returns (import it, its folder)."""
+    monkeypatch.syspath_prepend(str(tmp_path))
+    name = f"my_scale_{tmp_path.name[-8:].replace('-', '_')}"
+    (tmp_path / f"{name}_helper.py").write_text("FACTOR = 2.0\n")
+    source = USER_KERNEL.format(name=name, helper=f"{name}_helper")
+    (tmp_path / f"{name}.py").write_text(source)
+
+    def load():
+        for module in (name, f"{name}_helper"):
+            sys.modules.pop(module, None)
+        importlib.invalidate_caches()
+        from kbuild.cache import sources
+
+        sources.builder_fingerprint.cache_clear()
+        return importlib.import_module(name).build_scale
+
+    yield load, tmp_path, name
+    KERNELS.pop(name, None)
+
+
+def test_a_user_kernel_compiles_and_its_signature_is_checked(user_module):
+    from kbuild import compiler
+
+    load, _, name = user_module
+    definition = load()
+    assert kernel_def(name) is definition
+    assert definition.builder == f"{name}:build_scale"
+    kernel = compiler.build(definition.spec(N=64), SM90)
+    assert kernel.signature() == [("x", "ptr"), ("y", "ptr"), ("M", "i64")]
+    artifact = compiler.compile_kernel(definition.spec(N=64), SM90)
+    assert artifact.entry == name and artifact.format in ("cubin", "ptx")
+
+
+def test_its_key_covers_its_own_file_and_its_imports(user_module):
+    load, folder, name = user_module
+    definition = load()
+    labels = [label for label, _ in builder_files(definition.builder)]
+    assert labels == [f"{name}.py", f"{name}_helper.py"]  # relative: a checkout's path is not keyed
+    spec = definition.spec(N=64)
+    first = entry_key(spec, SM90)
+    others = {n: source_fingerprint(n) for n in KERNELS if n != name}
+
+    (folder / f"{name}_helper.py").write_text("FACTOR = 3.0\n")  # an import of it changes
+    load()
+    second = entry_key(spec, SM90)
+    assert second != first
+    main = folder / f"{name}.py"
+    main.write_text(main.read_text() + "\n# an edit\n")  # its own file changes
+    load()
+    assert entry_key(spec, SM90) not in (first, second)
+    assert {n: source_fingerprint(n) for n in KERNELS if n != name} == others
+
+
+def test_adding_a_kernel_leaves_the_other_keys_unchanged(user_module):
+    before = {name: source_fingerprint(name) for name in KERNELS}
+    load, _, name = user_module
+    load()
+    assert {n: source_fingerprint(n) for n in KERNELS if n != name} == before
+
+
+def test_editing_one_builder_rekeys_only_its_kernels(tmp_path):
+    """A copy of the package: an edit to the column sum's builder (kernels/reduce.py) changes
+    the keys of the kernels built from it, and no other."""
+    import shutil
+
+    import kbuild
+
+    package = tmp_path / "kbuild"
+    shutil.copytree(kbuild.__path__[0], package, ignore=shutil.ignore_patterns("__pycache__"))
+    probe = textwrap.dedent("""
+        import json
+        from kbuild.cache.keys import source_fingerprint
+        from kbuild.kernels.table import KERNELS
+        print(json.dumps({name: source_fingerprint(name) for name in KERNELS}))
+    """)
+
+    def fingerprints():
+        run = subprocess.run(
+            [sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True,
+            env={"PYTHONPATH": str(tmp_path), "PATH": ""},
+        )  # fmt: skip
+        assert run.returncode == 0, run.stderr
+        return __import__("json").loads(run.stdout)
+
+    before = fingerprints()
+    reduce_py = package / "kernels" / "reduce.py"
+    reduce_py.write_text(reduce_py.read_text() + "\n# an edit\n")
+    after = fingerprints()
+    changed = {name for name in before if before[name] != after[name]}
+    assert changed == {"column_sum", "bias_grad"}
+    table = package / "kernels" / "table.py"  # a new entry in the table re-keys nothing
+    table.write_text(table.read_text() + "\nEXTRA = 1\n")
+    assert fingerprints() == after
+    dsl = package / "dsl" / "values.py"  # the shared generator re-keys everything
+    dsl.write_text(dsl.read_text() + "\n# an edit\n")
+    last = fingerprints()
+    assert all(last[name] != after[name] for name in after)
+
+
+def test_a_taken_name_is_refused():
+    rms = kernel_def("rmsnorm_fwd")
+    clash = type(rms)("rmsnorm_fwd", "elsewhere:build", rms.params, rms.args)
+    with pytest.raises(ValueError, match="kernel name 'rmsnorm_fwd' is taken"):
+        register(clash)
+    with pytest.raises(TypeError, match="register takes a KernelDef"):
+        register("rmsnorm_fwd")
+
+
+def test_a_builder_must_be_a_module_level_function():
+    from kbuild import Param, kernel
+
+    def outer():
+        @kernel("nested_kernel", params=(Param("N", "int"),), args=())
+        def build(N, target):
+            return None
+
+    with pytest.raises(ValueError, match="must be a module-level function"):
+        outer()
+    assert "nested_kernel" not in KERNELS
+
+
+def test_prune_keeps_entries_of_kernels_it_does_not_know(tmp_path):
+    """`prune --stale` in a process that has not imported a user's kernel module cannot
+    compute that kernel's key: it keeps the entry instead of calling it stale."""
+    from kbuild.artifact import Artifact
+    from kbuild.cache import DiskCache
+    from kbuild.cache.prune import prune
+    from kbuild.spec import KernelSpec
+
+    spec = KernelSpec.make("someone_elses_kernel", N=64)
+    meta = {"target": "sm_90", "spec": spec.to_json()}
+    cache = DiskCache(tmp_path)
+    cache.put("ab" * 16, "cd" * 8, Artifact(b"x", "cubin", "k", meta), {"mlir": "22"})
+    assert prune(cache, stale=True) == []
+    assert len(list(cache.entries())) == 1
