@@ -1,5 +1,9 @@
 """kbuild's kernel DSL: readable helpers over the upstream MLIR Python bindings.
 
+The row layer (rows.py: `RowTile`, `GroupedRows`; row_walk.py: `RowGroups`; staging.py:
+`RowStage`; shared.py: `ThreadShared`) is what every row kernel (norms, softmax,
+cross-entropy) is written with.
+
 Target-neutral: the warp size and the gpu.module target attribute come from the Target; no
 helper here branches on the vendor. Importing this package imports MLIR, so only the
 compiler and the kernel builders do.
@@ -18,6 +22,10 @@ from .memory import (
     wait_async,
 )
 from .reduce import add, group_reduce, row_reduce
+from .row_walk import RowGroups
+from .rows import GroupedRows, RowShape, RowTile, rewiden_all, widen
+from .shared import ThreadShared
+from .staging import RowStage, Staged
 from .values import (
     V,
     cast,
@@ -42,7 +50,14 @@ from .values import (
 )
 
 __all__ = [
+    "GroupedRows",
     "Kernel",
+    "RowGroups",
+    "RowShape",
+    "RowStage",
+    "RowTile",
+    "Staged",
+    "ThreadShared",
     "V",
     "atomic_add",
     "add",
@@ -69,6 +84,7 @@ __all__ = [
     "opaque",
     "prefetch_l2",
     "rewiden",
+    "rewiden_all",
     "row_reduce",
     "rsqrt",
     "select",
@@ -78,4 +94,5 @@ __all__ = [
     "to_f32",
     "wait_async",
     "while_loop",
+    "widen",
 ]

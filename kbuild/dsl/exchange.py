@@ -4,7 +4,7 @@
 It owns everything that has to agree for the exchange to be correct: the mode, the slot
 buffers and their halves, the mbarriers and their initialisation at cluster start, and the
 mapping from a row loop's phase to the half a use takes and the mbarrier parity it waits for.
-The kernels' row code asks it for those (kernels_common.RowTile.reduce, RowGroups).
+The kernels' row code asks it for those (dsl.rows.RowTile.reduce, dsl.row_walk.RowGroups).
 
 Modes:
 - "barrier": each block stores its state into slot `rank` of every block's buffer (remote

@@ -36,19 +36,27 @@ from __future__ import annotations
 
 import functools
 
-from ..dsl import Kernel, V, const, dot, fma, hsum, loop, opaque, select
-from ..dsl.trace import Trace
-from ..dsl.values import vector_type
-from ..targets import Target
-from .kernels_common import (
+from ..dsl import (
     GroupedRows,
+    Kernel,
     RowGroups,
     RowStage,
     RowTile,
     ThreadShared,
+    V,
+    const,
+    dot,
+    fma,
+    hsum,
+    loop,
+    opaque,
     rewiden_all,
+    select,
     widen,
 )
+from ..dsl.trace import Trace
+from ..dsl.values import vector_type
+from ..targets import Target
 from .plans import NormBackward, plan_backward
 
 

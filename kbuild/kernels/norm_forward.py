@@ -31,7 +31,12 @@ hold their 16-bit w and b in registers for the whole loop (`resident_params`).
 from __future__ import annotations
 
 from ..dsl import (
+    GroupedRows,
     Kernel,
+    RowGroups,
+    RowStage,
+    RowTile,
+    Staged,
     V,
     cast,
     const,
@@ -40,21 +45,14 @@ from ..dsl import (
     load,
     loop,
     opaque,
+    rewiden_all,
     rsqrt,
     select,
     to_f32,
+    widen,
 )
 from ..dsl.trace import Trace
 from ..targets import Target
-from .kernels_common import (
-    GroupedRows,
-    RowGroups,
-    RowStage,
-    RowTile,
-    Staged,
-    rewiden_all,
-    widen,
-)
 from .plans import NormForward, plan_forward
 
 

@@ -59,7 +59,7 @@ class NormForward:
     store_stats: bool = False  # rstd (and mean, for LayerNorm)
     eps: float
     offset: float = 0.0  # y = x_hat * (offset + w): Gemma's 1 + w, added in fp32
-    strided: bool = False  # x's rows grouped at a stride (kernels_common.GroupedRows)
+    strided: bool = False  # x's rows grouped at a stride (dsl.GroupedRows)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -78,7 +78,7 @@ class NormBackward:
     compute_dw: bool = False
     compute_db: bool = False
     offset: float = 0.0  # the forward's weight offset: dx uses offset + w, dw does not change
-    strided: bool = False  # x's rows grouped at a stride (kernels_common.GroupedRows)
+    strided: bool = False  # x's rows grouped at a stride (dsl.GroupedRows)
 
     def __post_init__(self) -> None:
         if self.compute_dw and self.weight_dtype is None:

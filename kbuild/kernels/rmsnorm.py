@@ -35,7 +35,7 @@ def build_rmsnorm_module(
 
     Launch arguments: x, [weight], y, [rstd], M, [x_group, x_stride, x_group_magic].
     `strided`: x's rows are read in groups of x_group contiguous rows, x_stride elements
-    apart (a (B, T, H, D) view of a fused qkv projection: kernels_common.GroupedRows), y is
+    apart (a (B, T, H, D) view of a fused qkv projection: dsl.GroupedRows), y is
     dense. `vectorize=False` gives the kernel for
     tensors whose addresses are not 16-byte aligned; `shape` holds launch-shape overrides for
     tuning (`threads_per_row`, `cluster`: see norm_forward.build_norm_forward).
