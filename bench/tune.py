@@ -21,7 +21,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.harness import measure_copy  # noqa: E402
 from kbuild.jit import artifact_for, device_target  # noqa: E402
-from kbuild.kernels.plans import BackwardPlan, ForwardPlan, override_keywords  # noqa: E402
+from kbuild.kernels.plans import BackwardPlan, ForwardPlan  # noqa: E402
+from kbuild.kernels.row_plan import override_keywords  # noqa: E402
 from kbuild.manifest import BENCH_ELEMENTS, manifest  # noqa: E402
 from kbuild.ops.common import stream_of  # noqa: E402
 from kbuild.ops.launch import column_sum, persistent_grid, rows_grid  # noqa: E402

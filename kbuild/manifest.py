@@ -257,7 +257,7 @@ def _bench() -> Iterator[KernelSpec]:
 def _tune() -> Iterator[KernelSpec]:
     """Launch-plan alternatives to the chooser's picks for bench/tune.py (the chooser's own
     pick first, for comparison). A variant forces plan fields by their builder keywords
-    (kernels/plans.py: `override_keywords`); the fields it leaves out are the chooser's.
+    (kernels/row_plan.py: `override_keywords`); the fields it leaves out are the chooser's.
     Here: the backward's rows per block at short N (RMSNorm 1024 / 2048, LayerNorm 1024 /
     2048: fewer partial rows for the column sum); RMSNorm at N = 65536 with its lagged
     exchange against the mbarrier exchange it replaced and the same one-block plan without

@@ -25,10 +25,10 @@ from kbuild.kernels.plans import (
     ForwardPlan,
     NormBackward,
     NormForward,
-    override_keywords,
     plan_backward,
     plan_forward,
 )
+from kbuild.kernels.row_plan import override_keywords
 from kbuild.targets import target_for_arch
 
 

@@ -6,42 +6,43 @@ threads per row, vectors, cluster, rows per block), the grid, staging, prefetchi
 backward's dw/db partials live, which parameters stay in registers, the resident blocks per
 multiprocessor asked of the register allocation, and how a cluster's blocks exchange row sums.
 Each rule sits with the measurement that chose it (H200, bf16; files in bench/results/,
-reasoning in bench/NOTES.md).
+reasoning in bench/NOTES.md). What any row family shares (the row's shape, the persistent
+grid and staging, the register cap, the cluster exchange) is row_plan.py's: `plan_forward`
+is `plan_rows` with the norms' rules around it; `plan_backward` composes its pieces.
 
 Every plan field that a builder keyword can force names that keyword in its metadata
-(`override_keywords`): `threads_per_row` and `cluster` shape the row, `cluster_sync` sets the
-exchange, the others have the field's name. A field not given is chosen, in agreement with
-those given (an explicit `persistent=True` still lets the chooser stage rows); an override the
-shape or target cannot honour raises ValueError naming it, none is dropped.
+(`row_plan.override_keywords`): `threads_per_row` and `cluster` shape the row,
+`cluster_sync` sets the exchange, the others have the field's name. A field not given is
+chosen, in agreement with those given (an explicit `persistent=True` still lets the chooser
+stage rows); an override the shape or target cannot honour raises ValueError naming it,
+none is dropped.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, replace
 
-from ..dtypes import ELEMENT_BYTES
 from ..targets import Target
-from .config import (
-    BACKWARD_ELEMS,
-    BACKWARD_SHAPES,
-    MAX_THREADS,
-    RMS_BACKWARD_SHAPES,
-    RowBudget,
-    RowConfig,
-    choose_row_config,
+from .config import BACKWARD_ELEMS, BACKWARD_SHAPES, RMS_BACKWARD_SHAPES, RowBudget, RowConfig
+from .row_plan import (
+    SHARED_SLACK,
+    all_16_bit,
+    can_stage,
+    check_stage,
+    cluster_exchange,
+    plan_field,
+    plan_rows,
+    resident_blocks,
+    row_shape,
+    vectors_of_16,
+    wider,
+    with_rows_per_block,
 )
 
-EXCHANGES = ("barrier", "mbarrier", "lagged")  # dsl.exchange.MODES (which imports MLIR)
 RESIDENT = (None, False, "registers")  # resident_params: chooser, read per row, held
-SHARED_SLACK = 4 * 1024  # room kept for the row sums' slots and the like
 # Largest shared-memory partials, leaving room for the row sums' slots: 128 KB, or less where
 # the target allows less per block (99 KB on sm_86/89/120, 64 KB of LDS on most AMD GPUs).
 SHARED_PARTIALS_MAX = 128 * 1024
-
-
-def _field(*keywords: str):
-    """A plan field and the builder keywords that override it."""
-    return field(metadata={"keywords": keywords})
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -87,30 +88,25 @@ class NormBackward:
 
 @dataclass(frozen=True)
 class ForwardPlan:
-    row: RowConfig = _field("threads_per_row", "cluster")
-    persistent: bool = _field("persistent")  # each block (cluster) walks row groups
-    stage: int = _field("stage")  # row groups copied into shared memory ahead (RowStage)
-    resident_params: str | bool = _field("resident_params")  # "registers": w, b held raw
-    blocks_per_sm: int | None = _field("blocks_per_sm")  # .minnctapersm; None: no cap
-    exchange: str | None = _field("cluster_sync")  # EXCHANGES; None without a cluster
-    word_widening: bool = _field("word_widening")  # bf16 widened again from packed words
+    row: RowConfig = plan_field("threads_per_row", "cluster")
+    persistent: bool = plan_field("persistent")  # each block (cluster) walks row groups
+    stage: int = plan_field("stage")  # row groups copied into shared memory ahead (RowStage)
+    resident_params: str | bool = plan_field("resident_params")  # "registers": w, b held raw
+    blocks_per_sm: int | None = plan_field("blocks_per_sm")  # .minnctapersm; None: no cap
+    exchange: str | None = plan_field("cluster_sync")  # EXCHANGES; None without a cluster
+    word_widening: bool = plan_field("word_widening")  # bf16 widened again from packed words
 
 
 @dataclass(frozen=True)
 class BackwardPlan:
-    row: RowConfig = _field("threads_per_row", "cluster", "rows_per_block")
-    prefetch: bool = _field("prefetch")  # the next row's loads issued before this row's sum
-    prefetch_l2: bool = _field("prefetch_l2")  # one thread asks the next row into L2
-    shared_partials: bool = _field("shared_partials")  # dw/db partials in shared memory
-    stage: int = _field("stage")  # rows of x and dy copied into shared memory ahead
-    resident_params: str | bool = _field("resident_params")  # "registers": w held raw
-    blocks_per_sm: int | None = _field("blocks_per_sm")
-    exchange: str | None = _field("cluster_sync")
-
-
-def override_keywords(plan: type) -> tuple[str, ...]:
-    """The builder keywords that force fields of a plan class, in field order."""
-    return tuple(k for f in fields(plan) for k in f.metadata["keywords"])
+    row: RowConfig = plan_field("threads_per_row", "cluster", "rows_per_block")
+    prefetch: bool = plan_field("prefetch")  # the next row's loads issued before this row's sum
+    prefetch_l2: bool = plan_field("prefetch_l2")  # one thread asks the next row into L2
+    shared_partials: bool = plan_field("shared_partials")  # dw/db partials in shared memory
+    stage: int = plan_field("stage")  # rows of x and dy copied into shared memory ahead
+    resident_params: str | bool = plan_field("resident_params")  # "registers": w held raw
+    blocks_per_sm: int | None = plan_field("blocks_per_sm")
+    exchange: str | None = plan_field("cluster_sync")
 
 
 def plan_forward(
@@ -139,33 +135,46 @@ def plan_forward(
     row_words = 1.0 if fused or row_dtype != "bf16" else 0.625 if p.center else 0.5
     param_words = sum(0.5 for d in (p.weight_dtype, p.bias_dtype) if d == "f32")
     budget = RowBudget(words_per_elem=row_words + param_words)
-    row = _row(
+    staged = [p.dtype] + ([p.residual_in_dtype or p.dtype] if fused else [])  # x (, residual)
+    _check_resident(resident_params)
+    if cluster_sync == "lagged":
+        raise ValueError("cluster_sync='lagged' is the backward's (staged rows); not forward")
+
+    def stage_when(row: RowConfig) -> bool:
+        # LayerNorm rows of a whole 512-thread block or split over a cluster: a persistent
+        # grid that copies the next row group into shared memory while the current one is
+        # reduced and written (H200, bf16: N = 16384 86% -> 90% of copy, 65536 66% -> 82%;
+        # h200_tune_stage_depth.json). More groups ahead, or the forward of shorter rows (the
+        # block finishes its row soon enough), lose 3-11%.
+        return p.center and not fused and (row.cluster > 1 or row.block >= 512)
+
+    # Keep >= 1024 threads resident per SM (64 registers each) where the row needs no
+    # predicates; the merge of LayerNorm's moments would otherwise take 72-73 registers and
+    # halve the resident blocks at N = 8192-16384 (held parameters: 768, below).
+    # Row sums cross the cluster through mbarriers: no cluster barrier per row, which would
+    # also wait for the block's earlier stores to complete (H200, bf16, N = 65536: LayerNorm
+    # 80-83% -> 83-86% of copy, fused add + RMSNorm 92% -> 99%; h200_tune_mbarrier*.json,
+    # h200_tune_exchange*.json).
+    rows = plan_rows(
         p.N,
         wider(p.dtype, row_dtype),
         target,
-        vectorize,
-        budget,
-        threads_per_row,
-        cluster,
-        target.forward_register_scale,
+        vectorize=vectorize,
+        budget=budget,
+        register_scale=target.forward_register_scale,
+        staged=staged,
+        stage_when=stage_when,
+        needs_persistent=bool(resident_params),  # held parameters need a persistent grid
+        exchange="mbarrier",
+        resident_threads=1024,
+        threads_per_row=threads_per_row,
+        cluster=cluster,
+        persistent=persistent,
+        stage=stage,
+        blocks_per_sm=blocks_per_sm,
+        cluster_sync=cluster_sync,
     )
-    staged = [p.dtype] + ([p.residual_in_dtype or p.dtype] if fused else [])  # x (, residual)
-    stage = _check_stage(stage, target, row, staged)
-    _check_resident(resident_params)
-    # LayerNorm rows of a whole 512-thread block or split over a cluster: a persistent grid
-    # that copies the next row group into shared memory while the current one is reduced and
-    # written (H200, bf16: N = 16384 86% -> 90% of copy, 65536 66% -> 82%;
-    # h200_tune_stage_depth.json). More groups ahead, or the forward of shorter rows (the
-    # block finishes its row soon enough), lose 3-11%.
-    long_row = row.cluster > 1 or row.block >= 512
-    picked_stage = int(p.center and not fused and long_row and can_stage(target, row, staged))
-    if persistent is None:  # the grid that staged rows or held parameters need
-        persistent = bool(picked_stage if stage is None else stage) or bool(resident_params)
-    persistent = bool(persistent)
-    if stage is None:
-        stage = picked_stage if persistent else 0
-    elif stage and not persistent:
-        raise ValueError("stage needs a persistent grid (persistent=False was given)")
+    row, persistent, stage = rows.row, rows.persistent, rows.stage
     params = [d for d in (p.weight_dtype, p.bias_dtype) if d is not None]
     if resident_params is None:
         # Rows split over a cluster read w and b slices of 32 KB per block in every row: the
@@ -178,7 +187,7 @@ def plan_forward(
         # Measured on 256-thread blocks; the 512-thread blocks of longer rows would drop to
         # one per SM (unmeasured): those keep reading w and b.
         held = persistent and stage and row.cluster > 1 and params and row.block <= 256
-        resident_params = "registers" if held and _all_16_bit(params) else False
+        resident_params = "registers" if held and all_16_bit(params) else False
     elif resident_params:
         if not (persistent and not row.chunked):
             raise ValueError(
@@ -187,18 +196,10 @@ def plan_forward(
             )
         if not params:
             raise ValueError("resident_params='registers' needs a weight or bias to hold")
-    # Keep >= 1024 threads resident per SM (64 registers each) where the row needs no
-    # predicates; the merge of LayerNorm's moments would otherwise take 72-73 registers and
-    # halve the resident blocks at N = 8192-16384. Held parameters leave room for 768.
-    threads = 768 if resident_params else 1024
-    blocks_per_sm = _blocks_per_sm(blocks_per_sm, target, row, row.exact, threads)
-    # Row sums cross the cluster through mbarriers: no cluster barrier per row, which would
-    # also wait for the block's earlier stores to complete (H200, bf16, N = 65536: LayerNorm
-    # 80-83% -> 83-86% of copy, fused add + RMSNorm 92% -> 99%; h200_tune_mbarrier*.json,
-    # h200_tune_exchange*.json).
-    if cluster_sync == "lagged":
-        raise ValueError("cluster_sync='lagged' is the backward's (staged rows); not forward")
-    exchange = cluster_exchange(cluster_sync, row, "mbarrier", target.warp_size)
+    if resident_params:  # held parameters leave room for 768 resident threads, not 1024
+        blocks_per_sm = resident_blocks(blocks_per_sm, target, row, row.exact, 768)
+    else:
+        blocks_per_sm = rows.blocks_per_sm
     # The second widening of a held bf16 row (dsl.rewiden): from 16-bit halves, or straight
     # from the packed words (one integer op a value). The words for the plain RMSNorm's rows
     # of one block of 512 threads or more (H200, bf16, kernel alone, without / with rstd:
@@ -215,7 +216,7 @@ def plan_forward(
         raise ValueError(f"word_widening widens bf16 rows held packed; these are {row_dtype}")
     word_widening = bool(word_widening)
     return ForwardPlan(
-        row, persistent, stage, resident_params, blocks_per_sm, exchange, word_widening
+        row, persistent, stage, resident_params, blocks_per_sm, rows.exchange, word_widening
     )
 
 
@@ -248,7 +249,7 @@ def plan_backward(
         # thread's x, dy and fp32 dw partials of 32 elements spilled under the 64-register
         # cap (bf16, N = 128: 1072 bytes, 22% of copy on an H200; one vector: none).
         budget = RowBudget(BACKWARD_ELEMS, words, tuple(range(1, 17)), shapes, short_iters=1)
-        return _row(p.N, io, target, vectorize, budget, threads_per_row, blocks)
+        return row_shape(p.N, io, target, vectorize, budget, threads_per_row, blocks)
 
     row = shape(float(n_partials), cluster)  # partials in registers
     most = min(SHARED_PARTIALS_MAX, target.shared_bytes_per_block - SHARED_SLACK)
@@ -314,7 +315,7 @@ def plan_backward(
     if wanted:  # a shape for the row alone, partials off registers
         alone = shape(0.0, row.cluster)
         if rows_per_block is not None:
-            alone = _rows_per_block(alone, rows_per_block, target.warp_size)
+            alone = with_rows_per_block(alone, rows_per_block, target.warp_size)
         size = n_partials * alone.slice * alone.rows_per_block * 4
         wanted = not alone.chunked and size <= most
         if shared_partials and not wanted:
@@ -325,7 +326,7 @@ def plan_backward(
         row = alone if wanted else row
     shared_partials = bool(wanted)
     if rows_per_block is not None:
-        row = _rows_per_block(row, rows_per_block, target.warp_size)
+        row = with_rows_per_block(row, rows_per_block, target.warp_size)
     elif row.chunked and row.rows_per_block > 1:
         # A chunked row adds into its workspace row as it goes; the block's rows share one.
         row = replace(row, rows_per_block=1)
@@ -336,16 +337,16 @@ def plan_backward(
         # 1024: 92 registers, one block per SM, 80% -> 72%) nor at 256 threads (N = 4096:
         # two rows a block spill); with 16-bit weights only (fp32 ones spill 16 bytes at the
         # 128 registers of 512 threads), on Hopper and later (sm_80 spills), as measured.
-        w16 = p.weight_dtype is None or _all_16_bit([p.weight_dtype])
+        w16 = p.weight_dtype is None or all_16_bit([p.weight_dtype])
         if w16 and row.cluster == 1 and row.block == 128 and row.iters == 2 and row.exact:
-            row = _rows_per_block(row, 4, target.warp_size)
+            row = with_rows_per_block(row, 4, target.warp_size)
     arrays = [p.x_dtype, p.dtype]  # staged: x and dy
-    stage = _check_stage(stage, target, row, arrays)
+    stage = check_stage(stage, target, row, arrays)
     # Exact register-resident rows: ask for >= 1024 resident threads per SM (64 registers
     # each), enough loads in flight. Predicated and chunked rows would spill under that cap.
     # (LayerNorm with both partials in registers spills 144 bytes capped: it runs uncapped.)
     capped = row.exact and (not p.center or shared_partials or not n_partials)
-    blocks_per_sm = _blocks_per_sm(blocks_per_sm, target, row, capped, 1024)
+    blocks_per_sm = resident_blocks(blocks_per_sm, target, row, capped, 1024)
     if stage is None and prefetch:
         stage = 0  # the next row goes into registers, not shared memory
     elif stage is None:
@@ -377,9 +378,9 @@ def plan_backward(
         # 85% -> 88%). LayerNorm loses 1-4% with it (8192-65536), as did the fused backward in
         # earlier sweeps (h200_tune_l2_persistent.json, h200_tune_cluster_sizes.json).
         wide = plain_rms and row.iters >= 2 and row.exact and row.rows_per_block == 1
-        wide = wide and _all_16_bit([io]) and (ahead or not prefetch)
-        prefetch_l2 = wide and target.l2_prefetch and _vectors_of_16(row, arrays)
-    elif prefetch_l2 and not (target.l2_prefetch and _vectors_of_16(row, arrays)):
+        wide = wide and all_16_bit([io]) and (ahead or not prefetch)
+        prefetch_l2 = wide and target.l2_prefetch and vectors_of_16(row, arrays)
+    elif prefetch_l2 and not (target.l2_prefetch and vectors_of_16(row, arrays)):
         raise ValueError(f"prefetch_l2 needs 16-byte vectors on Hopper or later, not {target}")
     prefetch_l2 = bool(prefetch_l2)
     if resident_params is None:
@@ -393,7 +394,7 @@ def plan_backward(
         # bench kernels stay spill-free (tests/test_kernels_ir.py).
         # Measured on 512-thread blocks; the 1024-thread blocks of some longer rows are not
         # (RMSNorm at N = 262144 spills more with it).
-        w16 = p.weight_dtype is not None and _all_16_bit([p.weight_dtype])
+        w16 = p.weight_dtype is not None and all_16_bit([p.weight_dtype])
         split = row.cluster > 1 and row.block <= 512 and not row.chunked
         held = w16 and io == "bf16" and split and not p.has_dres
         resident_params = "registers" if held else False
@@ -414,127 +415,8 @@ def plan_backward(
     return BackwardPlan(row, *choices, exchange)
 
 
-def cluster_exchange(
-    cluster_sync: str | None, row: RowConfig, preferred: str, warp_size: int
-) -> str | None:
-    """How the row sums of a row split over a cluster cross it, the kernel's exchange mode
-    (dsl.exchange): `cluster_sync` if given (checked), else `preferred`; None without a
-    cluster.
-
-    The mbarrier exchange orders a block's reuse of its slots by the block barrier of the
-    next row's reduction (dsl.row_reduce), which rows of one warp or less do not have: those
-    keep the cluster barrier (only forced tuning shapes split such rows over a cluster)."""
-    if cluster_sync is not None and cluster_sync not in EXCHANGES:
-        raise ValueError(f"cluster_sync must be one of {EXCHANGES}, not {cluster_sync!r}")
-    if cluster_sync is not None and row.cluster == 1:
-        raise ValueError(f"cluster_sync={cluster_sync!r} needs rows split over a cluster")
-    within_warp = row.threads_per_row <= warp_size
-    if cluster_sync in ("mbarrier", "lagged") and within_warp:
-        raise ValueError(
-            f"cluster_sync={cluster_sync!r} needs rows of more than {warp_size} threads (a "
-            f"block barrier per row); these rows take {row.threads_per_row}"
-        )
-    if row.cluster == 1:
-        return None
-    if within_warp:
-        return "barrier"
-    return cluster_sync or preferred
-
-
-def can_stage(target: Target, row: RowConfig, dtypes: list[str], other_shared: int = 0) -> bool:
-    """Whether rows of these arrays can be staged one group ahead (RowStage, depth 1) on
-    `target`, next to `other_shared` bytes of shared memory the kernel already uses."""
-    if not (target.async_copy and row.exact and _vectors_of_16(row, dtypes)):
-        return False
-    staged = len(dtypes) * row.iters * 16 * row.block
-    return staged + other_shared + SHARED_SLACK <= target.shared_bytes_per_block
-
-
-def _row(
-    N, dtype, target: Target, vectorize, budget, threads_per_row, cluster, register_scale=1.0
-) -> RowConfig:
-    if cluster is not None and not 1 <= cluster <= target.max_cluster:
-        raise ValueError(
-            f"cluster must be from 1 to {target.max_cluster} blocks on {target.arch}, not {cluster}"
-        )
-    return choose_row_config(
-        N,
-        dtype,
-        target.warp_size,
-        vectorize,
-        budget,
-        max_cluster=target.max_cluster,
-        threads_per_row=threads_per_row,
-        cluster=cluster,
-        register_scale=register_scale,
-    )
-
-
-def _check_stage(stage, target: Target, row: RowConfig, dtypes: list[str]) -> int | None:
-    """An explicit `stage` (True = 1), checked; None stays None (the chooser's)."""
-    if stage is None:
-        return None
-    if not isinstance(stage, int) or stage < 0:
-        raise ValueError(f"stage must be a number of row groups (0 = none), not {stage!r}")
-    if stage == 0:
-        return 0
-    if not target.async_copy:
-        raise ValueError(f"stage needs asynchronous copies (cp.async), which {target} lacks")
-    if not (row.exact and _vectors_of_16(row, dtypes)):
-        raise ValueError(
-            "stage needs rows held in registers, exactly, in 16-byte vectors; these rows "
-            f"take {row.vec}-element vectors (chunked: {row.chunked}, exact: {row.exact})"
-        )
-    return int(stage)
-
-
 def _check_resident(resident_params: str | bool | None) -> None:
     if resident_params not in RESIDENT:
         raise ValueError(
             f"resident_params must be None, False or 'registers', not {resident_params!r}"
         )
-
-
-def _blocks_per_sm(
-    given: int | None, target: Target, row: RowConfig, capped: bool, threads: int
-) -> int | None:
-    if given is None:
-        return max(1, threads // row.block) if capped else None
-    if not isinstance(given, int) or given < 1:
-        raise ValueError(f"blocks_per_sm must be a positive number of blocks, not {given!r}")
-    if target.occupancy_attribute(given) is None:
-        raise ValueError(f"blocks_per_sm needs a target with an occupancy hint, not {target}")
-    return given
-
-
-def _rows_per_block(row: RowConfig, rows: int, warp_size: int) -> RowConfig:
-    """`row` with `rows` rows per block (a tuning override of the backward): rows held whole
-    by one block each (a chunked row adds into its workspace row as it goes, which the
-    block's rows share), blocks of whole warps, at most MAX_THREADS threads."""
-    if not isinstance(rows, int) or rows < 1:
-        raise ValueError(f"rows_per_block must be a positive number of rows, not {rows!r}")
-    if row.cluster > 1 or (row.chunked and rows > 1):
-        raise ValueError(
-            "rows_per_block needs rows held by one block in registers (these take a cluster "
-            f"of {row.cluster}, chunked: {row.chunked})"
-        )
-    block = row.threads_per_row * rows
-    if block > MAX_THREADS or block % warp_size:
-        raise ValueError(
-            f"rows_per_block={rows} at {row.threads_per_row} threads a row makes blocks of "
-            f"{block} threads; they must be whole warps of {warp_size}, at most {MAX_THREADS}"
-        )
-    return replace(row, rows_per_block=rows)
-
-
-def _vectors_of_16(row: RowConfig, dtypes: list[str]) -> bool:
-    return all(row.vec * ELEMENT_BYTES[d] == 16 for d in dtypes)
-
-
-def _all_16_bit(dtypes: list[str]) -> bool:
-    return all(ELEMENT_BYTES[d] == 2 for d in dtypes)
-
-
-def wider(*dtypes: str | None) -> str:
-    """The widest of several I/O dtypes: it sets the vector width a row tile uses."""
-    return max((d for d in dtypes if d), key=lambda d: ELEMENT_BYTES[d])
