@@ -9,14 +9,20 @@
 Arguments are raw global pointers (`!llvm.ptr<1>`) and i64/f32 scalars, in declaration order;
 `k.signature` records them for the launcher. The block size is a compile-time constant
 (`known_block_size`), which also means AMD code never asks the device library for it.
+Blocks are one-dimensional; a kernel may read y and z block ids (`block_id("y")`), though
+kbuild's launcher (runtime/prepared.py) starts grids in x only so far. `grid_stride` walks
+the items of an elementwise kernel.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable, Sequence
 
 from mlir import ir
 from mlir.dialects import gpu, llvm, nvvm
 
 from ..targets import Target
+from .control import loop
 from .exchange import ClusterExchange
 from .memory import get_llvm_ptr
 from .values import V, cast, const, element_bytes, scalar_type
@@ -28,6 +34,12 @@ SHARED_CLUSTER = 7  # another block's shared memory, within a cluster
 
 def global_ptr_type() -> ir.Type:
     return llvm.PointerType.get(address_space=GLOBAL)
+
+
+def _dimension(dim: str) -> gpu.Dimension:
+    if dim not in ("x", "y", "z"):
+        raise ValueError(f"a grid dimension is 'x', 'y' or 'z', not {dim!r}")
+    return getattr(gpu.Dimension, dim)
 
 
 class Kernel:
@@ -137,13 +149,31 @@ class Kernel:
     # ------------------------------------------------------------------ ids and sync
 
     def thread_id(self) -> V:
+        """This thread's index in its block (blocks are one-dimensional: `block` threads)."""
         return cast(V(gpu.thread_id(gpu.Dimension.x)), "i64")
 
-    def block_id(self) -> V:
-        return cast(V(gpu.block_id(gpu.Dimension.x)), "i64")
+    def block_id(self, dim: str = "x") -> V:
+        """This block's index in the grid along `dim` ("x", "y" or "z"): a grid of rows or
+        items in x, and, say, one y per tensor of a batch."""
+        return cast(V(gpu.block_id(_dimension(dim))), "i64")
 
-    def grid_size(self) -> V:
-        return cast(V(gpu.grid_dim(gpu.Dimension.x)), "i64")
+    def grid_size(self, dim: str = "x") -> V:
+        """Blocks in the grid along `dim`."""
+        return cast(V(gpu.grid_dim(_dimension(dim))), "i64")
+
+    def grid_stride(
+        self, n: V | int, body: Callable[[V, list[V]], Sequence[V]], carried: Sequence[V] = ()
+    ) -> list[V]:
+        """The elementwise walk: each thread takes items i = its global index (block_id("x")
+        * block + thread_id), then i + the grid's threads, ... while i < n (i64), so any grid
+        covers any n, a grid of one wave of resident blocks included. `body(i, carried) -> new
+        carried` (see dsl.loop); returns the carried values after this thread's last item.
+        Consecutive threads take consecutive items: an item of 16 bytes (a vector) keeps a
+        warp's accesses whole sectors."""
+        start = self.block_id() * self.block + self.thread_id()
+        step = self.grid_size() * self.block
+        stop = const(n, "i64") if isinstance(n, int) else n
+        return loop(start, stop, step, carried, body)
 
     def barrier(self) -> None:
         gpu.barrier()
