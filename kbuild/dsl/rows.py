@@ -51,6 +51,15 @@ class RowShape(Protocol):
     def exact(self) -> bool: ...
 
 
+def thread_columns(shape: RowShape, lane: V, start: V | int = 0) -> list[V]:
+    """Column of each of the `shape.iters` vectors of the thread at `lane` of its row, from
+    chunk `start`: (i * threads_per_row + lane) * vec, so a warp's accesses are contiguous.
+    RowTile's columns; also those of kernels whose rows are picked by data (an embedding's
+    token ids), which need no RowTile."""
+    base = lane * shape.vec + start
+    return [base + i * shape.threads_per_row * shape.vec for i in range(shape.iters)]
+
+
 class GroupedRows:
     """An input whose rows are not one dense (M, N) array: groups of `x_group` contiguous rows,
     the groups `x_stride` elements apart, so row r starts at
@@ -113,9 +122,7 @@ class RowTile:
     def columns(self, start: V | int = 0) -> list[V]:
         """Column of each of this thread's vectors within the block's slice of the row (the
         row without a cluster), from chunk `start`."""
-        c = self.cfg
-        base = self.lane * c.vec + start
-        return [base + i * c.threads_per_row * c.vec for i in range(c.iters)]
+        return thread_columns(self.cfg, self.lane, start)
 
     def inside(self, start: V | int = 0) -> list[V | None]:
         """Per vector: whether its columns lie inside the slice (None: always, no test)."""

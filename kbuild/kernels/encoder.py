@@ -51,9 +51,10 @@ from ..dsl import (
     to_f32,
     while_loop,
 )
+from ..dsl.rows import thread_columns
 from ..dsl.values import vector_type
 from ..targets import Target
-from .config import ENCODER_CHUNK
+from .config import ENCODER_CHUNK, RowConfig
 
 CHUNK = ENCODER_CHUNK  # sorted positions per block of the dwte pass
 UNROLL = 4  # positions whose loads are in flight at once in a dwte block
@@ -69,13 +70,22 @@ def columns_layout(C: int, dtype: str, vectorize: bool) -> tuple[int, int, int]:
     return vec, block, -(-vectors // block)
 
 
+def columns_shape(C: int, dtype: str, vectorize: bool) -> RowConfig:
+    """columns_layout as the DSL's row shape: one row a block of `block` threads, each
+    thread `groups` vectors of the row."""
+    vec, block, groups = columns_layout(C, dtype, vectorize)
+    return RowConfig(C, vec, block, 1, groups, chunked=False)
+
+
 class _Columns:
-    """One thread's column groups of a C-wide row: column index and in-range flag each."""
+    """This thread's columns of a C-wide row (dsl.thread_columns of columns_shape: the rows
+    are picked by data, token ids and positions, not walked by a RowTile) and fp32 loads and
+    stores of a [*, C] array at (row, column)."""
 
     def __init__(self, k: Kernel, C: int, dtype: str, vectorize: bool):
-        self.vec, block, groups = columns_layout(C, dtype, vectorize)
-        tid = k.thread_id()
-        self.cols = [(tid + g * block) * self.vec for g in range(groups)]
+        shape = columns_shape(C, dtype, vectorize)
+        self.vec = shape.vec
+        self.cols = thread_columns(shape, k.thread_id())
         self.C, self.dtype = C, dtype
 
     def zero(self) -> V:
