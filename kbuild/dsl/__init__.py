@@ -2,7 +2,8 @@
 
 The row layer (rows.py: `RowTile`, `GroupedRows`; row_walk.py: `RowGroups`; staging.py:
 `RowStage`; shared.py: `ThreadShared`) is what every row kernel (norms, softmax,
-cross-entropy) is written with.
+cross-entropy) is written with; `Kernel.grid_stride` walks the items of an
+elementwise kernel.
 
 Target-neutral: the warp size and the gpu.module target attribute come from the Target; no
 helper here branches on the vendor. Importing this package imports MLIR, so only the
@@ -23,7 +24,7 @@ from .memory import (
 )
 from .reduce import add, group_reduce, row_reduce
 from .row_walk import RowGroups
-from .rows import GroupedRows, RowShape, RowTile, rewiden_all, widen
+from .rows import GroupedRows, RowShape, RowTile, rewiden_all, thread_columns, widen
 from .shared import ThreadShared
 from .staging import RowStage, Staged
 from .values import (
@@ -91,6 +92,7 @@ __all__ = [
     "split",
     "splat",
     "store",
+    "thread_columns",
     "to_f32",
     "wait_async",
     "while_loop",

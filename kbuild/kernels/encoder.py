@@ -48,10 +48,10 @@ from ..dsl import (
     ne,
     select,
     store,
+    thread_columns,
     to_f32,
     while_loop,
 )
-from ..dsl.rows import thread_columns
 from ..dsl.values import vector_type
 from ..targets import Target
 from .config import ENCODER_CHUNK, RowConfig
