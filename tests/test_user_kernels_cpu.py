@@ -11,6 +11,7 @@ import importlib
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -177,3 +178,75 @@ def test_prune_keeps_entries_of_kernels_it_does_not_know(tmp_path):
     cache.put("ab" * 16, "cd" * 8, Artifact(b"x", "cubin", "k", meta), {"mlir": "22"})
     assert prune(cache, stale=True) == []
     assert len(list(cache.entries())) == 1
+
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "custom_softmax.py"
+
+
+def test_the_softmax_example_runs_on_a_machine_without_a_gpu(subprocess_env, tmp_path):
+    """examples/custom_softmax.py, as a user runs it: compiles its two kernels for sm_90 and
+    gfx942 and checks its CPU path (values and gradients) against torch, exit 0."""
+    pytest.importorskip("llvmlite")
+    run = subprocess.run(
+        [sys.executable, str(EXAMPLE)],
+        env={**subprocess_env, "KBUILD_CACHE_DIR": str(tmp_path)},
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    assert run.stdout.count("sm_90  user_softmax_") == 6
+    assert run.stdout.count("gfx942 user_softmax_") == 6
+    assert "cpu (8, 3, 4096) torch.bfloat16" in run.stdout
+
+
+def test_warmup_names_a_users_module(subprocess_env, tmp_path):
+    """`kbuild warmup --module FILE.py` warms the module's warmup_specs() (in worker
+    processes too, which import the module first), and a second run finds them cached."""
+    env = {**subprocess_env, "KBUILD_CACHE_DIR": str(tmp_path / "cache")}
+    command = [sys.executable, "-m", "kbuild", "warmup", "--module", str(EXAMPLE), "-j", "2"]
+    first = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert first.returncode == 0, first.stderr
+    assert first.stdout.count(" compiled ") == 6 and "6 kernels for sm_90" in first.stdout
+    second = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert second.stdout.count(" cached ") == 6, second.stdout
+    bad = subprocess.run(
+        [*command[:4], "--module", str(tmp_path / "nope.py")], env=env, capture_output=True,
+        text=True,
+    )  # fmt: skip
+    assert bad.returncode == 2 and bad.stderr.strip().endswith("nope.py: no such file")
+
+
+def test_launch_binds_tensors_and_ints_in_the_kernels_order(monkeypatch):
+    """kbuild.launch: the spec from the keywords, one memory-tier key per spec and device, the
+    grid from the loaded launcher, tensors as their addresses and ints as they are."""
+    import torch
+
+    import kbuild
+
+    from .launch_recorder import Tier, install, pretend_cuda
+
+    tier, calls = Tier(), []
+    install(monkeypatch, tier.get_launcher)
+    pretend_cuda(monkeypatch)
+    monkeypatch.setattr(
+        "tests.launch_recorder.FakeLauncher.__call__",
+        lambda self, grid, stream, *args: calls.append((grid, stream, args)),
+    )
+    colsum = kernel_def("column_sum")
+    partial, out = torch.zeros(4, 64), torch.zeros(64, dtype=torch.bfloat16)
+    kbuild.launch(
+        colsum, lambda got: 3 * got.rows_per_block, partial, out, 4, N=64, out_dtype="bf16"
+    )
+    ((key, _, spec),) = tier.requests
+    assert spec == colsum.spec(N=64, out_dtype="bf16")
+    assert key == ("column_sum", (("N", 64), ("out_dtype", "bf16")), -1)
+    assert calls == [(6, 0, (partial.data_ptr(), out.data_ptr(), 4))]
+    with pytest.raises(TypeError, match="args are tensors and ints, got float"):
+        kbuild.launch(colsum, 1, partial, out, 4.0, N=64, out_dtype="bf16")
+    with pytest.raises(ValueError, match="no tensor"):
+        kbuild.launch(colsum, 1, 4, N=64, out_dtype="bf16")
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match="one CUDA device, got \\['cpu'\\]"):
+        kbuild.launch(colsum, 1, partial, out, 4, N=64, out_dtype="bf16")

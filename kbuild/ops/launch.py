@@ -34,25 +34,25 @@ def launch_kernel(
     """Run the kernel `definition.spec(**params)` over `grid` blocks with `args` in its
     argument order (`definition.arg_names`): tensors, all on one CUDA device, pass their data
     pointers, Python ints the i64 scalars. `grid` is a block count, or a function of the
-    loaded launcher returning one (its `meta`, `rows_per_block`, `block`: what the builder
+    loaded launcher returning one (its `meta`, `rows_per_block`, `cluster`: what the builder
     chose). On the current stream of the tensors' device unless `stream` is given. The
     kernel compiles on first use (or comes from the cache) and stays loaded per device."""
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
     if not tensors:
         raise ValueError(f"{definition.name}: args hold no tensor to say which device runs it")
-    device = tensors[0].device
-    if device.type != "cuda" or any(t.device != device for t in tensors):
-        where = sorted({str(t.device) for t in tensors})
-        raise ValueError(f"{definition.name}: args must be tensors on one CUDA device, got {where}")
     for a in args:
         if not isinstance(a, (torch.Tensor, int)) or isinstance(a, bool):
             raise TypeError(f"{definition.name}: args are tensors and ints, got {type(a).__name__}")
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    key = (definition.name, tuple(sorted(params.items())), index)
-    launcher = loaded(key) or get_launcher(key, index, lambda: definition.spec(**params))
+    devices = {t.get_device() for t in tensors}
+    if not all(t.is_cuda for t in tensors) or len(devices) > 1:
+        where = sorted({str(t.device) for t in tensors})
+        raise ValueError(f"{definition.name}: args must be tensors on one CUDA device, got {where}")
+    device = devices.pop()
+    key = (definition.name, tuple(sorted(params.items())), device)
+    launcher = loaded(key) or get_launcher(key, device, lambda: definition.spec(**params))
     blocks = grid(launcher) if callable(grid) else grid
     pointers = [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args]
-    launcher(int(blocks), stream_of(index) if stream is None else stream, *pointers)
+    launcher(int(blocks), stream_of(device) if stream is None else stream, *pointers)
 
 
 def rows_grid(launcher, M: int) -> int:
