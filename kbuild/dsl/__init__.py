@@ -12,6 +12,7 @@ compiler and the kernel builders do.
 
 from .control import if_else, if_then, loop, while_loop
 from .kernel import Kernel
+from .math import absolute, copysign, erf, exp, exp2, log, log2, sigmoid, tanh
 from .memory import (
     atomic_add,
     commit_async,
@@ -27,7 +28,10 @@ from .row_walk import RowGroups
 from .rows import GroupedRows, RowShape, RowTile, rewiden_all, thread_columns, widen
 from .shared import ThreadShared
 from .staging import RowStage, Staged
+from .trig import cos, sin, sincos
 from .values import (
+    NEG_INF,
+    POS_INF,
     V,
     cast,
     const,
@@ -39,6 +43,7 @@ from .values import (
     i32,
     i64,
     join,
+    maximum,
     minimum,
     ne,
     opaque,
@@ -53,6 +58,8 @@ from .values import (
 __all__ = [
     "GroupedRows",
     "Kernel",
+    "NEG_INF",
+    "POS_INF",
     "RowGroups",
     "RowShape",
     "RowStage",
@@ -60,15 +67,21 @@ __all__ = [
     "Staged",
     "ThreadShared",
     "V",
+    "absolute",
     "atomic_add",
     "add",
     "cast",
     "commit_async",
     "copy_async",
+    "copysign",
+    "cos",
     "const",
     "dot",
     "element_bytes",
     "eq",
+    "erf",
+    "exp",
+    "exp2",
     "fma",
     "get_llvm_ptr",
     "group_reduce",
@@ -79,7 +92,10 @@ __all__ = [
     "if_then",
     "join",
     "load",
+    "log",
+    "log2",
     "loop",
+    "maximum",
     "minimum",
     "ne",
     "opaque",
@@ -89,9 +105,13 @@ __all__ = [
     "row_reduce",
     "rsqrt",
     "select",
+    "sigmoid",
+    "sin",
+    "sincos",
     "split",
     "splat",
     "store",
+    "tanh",
     "thread_columns",
     "to_f32",
     "wait_async",

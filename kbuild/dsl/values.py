@@ -43,6 +43,10 @@ def _is_float(t: ir.Type) -> bool:
     return isinstance(_element_type(t), (ir.F32Type, ir.F16Type, ir.BF16Type))
 
 
+NEG_INF = float("-inf")  # numbers for const/select/maximum: a max reduction's padding
+POS_INF = float("inf")
+
+
 def const(value: float | int, dtype: str | ir.Type = "f32") -> V:
     t = scalar_type(dtype) if isinstance(dtype, str) else dtype
     if isinstance(t, ir.VectorType):
@@ -309,15 +313,34 @@ def dot(a: V, b: V, start: V | float = 0.0) -> V:
     return total
 
 
-def select(cond: V, a: V, b: V | float) -> V:
+def select(cond: V, a: V | float | int, b: V | float | int) -> V:
+    """a where `cond` holds, else b: lane by lane for a vector of flags; a scalar flag picks
+    one whole value. A number becomes a constant of the other value's type; a scalar value
+    beside vectors is broadcast."""
     if not isinstance(b, V):
+        if not isinstance(a, V):
+            raise TypeError("select needs a or b to be a V (numbers take the other's type)")
         b = const(b, a.type)
+    elif not isinstance(a, V):
+        a = const(a, b.type)
+    width = max(cond.width, a.width, b.width)
+    a, b = (splat(v, width) if v.width < width else v for v in (a, b))
     return V(arith.select(cond.value, a.value, b.value))
 
 
-def minimum(a: V, b: V | int) -> V:
+def minimum(a: V, b: V | int | float) -> V:
+    """The smaller of a and b, lane by lane: signed for integers; for floats NaN if either is
+    NaN and -0 below +0 (arith.minimumf: `min.NaN.f32` on NVIDIA, `v_min_f32` with a NaN
+    check on AMD)."""
     a_, b_ = a._coerce(b)
     return V(arith.minsi(a_, b_)) if not a.is_float else V(arith.minimumf(a_, b_))
+
+
+def maximum(a: V, b: V | int | float) -> V:
+    """The larger of a and b, lane by lane, as `minimum` orders them (`max.NaN.f32` on
+    NVIDIA): a row maximum propagates a NaN, as torch's does; pad it with NEG_INF."""
+    a_, b_ = a._coerce(b)
+    return V(arith.maxsi(a_, b_)) if not a.is_float else V(arith.maximumf(a_, b_))
 
 
 def hsum(v: V) -> V:
