@@ -23,7 +23,16 @@ from .memory import (
     store,
     wait_async,
 )
-from .reduce import add, group_reduce, row_reduce
+from .reduce import (
+    add,
+    first_largest,
+    group_reduce,
+    largest,
+    row_reduce,
+    softmax_pair,
+    thread_max,
+    thread_sum,
+)
 from .row_walk import RowGroups
 from .rows import GroupedRows, RowShape, RowTile, rewiden_all, thread_columns, widen
 from .shared import ThreadShared
@@ -70,6 +79,11 @@ __all__ = [
     "absolute",
     "atomic_add",
     "add",
+    "first_largest",
+    "largest",
+    "softmax_pair",
+    "thread_max",
+    "thread_sum",
     "cast",
     "commit_async",
     "copy_async",
@@ -111,8 +125,8 @@ __all__ = [
     "split",
     "splat",
     "store",
-    "tanh",
     "thread_columns",
+    "tanh",
     "to_f32",
     "wait_async",
     "while_loop",

@@ -16,13 +16,14 @@ stored, and the merge folds it at build time.
 
 from __future__ import annotations
 
-from mlir.dialects import gpu
+from mlir.dialects import gpu, vector
 
 from .control import if_then
 from .exchange import Merge
 from .kernel import Kernel
+from .math import exp
 from .memory import get_llvm_ptr, load, store
-from .values import V, i32
+from .values import NEG_INF, V, _element_type, eq, hsum, i32, maximum, select
 
 
 def _exchange(v: V | float, offset: int, width: V) -> V | float:
@@ -34,6 +35,54 @@ def _exchange(v: V | float, offset: int, width: V) -> V | float:
 def add(a: list[V], b: list[V]) -> list[V]:
     """The merge of a sum: value by value."""
     return [x + y for x, y in zip(a, b, strict=True)]
+
+
+def largest(a: list[V], b: list[V]) -> list[V]:
+    """The merge of a maximum: value by value (a NaN wins, as in torch; pad with NEG_INF)."""
+    return [maximum(x, y) for x, y in zip(a, b, strict=True)]
+
+
+def softmax_pair(a: list[V], b: list[V]) -> list[V]:
+    """The merge of an online softmax's state [m, s]: the running maximum and the sum of
+    exp(x - m) over the values seen. Merged: m = max(m_a, m_b), s = s_a * exp(m_a - m) +
+    s_b * exp(m_b - m), symmetric bit for bit (the two products are added in either order).
+    A side that has seen only padding (m = -inf, s = 0) adds nothing: its exp(-inf - m) is 0,
+    and where both are -inf the difference is taken as 0, not NaN."""
+    (ma, sa), (mb, sb) = a, b
+    m = maximum(ma, mb)
+    safe = select(eq(m, NEG_INF), 0.0, m)
+    return [m, sa * exp(ma - safe) + sb * exp(mb - safe)]
+
+
+def first_largest(a: list[V], b: list[V]) -> list[V]:
+    """The merge of an argmax's state [value, index] (index as f32, exact below 2^24): the
+    larger value, and of equal values the smaller index (torch.argmax's first maximum);
+    symmetric, so every lane ends with the same pair."""
+    (va, ia), (vb, ib) = a, b
+    take_b = (vb > va) | (eq(vb, va) & (ib < ia))
+    return [select(take_b, vb, va), select(take_b, ib, ia)]
+
+
+def thread_sum(values: list[V] | V) -> V:
+    """The sum of every lane of a thread's values (its vectors of a row): added vector by
+    vector, then across the lanes; the per-thread partial of a row sum."""
+    values = values if isinstance(values, list) else [values]
+    total = values[0]
+    for v in values[1:]:
+        total = total + v
+    return hsum(total)
+
+
+def thread_max(values: list[V] | V) -> V:
+    """The largest lane of a thread's values: the per-thread partial of a row maximum."""
+    values = values if isinstance(values, list) else [values]
+    top = values[0]
+    for v in values[1:]:
+        top = maximum(top, v)
+    if top.width == 1:
+        return top
+    kind = vector.CombiningKind.MAXIMUMF if top.is_float else vector.CombiningKind.MAXSI
+    return V(vector.reduction(_element_type(top.type), kind, top.value))
 
 
 def group_reduce(k: Kernel, state: list[V], group: int, merge: Merge = add) -> list[V]:

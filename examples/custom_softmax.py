@@ -1,0 +1,125 @@
+"""A row softmax written as a user writes one, outside kbuild: two kernels declared with
+`kbuild.kernel` and built with `kbuild.dsl`, two torch custom ops, autograd between them.
+
+    python examples/custom_softmax.py   # no GPU: compiles for sm_90 and gfx942, checks the
+                                        # CPU path; on a GPU: checks the kernels against torch
+"""
+
+from __future__ import annotations
+
+import torch
+
+import kbuild
+from kbuild import Arg, Param
+from kbuild.dsl import NEG_INF, Kernel, RowTile, exp, largest, thread_max, thread_sum, widen
+from kbuild.kernels.config import RowBudget
+from kbuild.kernels.row_plan import plan_rows
+
+ROW = (Param("N", "int"), Param("dtype", "dtype"))
+DTYPES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
+
+
+def row_kernel(name: str, N: int, dtype: str, target, rows_held: int) -> tuple[Kernel, object]:
+    """A kernel of one row group per block (or cluster) as the shared row plan chooses, for
+    `rows_held` fp32 rows kept in registers."""
+    budget = RowBudget(words_per_elem=float(rows_held))
+    plan = plan_rows(N, dtype, target, budget=budget, persistent=False)
+    k = Kernel(name, target, plan.row.block, cluster=plan.row.cluster,
+               exchange=plan.exchange or "barrier")  # fmt: skip
+    k.meta.update(rows_per_block=plan.row.rows_per_block, cluster=plan.row.cluster)
+    return k, plan.row
+
+
+@kbuild.kernel("user_softmax_fwd", params=ROW, args=(Arg("x"), Arg("y"), Arg("M", "i64")))
+def build_softmax_fwd(N: int, dtype: str, target) -> Kernel:
+    """y = exp(x - max(x)) / sum(exp(x - max(x))) along rows of N; reads x once, writes y."""
+    k, row = row_kernel("user_softmax_fwd", N, dtype, target, rows_held=1)
+    with k:
+        x, y, M = k.ptr("x"), k.ptr("y"), k.i64("M")
+        t = RowTile(k, row, M)
+        v = widen(t.load(x, dtype, pad=NEG_INF))  # columns past N: -inf, which exp makes 0
+        (m,) = t.reduce([thread_max(v)], largest)
+        e = [exp(a - m) for a in v]
+        (s,) = t.sum(thread_sum(e))
+        t.store(y, [a * (1.0 / s) for a in e], dtype)
+    return k
+
+
+@kbuild.kernel(
+    "user_softmax_bwd", params=ROW, args=(Arg("y"), Arg("dy"), Arg("dx"), Arg("M", "i64"))
+)
+def build_softmax_bwd(N: int, dtype: str, target) -> Kernel:
+    """dx = y * (dy - sum(y * dy)) along rows; reads y and dy once, writes dx."""
+    k, row = row_kernel("user_softmax_bwd", N, dtype, target, rows_held=2)
+    with k:
+        yp, dyp, dxp, M = k.ptr("y"), k.ptr("dy"), k.ptr("dx"), k.i64("M")
+        t = RowTile(k, row, M)
+        y, dy = widen(t.load(yp, dtype)), widen(t.load(dyp, dtype))
+        (d,) = t.sum(thread_sum([a * b for a, b in zip(y, dy, strict=True)]))
+        t.store(dxp, [a * (b - d) for a, b in zip(y, dy, strict=True)], dtype)
+    return k
+
+
+def _launch(kernel, *tensors: torch.Tensor) -> torch.Tensor:
+    """Run `kernel` over the rows of `tensors` into a new tensor like the first."""
+    rows = [t.contiguous().view(-1, t.shape[-1]) for t in tensors]
+    out = torch.empty_like(rows[0])
+    M, N = out.shape
+    grid = lambda launcher: -(-M // launcher.rows_per_block) * launcher.cluster  # noqa: E731
+    kbuild.launch(kernel, grid, *rows, out, M, N=N, dtype=DTYPES[out.dtype])
+    return out.view_as(tensors[0])
+
+
+@torch.library.custom_op("user_softmax::forward", mutates_args=())
+def softmax(x: torch.Tensor) -> torch.Tensor:
+    if x.device.type != "cuda":  # the reference: fp32 math, one rounding to x's dtype
+        return torch.softmax(x.float(), -1).to(x.dtype)
+    return _launch(build_softmax_fwd, x)
+
+
+@torch.library.custom_op("user_softmax::backward", mutates_args=())
+def softmax_backward(y: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
+    if y.device.type != "cuda":
+        y32, dy32 = y.float(), dy.float()
+        return (y32 * (dy32 - (y32 * dy32).sum(-1, keepdim=True))).to(y.dtype)
+    return _launch(build_softmax_bwd, y, dy)
+
+
+softmax.register_fake(torch.empty_like)
+softmax_backward.register_fake(lambda y, dy: torch.empty_like(y))
+softmax.register_autograd(
+    lambda ctx, dy: softmax_backward(ctx.saved_tensors[0], dy),
+    setup_context=lambda ctx, inputs, output: ctx.save_for_backward(output),
+)
+
+
+def warmup_specs():
+    """What `kbuild warmup --module examples/custom_softmax.py` compiles."""
+    shapes = [(4096, "bf16"), (32768, "bf16"), (1000, "f32")]
+    return [k.spec(N, d) for k in (build_softmax_fwd, build_softmax_bwd) for N, d in shapes]
+
+
+def main() -> None:
+    from kbuild.compiler import compile_kernel
+    from kbuild.targets import target_for_arch
+
+    for arch in ("sm_90", "gfx942"):  # compiled here, GPU or not
+        for spec in warmup_specs():
+            art = compile_kernel(spec, target_for_arch(arch))
+            print(f"{arch:6} {spec.short()}: {art.format}, {len(art.binary)} bytes")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    for shape, dtype in (((64, 1000), torch.float32), ((8, 3, 4096), torch.bfloat16)):
+        x = torch.randn(shape, device=device, dtype=dtype, requires_grad=True)
+        dy = torch.randn_like(x)
+        (dx,) = torch.autograd.grad(softmax(x), x, dy)
+        ref = torch.softmax(x.double(), -1)
+        (dref,) = torch.autograd.grad(ref, x, dy.double())
+        err = (softmax(x).double() - ref).abs().max().item()
+        derr = (dx.double() - dref).abs().max().item()
+        print(f"{device} {tuple(shape)} {dtype}: y error {err:.2e}, dx error {derr:.2e}")
+        tol = 1e-5 if dtype == torch.float32 else 1e-2
+        assert err < tol and derr < tol * 10, (err, derr)
+
+
+if __name__ == "__main__":
+    main()
