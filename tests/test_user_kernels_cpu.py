@@ -250,3 +250,14 @@ def test_launch_binds_tensors_and_ints_in_the_kernels_order(monkeypatch):
     monkeypatch.undo()
     with pytest.raises(ValueError, match="one CUDA device, got \\['cpu'\\]"):
         kbuild.launch(colsum, 1, partial, out, 4, N=64, out_dtype="bf16")
+
+
+def test_show_prints_a_users_kernel_named_with_its_module(subprocess_env, tmp_path):
+    label = "user_softmax_fwd(N=4096, dtype=bf16)"
+    env = {**subprocess_env, "KBUILD_CACHE_DIR": str(tmp_path)}
+    show = [sys.executable, "-m", "kbuild", "show", label]
+    run = subprocess.run([*show, "--module", str(EXAMPLE)], env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert ".entry user_softmax_fwd" in run.stdout and "ex2.approx.f32" in run.stdout
+    unknown = subprocess.run(show, env=env, capture_output=True, text=True)
+    assert unknown.returncode == 2 and "unknown kernel 'user_softmax_fwd'" in unknown.stderr

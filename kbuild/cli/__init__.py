@@ -162,6 +162,8 @@ def _cmd_show(args) -> int:
     from ..show import STAGES, parse_spec, stages
 
     check_arch(args.arch)
+    for name in args.module or []:
+        import_user_module(name)
     wanted = tuple(s for s in STAGES if getattr(args, s)) or ("ptx",)
     try:
         spec = parse_spec(args.spec)
@@ -276,6 +278,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("spec", help="a spec as JSON, or the label warmup prints")
     p.add_argument("--arch", default="sm_90", help="target arch (default sm_90)")
+    p.add_argument(
+        "--module",
+        action="append",
+        metavar="MODULE",
+        help="a module (name or FILE.py) declaring the kernel, for kernels of your own",
+    )
     for stage, what in (
         ("mlir", "the builder's MLIR"),
         ("llvm", "the LLVM dialect (NVIDIA) or LLVM IR (AMD)"),
