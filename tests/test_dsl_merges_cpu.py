@@ -90,8 +90,8 @@ def test_softmax_pair_merges_two_halves_of_a_row():
     ma, sa = (np.array([s[0][i] for s in states], np.float32) for i in (0, 1))
     mb, sb = (np.array([s[1][i] for s in states], np.float32) for i in (0, 1))
     m, s = _call(fn, ma, sa, mb, sb)
-    m2, s2 = _call(fn, mb, sb, ma, sa)
-    assert m.tobytes() == m2.tobytes() and s.tobytes() == s2.tobytes()  # symmetric
+    m_ba, s_ba = _call(fn, mb, sb, ma, sa)
+    assert m.tobytes() == m_ba.tobytes() and s.tobytes() == s_ba.tobytes()  # symmetric
     want_m = np.array([t[2][0] for t in states], np.float32)
     want_s = np.array([t[2][1] for t in states])
     np.testing.assert_array_equal(m, want_m)

@@ -193,7 +193,7 @@ def test_offline_miss_command_warms_the_cache_that_missed(where, tmp_cache, monk
     assert "--cache-dir" in argv and argv[argv.index("--cache-dir") + 1] == root, argv
     warmed = []
     monkeypatch.setattr(
-        cli, "warmup", lambda specs, arch, root, jobs: warmed.append((specs, arch, root))
+        cli, "warmup", lambda specs, arch, root, jobs, **_: warmed.append((specs, arch, root))
     )
     assert cli.main(argv[1:]) == 0
     assert warmed == [([spec], "sm_90", root)]

@@ -157,7 +157,7 @@ _OFFSET = Param("offset", "float", 0.0, needs="weight_dtype", keyed=False)
 _TRACE = Arg("trace", when="trace")  # diagnostic builds (dsl.trace): timestamps first
 _M = Arg("M", "i64")
 # x's rows in groups of x_group contiguous rows, the groups x_stride elements apart (a
-# (B, T, H, D) view of a fused qkv projection, read without a copy: kernels_common.GroupedRows).
+# (B, T, H, D) view of a fused qkv projection, read without a copy: dsl.rows.GroupedRows).
 # Last, and out of the spec when False, as the offset.
 _STRIDED = Param("strided", "bool", False, keyed=False)
 _GROUPED_ROWS = tuple(

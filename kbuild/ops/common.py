@@ -111,7 +111,7 @@ def contiguous(t: torch.Tensor) -> torch.Tensor:
 
 def grouped_rows(x: torch.Tensor) -> tuple[int, int] | None:
     """Where the rows of a non-contiguous (..., N) tensor lie, for the kernels that read x at a
-    two-level stride (kernels_common.GroupedRows): (x_group, x_stride), row r starting at
+    two-level stride (dsl.rows.GroupedRows): (x_group, x_stride), row r starting at
     (r // x_group) * x_stride + (r % x_group) * N; x_group is M for rows that are dense after
     all (a size-1 dimension's stride is arbitrary); None where the rows cannot be read so (the
     last dimension is not contiguous, or the outer dimensions do not merge into one stride,
