@@ -261,3 +261,24 @@ def test_show_prints_a_users_kernel_named_with_its_module(subprocess_env, tmp_pa
     assert ".entry user_softmax_fwd" in run.stdout and "ex2.approx.f32" in run.stdout
     unknown = subprocess.run(show, env=env, capture_output=True, text=True)
     assert unknown.returncode == 2 and "unknown kernel 'user_softmax_fwd'" in unknown.stderr
+
+
+def test_the_example_imports_where_there_is_no_mlir(subprocess_env):
+    """The GPU machine runs from a warmed cache with no MLIR: a user's kernel module must
+    import there (its builders import the DSL inside), or nothing of it can launch."""
+    code = (
+        "import sys\n"
+        "class NoMLIR:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] == 'mlir': raise ModuleNotFoundError(name, name=name)\n"
+        "sys.meta_path.insert(0, NoMLIR())\n"
+        f"sys.path.insert(0, {str(EXAMPLE.parent)!r})\n"
+        "import custom_softmax\n"
+        "from kbuild.cache.keys import source_fingerprint\n"
+        "print(source_fingerprint('user_softmax_fwd'), 'mlir' in sys.modules)\n"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", code], env=subprocess_env, capture_output=True, text=True
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split()[1] == "False"
