@@ -227,6 +227,12 @@ def test_hip_launcher_packs_the_kernargs_the_metadata_gives(artifacts, name):
     launcher(17, 0xABC, *args)
     assert fake.calls[-1] == ("launch", 0x2000, 17, 1, 1, art.meta["block"], 0, 0xABC, None)
     assert fake.segments[-1] == b"".join(struct.pack("<Q", a) for a in args)
+    launcher((17, 3), 0xABC, *args)  # a grid in x and y (kernels reading block_id("y"))
+    assert fake.calls[-1][2:5] == (17, 3, 1)
+    launcher(5, 0xABC, *args)  # and back to one dimension: y is 1 again
+    assert fake.calls[-1][2:5] == (5, 1, 1)
+    with pytest.raises(ValueError, match="grid must be a block count or up to three"):
+        launcher((1, 2, 3, 4), 0xABC, *args)
     with pytest.raises(TypeError, match="kernel takes"):
         launcher(1, 0, *args[:-1])
 

@@ -9,9 +9,9 @@
 Arguments are raw global pointers (`!llvm.ptr<1>`) and i64/f32 scalars, in declaration order;
 `k.signature` records them for the launcher. The block size is a compile-time constant
 (`known_block_size`), which also means AMD code never asks the device library for it.
-Blocks are one-dimensional; a kernel may read y and z block ids (`block_id("y")`), though
-kbuild's launcher (runtime/prepared.py) starts grids in x only so far. `grid_stride` walks
-the items of an elementwise kernel.
+Blocks are one-dimensional; grids may have y and z (`block_id("y")`; the launcher takes a
+grid as a count or as (x, y, z) counts: runtime/prepared.py). `grid_stride` walks the items
+of an elementwise kernel.
 """
 
 from __future__ import annotations

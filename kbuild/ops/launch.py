@@ -33,7 +33,8 @@ def launch_kernel(
 ) -> None:
     """Run the kernel `definition.spec(**params)` over `grid` blocks with `args` in its
     argument order (`definition.arg_names`): tensors, all on one CUDA device, pass their data
-    pointers, Python ints the i64 scalars. `grid` is a block count, or a function of the
+    pointers, Python ints the i64 scalars. `grid` is a block count (or a tuple of the counts
+    in x, y and z, for kernels reading `k.block_id("y")`), or a function of the
     loaded launcher returning one (its `meta`, `rows_per_block`, `cluster`: what the builder
     chose). On the current stream of the tensors' device unless `stream` is given. The
     kernel compiles on first use (or comes from the cache) and stays loaded per device."""
@@ -51,8 +52,9 @@ def launch_kernel(
     key = (definition.name, tuple(sorted(params.items())), device)
     launcher = loaded(key) or get_launcher(key, device, lambda: definition.spec(**params))
     blocks = grid(launcher) if callable(grid) else grid
+    blocks = int(blocks) if not isinstance(blocks, tuple) else tuple(map(int, blocks))
     pointers = [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args]
-    launcher(int(blocks), stream_of(device) if stream is None else stream, *pointers)
+    launcher(blocks, stream_of(device) if stream is None else stream, *pointers)
 
 
 def rows_grid(launcher, M: int) -> int:

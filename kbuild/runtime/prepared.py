@@ -29,6 +29,14 @@ def launch_prototype(fn) -> Any:
     return fn
 
 
+def _grid_dims(grid: int | tuple[int, ...]) -> tuple[ctypes.c_uint, ...]:
+    """A grid as the driver's three block counts (x, y, z)."""
+    dims = (grid,) if isinstance(grid, int) else tuple(grid)
+    if not 1 <= len(dims) <= 3 or not all(isinstance(d, int) and d >= 0 for d in dims):
+        raise ValueError(f"grid must be a block count or up to three of them, got {grid!r}")
+    return tuple(ctypes.c_uint(d) for d in dims) + (_ONE,) * (3 - len(dims))
+
+
 class PreparedLaunch:
     """Argument storage and the driver call for one kernel on one device.
 
@@ -65,18 +73,19 @@ class PreparedLaunch:
         self._c_block = ctypes.c_uint(block)
         self._c_shared = ctypes.c_uint(dynamic_shared)
         self._c_params = ctypes.c_void_p(ctypes.addressof(self._params))
-        self._grid, self._c_grid = 0, ctypes.c_uint(0)
+        self._grid, self._c_grid = 0, (ctypes.c_uint(0), _ONE, _ONE)
         self._stream, self._c_stream = 0, ctypes.c_void_p(0)
         self._lock = threading.Lock()
 
-    def __call__(self, grid: int, stream: int, *args: Any) -> None:
-        """Launch on `grid` blocks with the kernel's arguments in signature order."""
+    def __call__(self, grid: int | tuple[int, ...], stream: int, *args: Any) -> None:
+        """Launch on `grid` blocks (a count, or blocks in x, y and z: a tuple of up to three)
+        with the kernel's arguments in signature order."""
         if len(args) != self._nargs:
             raise TypeError(f"kernel takes {', '.join(self.names)}; got {len(args)} arguments")
         with self._lock:  # the storage is shared: one launch fills it at a time
             self._pack(self._storage, 0, *args)
             if grid != self._grid:  # grid and stream rarely change: reuse their ctypes
-                self._grid, self._c_grid = grid, ctypes.c_uint(grid)
+                self._grid, self._c_grid = grid, _grid_dims(grid)
             if stream != self._stream:
                 self._stream, self._c_stream = stream, ctypes.c_void_p(stream)
             err = self._launch_now()
@@ -91,9 +100,7 @@ class PreparedLaunch:
         one = _ONE
         return self._launch(
             self._c_function,
-            self._c_grid,
-            one,
-            one,
+            *self._c_grid,
             self._c_block,
             one,
             one,
