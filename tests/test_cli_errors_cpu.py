@@ -192,3 +192,31 @@ def test_the_readme_quick_start_runs_as_is_on_this_machine(subprocess_env, tmp_p
     )
     assert run.returncode == 0, run.stderr[-3000:]
     assert "rmsnorm max error" in run.stdout and "dw (1024,)" in run.stdout
+
+
+def test_a_users_module_that_fails_is_one_line(env, tmp_path):
+    (tmp_path / "broken.py").write_text("def build(:\n")
+    (tmp_path / "wrong_specs.py").write_text("def warmup_specs():\n    return ['rmsnorm']\n")
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    (tmp_path / "a" / "same.py").write_text("")
+    (tmp_path / "b" / "same.py").write_text("")
+    run = kbuild_cli("warmup", "--module", str(tmp_path / "broken.py"), env=env)
+    assert_error(run, 1, "--module", "broken.py: SyntaxError")
+    run = kbuild_cli("warmup", "--module", str(tmp_path / "wrong_specs.py"), env=env)
+    assert_error(run, 2, "warmup_specs() must give KernelSpecs, not 'rmsnorm'")
+    both = [
+        "--module",
+        str(tmp_path / "a" / "same.py"),
+        "--module",
+        str(tmp_path / "b" / "same.py"),
+    ]
+    run = kbuild_cli("warmup", *both, env=env)
+    assert_error(run, 2, "b/same.py: a module named same is imported already")
+
+
+def test_a_spec_of_a_kernel_nobody_declared(env):
+    spec = '{"kernel": "user_softmax_fwd", "params": {"N": 64, "dtype": "bf16"}}'
+    for jobs in ("1", "2"):
+        run = kbuild_cli("warmup", "--spec", spec, "-j", jobs, env=env)
+        assert_error(run, 2, "unknown kernel 'user_softmax_fwd'", "module that defines it")

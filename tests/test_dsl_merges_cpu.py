@@ -113,6 +113,22 @@ def test_first_largest_takes_the_first_of_equal_maxima():
     np.testing.assert_array_equal(i, [5, 2, 3, 0, 4, 2, 3, 1])
 
 
+def test_first_largest_lets_a_nan_win_as_torch_argmax_does():
+    # Without the NaN rule, merge(1, NaN) keeps 1 and merge(NaN, 1) keeps NaN: the lanes of a
+    # butterfly end with different answers, and the NaN torch.argmax reports is lost.
+    fn = _merge_fn(first_largest, 2)
+    nan = np.nan
+    va = np.array([1, nan, nan, nan, 2, -np.inf, 0, nan], np.float32)
+    ia = np.array([0, 4, 9, 2, 1, 3, 5, 7], np.float32)
+    vb = np.array([nan, 1, nan, nan, 2, nan, 0, 5], np.float32)
+    ib = np.array([8, 1, 3, 6, 0, 2, 4, 1], np.float32)
+    v, i = _call(fn, va, ia, vb, ib)
+    v_ba, i_ba = _call(fn, vb, ib, va, ia)
+    assert v.tobytes() == v_ba.tobytes() and i.tobytes() == i_ba.tobytes()
+    assert np.isnan(v[[0, 1, 2, 3, 5, 7]]).all()
+    np.testing.assert_array_equal(i, [8, 4, 3, 2, 0, 2, 4, 7])
+
+
 def test_thread_sum_and_max_cover_every_lane_of_every_vector():
     total = _jit("f32", 3 * W, 1, lambda v: thread_sum([_part(v, i) for i in range(3)]))
     top = _jit("f32", 3 * W, 1, lambda v: thread_max([_part(v, i) for i in range(3)]))

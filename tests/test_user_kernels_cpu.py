@@ -242,6 +242,20 @@ def test_launch_binds_tensors_and_ints_in_the_kernels_order(monkeypatch):
     ((key, _, spec),) = tier.requests
     assert spec == colsum.spec(N=64, out_dtype="bf16")
     assert key == ("column_sum", (("N", 64), ("out_dtype", "bf16")), -1)
+    signature = [("partial", "ptr"), ("out", "ptr"), ("R", "i64")]
+
+    def signed(key, device, make_spec):  # a launcher whose metadata has its signature
+        launcher = tier.get_launcher(key, device, make_spec)
+        launcher.meta = {"signature": signature}
+        return launcher
+
+    install(monkeypatch, signed)
+    with pytest.raises(TypeError, match="argument out must be a tensor, got int"):
+        kbuild.launch(colsum, 1, partial, 12345, 4, N=64, out_dtype="bf16")
+    with pytest.raises(TypeError, match="argument R must be an int, got Tensor"):
+        kbuild.launch(colsum, 1, partial, out, out, N=64, out_dtype="bf16")
+    with pytest.raises(TypeError, match="column_sum takes 3 arguments"):
+        kbuild.launch(colsum, 1, partial, out, N=64, out_dtype="bf16")
     assert calls == [(6, 0, (partial.data_ptr(), out.data_ptr(), 4))]
     with pytest.raises(TypeError, match="args are tensors and ints, got float"):
         kbuild.launch(colsum, 1, partial, out, 4.0, N=64, out_dtype="bf16")
@@ -282,3 +296,61 @@ def test_the_example_imports_where_there_is_no_mlir(subprocess_env):
     )
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.split()[1] == "False"
+
+
+def test_the_key_names_the_code_the_process_runs_not_a_later_edit(user_module):
+    """A builder edited on disk after its module was imported: this process still runs the
+    old code, so its key must stay the old one (a key of the new file over the old binary
+    would hand the stale binary to every process that runs the new file)."""
+    load, folder, name = user_module
+    definition = load()
+    spec = definition.spec(N=64)
+    before = entry_key(spec, SM90)
+    main = folder / f"{name}.py"
+    main.write_text(main.read_text().replace('"f32") * FACTOR', '"f32") * FACTOR * 2'))
+    assert entry_key(spec, SM90) == before  # declared source, not the disk's
+    load()  # a process importing the edited file
+    assert entry_key(spec, SM90) != before
+
+
+def test_one_file_one_key_however_it_is_imported(tmp_path, subprocess_env):
+    """The same kernel file imported as `mod`, as `pkg.mod`, run as `python -m pkg.mod` and
+    reached through a symbolic link gets one key (a cache warmed one way must hit the other)."""
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "helper.py").write_text("FACTOR = 2.0\n")
+    body = USER_KERNEL.format(name="one_file_kernel", helper="helper").replace(
+        "from helper import FACTOR",
+        "try:\n    from .helper import FACTOR\nexcept ImportError:\n    from helper import FACTOR",
+    )
+    (package / "mod.py").write_text(
+        body + "\nif __name__ == '__main__':\n"
+        "    from kbuild.cache.keys import source_fingerprint\n"
+        "    print(source_fingerprint('one_file_kernel'))\n"
+    )
+    (tmp_path / "linked").mkdir()
+    (tmp_path / "linked" / "mod.py").symlink_to(package / "mod.py")
+    (tmp_path / "linked" / "helper.py").symlink_to(package / "helper.py")
+    probe = (
+        "import importlib, sys\n"
+        "sys.path.insert(0, sys.argv[1])\n"
+        "importlib.import_module(sys.argv[2])\n"
+        "from kbuild.cache.keys import source_fingerprint\n"
+        "print(source_fingerprint('one_file_kernel'))\n"
+    )
+
+    def key(*args: str, cwd=None) -> str:
+        run = subprocess.run(
+            [sys.executable, *args], env=subprocess_env, cwd=cwd, capture_output=True, text=True
+        )
+        assert run.returncode == 0, run.stderr[-2000:]
+        return run.stdout.split()[-1]
+
+    keys = {
+        key("-c", probe, str(package), "mod"),
+        key("-c", probe, str(tmp_path), "pkg.mod"),
+        key("-m", "pkg.mod", cwd=tmp_path),
+        key("-c", probe, str(tmp_path / "linked"), "mod"),
+    }
+    assert len(keys) == 1, keys

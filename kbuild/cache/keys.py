@@ -44,7 +44,8 @@ def source_fingerprint(kernel: str) -> str:
     code generator plus its builder's own files (kbuild/cache/sources.py)."""
     from kbuild.kernels.table import kernel_def
 
-    return builder_fingerprint(kernel_def(kernel).builder)
+    definition = kernel_def(kernel)
+    return definition.source or builder_fingerprint(definition.builder)
 
 
 def entry_key(spec: KernelSpec, target: Target) -> str:

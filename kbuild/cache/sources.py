@@ -22,9 +22,10 @@ import ast
 import functools
 import hashlib
 import importlib.util
+import os
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parents[1]  # kbuild/
+PACKAGE = Path(os.path.abspath(__file__)).parents[1]  # kbuild/, as imported
 # The shared code generator, relative to the package. Closed under imports, bar the compiler's
 # dispatch to the kernel table (tests/test_fingerprint_cpu.py checks it).
 BASE_DIRS = ("dsl", "targets")
@@ -63,11 +64,15 @@ def base_fingerprint() -> str:
 class _Walk:
     """Where a walk from one builder may go: into kbuild's package, and into the builder's
     own import root (the sys.path entry its top-level package or module lies in). From a
-    root in site-packages only the builder's own package is followed, not its neighbours."""
+    root in site-packages only the builder's own package is followed, not its neighbours.
+    Paths are kept as Python imports them (symbolic links not followed), and a user's files
+    are labelled relative to the builder's folder, so importing the same file as `mod` or as
+    `pkg.mod` gives one key."""
 
     def __init__(self, builder_module: str, builder_file: Path) -> None:
         depth = builder_module.count(".") + (builder_file.name == "__init__.py")
         self.root = builder_file.parents[depth]
+        self.home = builder_file.parent
         self.top = builder_module.split(".")[0]
         self.shared = not {"site-packages", "dist-packages"}.isdisjoint(self.root.parts)
 
@@ -85,7 +90,7 @@ class _Walk:
             return None
         for candidate in (stem.with_suffix(".py"), stem / "__init__.py"):
             if candidate.is_file():
-                return candidate.resolve()
+                return candidate
         return None
 
     def module_of(self, path: Path) -> str:
@@ -96,11 +101,13 @@ class _Walk:
     def label(self, path: Path) -> str:
         if path.is_relative_to(PACKAGE):
             return "kbuild/" + path.relative_to(PACKAGE).as_posix()
-        return path.relative_to(self.root).as_posix()
+        return Path(os.path.relpath(path, self.home)).as_posix()
 
     def imports(self, path: Path) -> set[Path]:
         """The files of what `path` imports that the walk follows, at any depth: for
-        `from X import y`, X.y's file where y is a module, else X's (its __init__)."""
+        `from X import y`, X.y's file where y is a module, else X's (its __init__). The
+        packages above a module imported from them are not read: their code runs, but a
+        kernel gets nothing from it it does not import by name."""
         module = self.module_of(path)
         package = module if path.name == "__init__.py" else module.rpartition(".")[0]
         found: set[Path | None] = set()
@@ -118,16 +125,19 @@ class _Walk:
         return {f for f in found if f is not None}
 
 
-def builder_files(builder: str) -> list[tuple[str, Path]]:
-    """(label, path) of the builder's module (`"module:function"`) and every module it
-    reaches through imports the walk follows, the shared code generator excluded."""
+def builder_files(builder: str, file: str | Path | None = None) -> list[tuple[str, Path]]:
+    """(label, path) of the builder's module (`"module:function"`; its file as imported,
+    found by name unless `file` says) and every module it reaches through imports the walk
+    follows, the shared code generator excluded."""
     module = builder.split(":")[0]
-    spec = importlib.util.find_spec(module)
-    if spec is None or spec.origin is None or not spec.origin.endswith(".py"):
-        raise ValueError(f"builder {builder!r}: no Python source found for {module!r}")
-    start = Path(spec.origin).resolve()
+    if file is None:
+        spec = importlib.util.find_spec(module)
+        if spec is None or spec.origin is None or not spec.origin.endswith(".py"):
+            raise ValueError(f"builder {builder!r}: no Python source found for {module!r}")
+        file = spec.origin
+    start = Path(os.path.abspath(file))
     walk = _Walk(module, start)
-    shared = {path.resolve() for _, path in base_files()}
+    shared = {path for _, path in base_files()}
     seen, todo = {start}, [start]
     while todo:
         for found in walk.imports(todo.pop()) - seen:
@@ -137,8 +147,14 @@ def builder_files(builder: str) -> list[tuple[str, Path]]:
     return sorted((walk.label(p), p) for p in seen - shared)
 
 
+def fingerprint(builder: str, file: str | Path | None = None) -> str:
+    """A kernel's source fingerprint (16 hex): the shared code generator plus its builder's
+    own files, read now."""
+    return _hash(builder_files(builder, file), seed=base_fingerprint())
+
+
 @functools.cache
 def builder_fingerprint(builder: str) -> str:
-    """A kernel's source fingerprint (16 hex): the shared code generator plus its builder's
-    own files. Hashed once per process and builder."""
-    return _hash(builder_files(builder), seed=base_fingerprint())
+    """`fingerprint`, once per process and builder (kbuild's own kernels; a kernel declared
+    with `kbuild.kernel` keeps the one taken when it was declared)."""
+    return fingerprint(builder)

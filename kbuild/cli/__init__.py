@@ -36,16 +36,34 @@ def import_user_module(name: str):
     by the path of its file (whose folder goes first on sys.path, as `python FILE` does)."""
     import importlib
 
+    given = name
     if name.endswith(".py"):
-        path = Path(name).expanduser().resolve()
+        path = Path(name).expanduser().absolute()
         if not path.is_file():
-            raise CLIError(f"--module {name}: no such file")
-        sys.path.insert(0, str(path.parent))
+            raise CLIError(f"--module {given}: no such file")
         name = path.stem
+        loaded = sys.modules.get(name)
+        if loaded is not None and Path(getattr(loaded, "__file__", "") or "") != path:
+            raise CLIError(f"--module {given}: a module named {name} is imported already")
+        if str(path.parent) not in sys.path:
+            sys.path.insert(0, str(path.parent))
     try:
         return importlib.import_module(name)
-    except ImportError as err:
-        raise CLIError(f"--module {name}: {err}", 1) from None
+    except Exception as err:  # the user's code: a syntax error, a taken kernel name, ...
+        raise CLIError(f"--module {given}: {type(err).__name__}: {err}", 1) from None
+
+
+def _module_specs(name: str) -> list[KernelSpec]:
+    """The specs a user module asks to warm (its `warmup_specs()`, if it has one)."""
+    module = import_user_module(name)
+    try:
+        specs = list(getattr(module, "warmup_specs", list)())
+    except Exception as err:
+        raise CLIError(f"--module {name}: warmup_specs(): {type(err).__name__}: {err}", 1) from None
+    wrong = [s for s in specs if not isinstance(s, KernelSpec)]
+    if wrong:
+        raise CLIError(f"--module {name}: warmup_specs() must give KernelSpecs, not {wrong[0]!r}")
+    return specs
 
 
 def _warm_one(
@@ -108,8 +126,7 @@ def _specs_from(args) -> list[KernelSpec]:
 
     specs = [s for name in args.manifest or [] for s in manifest(name)]
     for name in args.module or []:  # a user's kernels, and the specs it asks to warm
-        module = import_user_module(name)
-        specs += list(getattr(module, "warmup_specs", list)())
+        specs += _module_specs(name)
     for path in args.from_file or []:
         try:
             specs += read_specs(path)
@@ -142,6 +159,13 @@ def _specs_from(args) -> list[KernelSpec]:
             specs.append(KernelSpec.from_json(json.loads(text)))
         except (ValueError, KeyError, TypeError, AttributeError) as err:
             raise CLIError(f"--spec is not a kernel spec ({err}): {text}") from None
+    from ..kernels.table import kernel_def
+
+    for spec in specs:  # a kernel of the user's needs its --module
+        try:
+            kernel_def(spec.kernel)
+        except ValueError as err:
+            raise CLIError(f"{spec.short()}: {err}") from None
     return list(dict.fromkeys(specs))
 
 

@@ -23,7 +23,7 @@ from .exchange import Merge
 from .kernel import Kernel
 from .math import exp
 from .memory import get_llvm_ptr, load, store
-from .values import NEG_INF, V, _element_type, eq, hsum, i32, maximum, select
+from .values import NEG_INF, V, _element_type, eq, hsum, i32, maximum, ne, select
 
 
 def _exchange(v: V | float, offset: int, width: V) -> V | float:
@@ -56,10 +56,14 @@ def softmax_pair(a: list[V], b: list[V]) -> list[V]:
 
 def first_largest(a: list[V], b: list[V]) -> list[V]:
     """The merge of an argmax's state [value, index] (index as f32, exact below 2^24): the
-    larger value, and of equal values the smaller index (torch.argmax's first maximum);
-    symmetric, so every lane ends with the same pair."""
+    larger value, and of equal values the smaller index (torch.argmax's first maximum); a NaN
+    beats every number, as in torch, and of two NaNs the smaller index wins. Symmetric, so
+    every lane ends with the same pair."""
     (va, ia), (vb, ib) = a, b
-    take_b = (vb > va) | (eq(vb, va) & (ib < ia))
+    a_nan, b_nan = ne(va, va), ne(vb, vb)
+    first = ib < ia
+    numbers = ~a_nan & ~b_nan & ((vb > va) | (eq(vb, va) & first))
+    take_b = (b_nan & (~a_nan | first)) | numbers
     return [select(take_b, vb, va), select(take_b, ib, ia)]
 
 

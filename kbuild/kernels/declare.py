@@ -10,8 +10,9 @@
 
 `kernel` registers a KernelDef whose builder is the decorated function, found again by its
 module and name (so worker processes, `kbuild warmup --module` and a machine running from a
-warmed cache find it too), and returns the definition: `MY_SCALE.spec(4096, "bf16")` names a
-kernel, `kbuild.launch(MY_SCALE, grid, x, y, M, N=4096, dtype="bf16")` runs it. Its cache
+warmed cache find it too), with its source fingerprint taken then, and returns the
+definition: `MY_SCALE.spec(4096, "bf16")` names a kernel, `kbuild.launch(MY_SCALE, grid, x,
+y, M, N=4096, dtype="bf16")` runs it. Its cache
 key covers the builder's own file and what it imports (kbuild/cache/sources.py): editing it
 re-keys its kernels only. Pure Python: no MLIR, no torch.
 """
@@ -27,11 +28,15 @@ from .table import Arg, KernelDef, Param, register
 
 def _module_name(function: Callable) -> str:
     """The importable name of the function's module: a script run as `python file.py` is
-    `__main__` here, but the file beside it on sys.path imports as its own stem."""
+    `__main__` here but imports as its file's stem (its folder is on sys.path); one run as
+    `python -m pkg.mod` imports as pkg.mod."""
     module = function.__module__
     if module != "__main__":
         return module
-    path = getattr(sys.modules["__main__"], "__file__", None)
+    main = sys.modules["__main__"]
+    if getattr(main, "__spec__", None) is not None:
+        return main.__spec__.name
+    path = getattr(main, "__file__", None)
     if path is None:
         raise ValueError(
             f"{function.__qualname__}: a kernel's builder must live in a file (a module or a "
@@ -56,8 +61,12 @@ def kernel(
             raise ValueError(
                 f"{function.__qualname__}: a kernel's builder must be a module-level function"
             )
+        from ..cache.sources import fingerprint
+
         builder = f"{_module_name(function)}:{function.__qualname__}"
-        definition = KernelDef(name, builder, tuple(params), tuple(args), tunable, function)
+        # The source as this process runs it: its file read now, not at the first compile.
+        source = fingerprint(builder, function.__code__.co_filename)
+        definition = KernelDef(name, builder, tuple(params), tuple(args), tunable, function, source)
         return register(definition)
 
     return declare

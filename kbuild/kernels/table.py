@@ -98,6 +98,9 @@ class KernelDef:
     # The builder itself where it is at hand (`kbuild.kernel` declares it so); else imported
     # from `builder` on compile. Not part of what the definition is.
     function: Callable | None = field(default=None, compare=False, repr=False)
+    # Its source fingerprint, taken when it was declared (`kbuild.kernel`): the key then names
+    # the code this process runs even if the file changes on disk before the first compile.
+    source: str | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         names = [p.name for p in self.params]

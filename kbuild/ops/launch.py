@@ -49,12 +49,30 @@ def launch_kernel(
         where = sorted({str(t.device) for t in tensors})
         raise ValueError(f"{definition.name}: args must be tensors on one CUDA device, got {where}")
     device = devices.pop()
-    key = (definition.name, tuple(sorted(params.items())), device)
+    # floats by their bits, as the disk key does: 0.0 and -0.0 are two kernels
+    exact = tuple(sorted((k, v.hex() if isinstance(v, float) else v) for k, v in params.items()))
+    key = (definition.name, exact, device)
     launcher = loaded(key) or get_launcher(key, device, lambda: definition.spec(**params))
+    signature = launcher.meta.get("signature")
+    if signature is not None:
+        _check_kinds(definition.name, signature, args)
     blocks = grid(launcher) if callable(grid) else grid
     blocks = int(blocks) if not isinstance(blocks, tuple) else tuple(map(int, blocks))
     pointers = [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args]
     launcher(blocks, stream_of(device) if stream is None else stream, *pointers)
+
+
+def _check_kinds(kernel: str, signature: list, args: tuple) -> None:
+    """A tensor for each pointer argument and an int for each i64: an int passed as a pointer
+    would be dereferenced on the GPU (an illegal address that breaks the context), a tensor
+    passed as an i64 read as its address."""
+    if len(args) != len(signature):
+        names = ", ".join(name for name, _ in signature)
+        raise TypeError(f"{kernel} takes {len(signature)} arguments ({names}), got {len(args)}")
+    for (name, kind), value in zip(signature, args, strict=True):
+        if (kind == "ptr") != isinstance(value, torch.Tensor):
+            want = "a tensor" if kind == "ptr" else "an int"
+            raise TypeError(f"{kernel}: argument {name} must be {want}, got {type(value).__name__}")
 
 
 def rows_grid(launcher, M: int) -> int:
