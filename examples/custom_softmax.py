@@ -17,54 +17,71 @@ from kbuild import Arg, Param
 from kbuild.kernels.config import RowBudget
 from kbuild.kernels.row_plan import plan_rows
 
-ROW = (Param("N", "int"), Param("dtype", "dtype"))
+ROW = (Param("N", "int"), Param("dtype", "dtype"),
+       Param("vectorize", "bool", True, vectors_of=("dtype",)))  # fmt: skip
 DTYPES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
 
 
-def row_kernel(name: str, N: int, dtype: str, target, rows_held: int):
+def row_kernel(name: str, N: int, dtype: str, vectorize: bool, target, rows_held: int):
     """A kernel of one row group per block (or cluster) as the shared row plan chooses, for
     `rows_held` fp32 rows kept in registers; returns it and the row's shape."""
     from kbuild.dsl import Kernel
 
     budget = RowBudget(words_per_elem=float(rows_held))
-    plan = plan_rows(N, dtype, target, budget=budget, persistent=False)
+    plan = plan_rows(N, dtype, target, vectorize=vectorize, budget=budget, persistent=False)
     k = Kernel(name, target, plan.row.block, cluster=plan.row.cluster,
                exchange=plan.exchange or "barrier")  # fmt: skip
     k.meta.update(rows_per_block=plan.row.rows_per_block, cluster=plan.row.cluster)
     return k, plan.row
 
 
-@kbuild.kernel("user_softmax_fwd", params=ROW, args=(Arg("x"), Arg("y"), Arg("M", "i64")))
-def build_softmax_fwd(N: int, dtype: str, target):
-    """y = exp(x - max(x)) / sum(exp(x - max(x))) along rows of N; reads x once, writes y."""
-    from kbuild.dsl import NEG_INF, RowTile, exp, largest, thread_max, thread_sum, widen
+def rows_of(t, base, dtype: str, **pad):
+    """A thread's f32 values of its row at a chunk's start: held from one load where the row
+    fits in registers, read again on every pass (t.over_chunks) where it does not."""
+    from kbuild.dsl import widen
 
-    k, row = row_kernel("user_softmax_fwd", N, dtype, target, rows_held=1)
+    held = None if t.cfg.chunked else widen(t.load(base, dtype, **pad))
+    return lambda start: held if held is not None else widen(t.load(base, dtype, start, **pad))
+
+
+@kbuild.kernel("user_softmax_fwd", params=ROW, args=(Arg("x"), Arg("y"), Arg("M", "i64")))
+def build_softmax_fwd(N: int, dtype: str, target, vectorize: bool = True):
+    """y = exp(x - max(x)) / sum(exp(x - max(x))) along rows of N; reads x once (three
+    times for rows too long for registers), writes y."""
+    from kbuild.dsl import NEG_INF, RowTile, const, exp, largest, maximum, thread_max, thread_sum
+
+    k, row = row_kernel("user_softmax_fwd", N, dtype, vectorize, target, rows_held=1)
     with k:
         x, y, M = k.ptr("x"), k.ptr("y"), k.i64("M")
         t = RowTile(k, row, M)
-        v = widen(t.load(x, dtype, pad=NEG_INF))  # columns past N: -inf, which exp makes 0
-        (m,) = t.reduce([thread_max(v)], largest)
-        e = [exp(a - m) for a in v]
-        (s,) = t.sum(thread_sum(e))
-        t.store(y, [a * (1.0 / s) for a in e], dtype)
+        v = rows_of(t, x, dtype, pad=NEG_INF)  # columns past N: -inf, which exp makes 0
+        top = t.over_chunks(lambda c, m: [maximum(m[0], thread_max(v(c)))], [const(NEG_INF)])
+        (m,) = t.reduce(top, largest)
+        held = None if row.chunked else [exp(a - m) for a in v(0)]
+        e = lambda c: held if held is not None else [exp(a - m) for a in v(c)]  # noqa: E731
+        (s,) = t.sum(*t.over_chunks(lambda c, s: [s[0] + thread_sum(e(c))], [const(-0.0)]))
+        t.over_chunks(lambda c, _: t.store(y, [a * (1.0 / s) for a in e(c)], dtype, c) or [])
     return k
 
 
 @kbuild.kernel(
     "user_softmax_bwd", params=ROW, args=(Arg("y"), Arg("dy"), Arg("dx"), Arg("M", "i64"))
 )
-def build_softmax_bwd(N: int, dtype: str, target):
-    """dx = y * (dy - sum(y * dy)) along rows; reads y and dy once, writes dx."""
-    from kbuild.dsl import RowTile, thread_sum, widen
+def build_softmax_bwd(N: int, dtype: str, target, vectorize: bool = True):
+    """dx = y * (dy - sum(y * dy)) along rows; reads y and dy once (twice for rows too long
+    for registers), writes dx."""
+    from kbuild.dsl import RowTile, const, thread_sum
 
-    k, row = row_kernel("user_softmax_bwd", N, dtype, target, rows_held=2)
+    k, row = row_kernel("user_softmax_bwd", N, dtype, vectorize, target, rows_held=2)
     with k:
         yp, dyp, dxp, M = k.ptr("y"), k.ptr("dy"), k.ptr("dx"), k.i64("M")
         t = RowTile(k, row, M)
-        y, dy = widen(t.load(yp, dtype)), widen(t.load(dyp, dtype))
-        (d,) = t.sum(thread_sum([a * b for a, b in zip(y, dy, strict=True)]))
-        t.store(dxp, [a * (b - d) for a, b in zip(y, dy, strict=True)], dtype)
+        y, dy = rows_of(t, yp, dtype), rows_of(t, dyp, dtype)
+        pairs = lambda c: zip(y(c), dy(c), strict=True)  # noqa: E731
+        dot = t.over_chunks(lambda c, d: [d[0] + thread_sum([a * b for a, b in pairs(c)])],
+                            [const(-0.0)])  # fmt: skip
+        (d,) = t.sum(*dot)
+        t.over_chunks(lambda c, _: t.store(dxp, [a * (b - d) for a, b in pairs(c)], dtype, c) or [])
     return k
 
 
@@ -73,8 +90,11 @@ def _launch(kernel, *tensors: torch.Tensor) -> torch.Tensor:
     rows = [t.contiguous().view(-1, t.shape[-1]) for t in tensors]
     out = torch.empty_like(rows[0])
     M, N = out.shape
+    if M == 0 or N == 0:  # nothing to launch (a grid of no blocks is a driver error)
+        return out.view_as(tensors[0])
+    aligned = all(t.data_ptr() % 16 == 0 for t in (*rows, out))  # 16-byte vectors need it
     grid = lambda launcher: -(-M // launcher.rows_per_block) * launcher.cluster  # noqa: E731
-    kbuild.launch(kernel, grid, *rows, out, M, N=N, dtype=DTYPES[out.dtype])
+    kbuild.launch(kernel, grid, *rows, out, M, N=N, dtype=DTYPES[out.dtype], vectorize=aligned)
     return out.view_as(tensors[0])
 
 
@@ -103,7 +123,7 @@ softmax.register_autograd(
 
 def warmup_specs():
     """What `kbuild warmup --module examples/custom_softmax.py` compiles."""
-    shapes = [(4096, "bf16"), (32768, "bf16"), (1000, "f32")]
+    shapes = [(4096, "bf16"), (32768, "bf16"), (151936, "bf16"), (1000, "f32")]
     return [k.spec(N, d) for k in (build_softmax_fwd, build_softmax_bwd) for N, d in shapes]
 
 

@@ -196,8 +196,8 @@ def test_the_softmax_example_runs_on_a_machine_without_a_gpu(subprocess_env, tmp
         timeout=600,
     )
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
-    assert run.stdout.count("sm_90  user_softmax_") == 6
-    assert run.stdout.count("gfx942 user_softmax_") == 6
+    assert run.stdout.count("sm_90  user_softmax_") == 8
+    assert run.stdout.count("gfx942 user_softmax_") == 8
     assert "cpu (8, 3, 4096) torch.bfloat16" in run.stdout
 
 
@@ -208,9 +208,9 @@ def test_warmup_names_a_users_module(subprocess_env, tmp_path):
     command = [sys.executable, "-m", "kbuild", "warmup", "--module", str(EXAMPLE), "-j", "2"]
     first = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert first.returncode == 0, first.stderr
-    assert first.stdout.count(" compiled ") == 6 and "6 kernels for sm_90" in first.stdout
+    assert first.stdout.count(" compiled ") == 8 and "8 kernels for sm_90" in first.stdout
     second = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
-    assert second.stdout.count(" cached ") == 6, second.stdout
+    assert second.stdout.count(" cached ") == 8, second.stdout
     bad = subprocess.run(
         [*command[:4], "--module", str(tmp_path / "nope.py")], env=env, capture_output=True,
         text=True,
@@ -354,3 +354,42 @@ def test_one_file_one_key_however_it_is_imported(tmp_path, subprocess_env):
         key("-c", probe, str(tmp_path / "linked"), "mod"),
     }
     assert len(keys) == 1, keys
+
+
+@pytest.mark.parametrize("arch", ["sm_90", "gfx942"])
+def test_the_examples_passes_cover_every_column_once(arch):
+    """Each pass of the example's kernels (RowTile.over_chunks, its loads' columns) covers
+    every column of its block's slice exactly once, and the slices cover the row, on every
+    warmed shape: the rows long enough to be chunked (N = 32768 on gfx942, 151936 on both)
+    included, which a single load at start 0 once left mostly unread."""
+    sys.path.insert(0, str(EXAMPLE.parent))
+    try:
+        import custom_softmax as example
+    finally:
+        sys.path.remove(str(EXAMPLE.parent))
+    from kbuild.kernels.config import RowBudget
+    from kbuild.kernels.row_plan import plan_rows
+
+    target = target_for_arch(arch)
+    chunked = set()
+    for spec in example.warmup_specs():
+        held = 1 if spec.kernel.endswith("fwd") else 2
+        p = spec.kwargs
+        budget = RowBudget(words_per_elem=float(held))
+        row = plan_rows(
+            p["N"], p["dtype"], target, vectorize=p["vectorize"], budget=budget, persistent=False
+        ).row
+        starts = range(0, row.slice, row.span) if row.chunked else [0]  # as over_chunks walks
+        seen = [
+            column + start + i * row.threads_per_row * row.vec + j
+            for lane in range(row.threads_per_row)
+            for column in [lane * row.vec]
+            for start in starts
+            for i in range(row.iters)
+            for j in range(row.vec)
+            if column + start + i * row.threads_per_row * row.vec < row.slice
+        ]
+        assert sorted(seen) == list(range(row.slice)), spec.short()
+        assert row.slice * row.cluster >= p["N"] > row.slice * (row.cluster - 1), spec.short()
+        chunked |= {p["N"]} if row.chunked else set()
+    assert 151936 in chunked

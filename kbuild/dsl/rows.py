@@ -119,6 +119,17 @@ class RowTile:
 
     # ------------------------------------------------------------------ columns
 
+    def over_chunks(self, body, carried: list[V] = ()) -> list[V]:
+        """One pass over this thread's row: `body(start, carried) -> carried`, called once at
+        start 0 for a row its threads hold whole, or looped `span` columns at a time over a
+        row too long for registers (`cfg.chunked`): each pass then reads the row again, one
+        chunk's values live at a time (a loop, not unrolled). Pass `start` to load and store."""
+        if not self.cfg.chunked:
+            return list(body(0, list(carried)))
+        c = self.cfg
+        bounds = (const(0, "i64"), const(c.slice, "i64"), const(c.span, "i64"))
+        return loop(*bounds, list(carried), body)
+
     def columns(self, start: V | int = 0) -> list[V]:
         """Column of each of this thread's vectors within the block's slice of the row (the
         row without a cluster), from chunk `start`."""
