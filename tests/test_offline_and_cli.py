@@ -24,6 +24,7 @@ from kbuild.spec import KernelSpec
 from kbuild.targets import target_for_arch
 
 from .lock_workers import artifact_for_worker, children
+from .no_mlir import HIDE_MLIR
 
 SM90 = target_for_arch("sm_90")
 SPEC = rmsnorm_fwd_spec(4096, "bf16", "bf16", False, 1e-6)
@@ -194,14 +195,7 @@ def test_gpu_tests_collect_without_mlir():
     """The GPU machine has no MLIR (kernels are compiled here and carried): every test module
     the GPU run collects must import without it, or the whole `-m gpu` run stops at collection
     (a CPU test module importing kbuild.kernels.encoder at the top once did)."""
-    # A finder first on sys.meta_path hides MLIR from every import route: `import`,
-    # importlib.import_module (pytest.importorskip since pytest 9.1) and __import__ alike.
-    code = (
-        "import sys\n"
-        "class NoMLIR:\n"
-        "    def find_spec(self, name, path=None, target=None):\n"
-        "        if name.split('.')[0] == 'mlir': raise ModuleNotFoundError(name, name=name)\n"
-        "sys.meta_path.insert(0, NoMLIR())\n"
+    code = HIDE_MLIR + (
         "import pytest\n"
         "sys.exit(pytest.main(['-q', '--collect-only', '-m', 'gpu', '-p', 'no:cacheprovider',"
         " 'tests']))\n"

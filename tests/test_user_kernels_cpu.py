@@ -280,12 +280,9 @@ def test_show_prints_a_users_kernel_named_with_its_module(subprocess_env, tmp_pa
 def test_the_example_imports_where_there_is_no_mlir(subprocess_env):
     """The GPU machine runs from a warmed cache with no MLIR: a user's kernel module must
     import there (its builders import the DSL inside), or nothing of it can launch."""
-    code = (
-        "import sys\n"
-        "class NoMLIR:\n"
-        "    def find_spec(self, name, path=None, target=None):\n"
-        "        if name.split('.')[0] == 'mlir': raise ModuleNotFoundError(name, name=name)\n"
-        "sys.meta_path.insert(0, NoMLIR())\n"
+    from .no_mlir import HIDE_MLIR
+
+    code = HIDE_MLIR + (
         f"sys.path.insert(0, {str(EXAMPLE.parent)!r})\n"
         "import custom_softmax\n"
         "from kbuild.cache.keys import source_fingerprint\n"

@@ -222,15 +222,18 @@ def _cmd_demo(args) -> int:
 _JOBS_HELP = "compile this many kernels at once, one process each (default: the CPU count)"
 
 
-def _add_warmup_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--manifest", action="append", choices=sorted(MANIFESTS))
+def _add_module_option(p: argparse.ArgumentParser, what: str) -> None:
     p.add_argument(
         "--module",
         action="append",
         metavar="MODULE",
-        help="a module (name or FILE.py) declaring kernels of your own: its warmup_specs() "
-        "are warmed, and --spec / --from may name its kernels",
+        help=f"a module (name or FILE.py) declaring kernels of your own (kbuild.kernel): {what}",
     )
+
+
+def _add_warmup_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--manifest", action="append", choices=sorted(MANIFESTS))
+    _add_module_option(p, "its warmup_specs() are warmed, and --spec / --from may name its kernels")
     p.add_argument("--spec", action="append", help="a spec as JSON (see warmup hints)")
     p.add_argument(
         "--from",
@@ -302,12 +305,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("spec", help="a spec as JSON, or the label warmup prints")
     p.add_argument("--arch", default="sm_90", help="target arch (default sm_90)")
-    p.add_argument(
-        "--module",
-        action="append",
-        metavar="MODULE",
-        help="a module (name or FILE.py) declaring the kernel, for kernels of your own",
-    )
+    _add_module_option(p, "for SPEC of a kernel of your own")
     for stage, what in (
         ("mlir", "the builder's MLIR"),
         ("llvm", "the LLVM dialect (NVIDIA) or LLVM IR (AMD)"),
