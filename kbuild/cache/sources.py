@@ -13,7 +13,7 @@ A kernel's binary follows from two kinds of source:
 So adding a kernel, or editing one builder, re-keys only the kernels whose builders reach the
 edited file, and a user's kernel defined outside kbuild is re-keyed when its own file or a
 module it imports changes. Labels are paths relative to the package root or to the user's
-import root, never absolute, so a cache warmed in one checkout hits in another.
+builder's folder, never absolute, so a cache warmed in one checkout hits in another.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ BASE_FILES = ("spec.py", "compiler.py", "dtypes.py", "trace_layout.py", "artifac
 # or a user's `from kbuild import kernel` re-keys nothing; the signature check at build time
 # holds a description to its builder.
 DESCRIPTIONS = ("__init__.py", "kernels/__init__.py", "kernels/table.py", "kernels/declare.py")
+_DESCRIBED = frozenset(PACKAGE / name for name in DESCRIPTIONS)
 
 
 def _hash(files: list[tuple[str, Path]], seed: str = "") -> str:
@@ -81,16 +82,13 @@ class _Walk:
         parts = module.split(".")
         if parts[0] == "kbuild":
             stem = PACKAGE.joinpath(*parts[1:])
-            if any(stem.with_suffix(".py") == PACKAGE / d or stem / "__init__.py" == PACKAGE / d
-                   for d in DESCRIPTIONS):  # fmt: skip
-                return None
         elif parts[0] == self.top or not self.shared:
             stem = self.root.joinpath(*parts)
         else:
             return None
         for candidate in (stem.with_suffix(".py"), stem / "__init__.py"):
             if candidate.is_file():
-                return candidate
+                return None if candidate in _DESCRIBED else candidate
         return None
 
     def module_of(self, path: Path) -> str:

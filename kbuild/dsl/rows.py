@@ -11,6 +11,7 @@ that leaves the reduction it feeds unchanged. Stores never write past the row.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol
 
 from .control import if_else, if_then, loop
@@ -119,7 +120,7 @@ class RowTile:
 
     # ------------------------------------------------------------------ columns
 
-    def over_chunks(self, body, carried: list[V] = ()) -> list[V]:
+    def over_chunks(self, body, carried: Sequence[V] = ()) -> list[V]:
         """One pass over this thread's row: `body(start, carried) -> carried`, called once at
         start 0 for a row its threads hold whole, or looped `span` columns at a time over a
         row too long for registers (`cfg.chunked`): each pass then reads the row again, one

@@ -12,9 +12,9 @@
 module and name (so worker processes, `kbuild warmup --module` and a machine running from a
 warmed cache find it too), with its source fingerprint taken then, and returns the
 definition: `MY_SCALE.spec(4096, "bf16")` names a kernel, `kbuild.launch(MY_SCALE, grid, x,
-y, M, N=4096, dtype="bf16")` runs it. Its cache
-key covers the builder's own file and what it imports (kbuild/cache/sources.py): editing it
-re-keys its kernels only. Pure Python: no MLIR, no torch.
+y, M, N=4096, dtype="bf16")` runs it. Its cache key covers the builder's own file and what it
+imports (kbuild/cache/sources.py): editing it re-keys its kernels only. Pure Python: no MLIR,
+no torch.
 """
 
 from __future__ import annotations
