@@ -1,5 +1,6 @@
 """A row softmax written as a user writes one, outside kbuild: two kernels declared with
-`kbuild.kernel` and built with `kbuild.dsl`, two torch custom ops, autograd between them.
+`kbuild.kernel` and built with `kbuild.dsl`, and the op that runs them (`kbuild.Op`: a torch
+custom op, its backward and autograd, from one description).
 
     python examples/custom_softmax.py   # compiles for sm_90 and gfx942 (where MLIR is), then
                                         # checks values and gradients on the GPU or the CPU
@@ -13,13 +14,12 @@ from __future__ import annotations
 import torch
 
 import kbuild
-from kbuild import Arg, Param
+from kbuild import Arg, Launch, Like, Op, Out, Param, Rows
 from kbuild.kernels.config import RowBudget
 from kbuild.kernels.row_plan import plan_rows
 
 ROW = (Param("N", "int"), Param("dtype", "dtype"),
        Param("vectorize", "bool", True, vectors_of=("dtype",)))  # fmt: skip
-DTYPES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
 
 
 def row_kernel(name: str, N: int, dtype: str, vectorize: bool, target, rows_held: int):
@@ -85,46 +85,40 @@ def build_softmax_bwd(N: int, dtype: str, target, vectorize: bool = True):
     return k
 
 
-def _launch(kernel, *tensors: torch.Tensor) -> torch.Tensor:
-    """Run `kernel` over the rows of `tensors` into a new tensor like the first."""
-    rows = [t.contiguous().view(-1, t.shape[-1]) for t in tensors]
-    out = torch.empty_like(rows[0])
-    M, N = out.shape
-    if M == 0 or N == 0:  # nothing to launch (a grid of no blocks is a driver error)
-        return out.view_as(tensors[0])
-    aligned = all(t.data_ptr() % 16 == 0 for t in (*rows, out))  # 16-byte vectors need it
-    grid = lambda launcher: -(-M // launcher.rows_per_block) * launcher.cluster  # noqa: E731
-    kbuild.launch(kernel, grid, *rows, out, M, N=N, dtype=DTYPES[out.dtype], vectorize=aligned)
-    return out.view_as(tensors[0])
+def softmax_reference(x: torch.Tensor) -> torch.Tensor:
+    """fp32 math, one rounding to x's dtype: what CPU tensors run."""
+    return torch.softmax(x.float(), -1).to(x.dtype)
 
 
-@torch.library.custom_op("user_softmax::forward", mutates_args=())
-def softmax(x: torch.Tensor) -> torch.Tensor:
-    if x.device.type != "cuda":  # the reference: fp32 math, one rounding to x's dtype
-        return torch.softmax(x.float(), -1).to(x.dtype)
-    return _launch(build_softmax_fwd, x)
+def softmax_backward_reference(y: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
+    y32, dy32 = y.float(), dy.float()
+    return (y32 * (dy32 - (y32 * dy32).sum(-1, keepdim=True))).to(y.dtype)
 
 
-@torch.library.custom_op("user_softmax::backward", mutates_args=())
-def softmax_backward(y: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
-    if y.device.type != "cuda":
-        y32, dy32 = y.float(), dy.float()
-        return (y32 * (dy32 - (y32 * dy32).sum(-1, keepdim=True))).to(y.dtype)
-    return _launch(build_softmax_bwd, y, dy)
-
-
-softmax.register_fake(torch.empty_like)
-softmax_backward.register_fake(lambda y, dy: torch.empty_like(y))
-softmax.register_autograd(
-    lambda ctx, dy: softmax_backward(ctx.saved_tensors[0], dy),
-    setup_context=lambda ctx, inputs, output: ctx.save_for_backward(output),
+# The two ops, one description each: schema, checks, fake, CPU (the reference), CUDA (the
+# kernel, its N, dtype, vectorize and arguments bound by name) and, through the backward
+# op's names (y saved, dy the gradient of y, dx that of x), the autograd formula.
+softmax = Op(
+    "user_softmax::softmax",
+    args=(Rows("x"),),
+    outputs=(Out("y", like="x"),),
+    launch=Launch(build_softmax_fwd),
+    reference=softmax_reference,
+    backward=Op(
+        "user_softmax::softmax_backward",
+        args=(Rows("y"), Like("dy", "y")),
+        outputs=(Out("dx", like="y"),),
+        launch=Launch(build_softmax_bwd),
+        reference=softmax_backward_reference,
+    ),
 )
 
 
 def warmup_specs():
-    """What `kbuild warmup --module examples/custom_softmax.py` compiles."""
+    """What `kbuild warmup --module examples/custom_softmax.py` compiles (one width:
+    `--ops user_softmax::softmax --hidden N`)."""
     shapes = [(4096, "bf16"), (32768, "bf16"), (151936, "bf16"), (1000, "f32")]
-    return [k.spec(N, d) for k in (build_softmax_fwd, build_softmax_bwd) for N, d in shapes]
+    return [spec for N, dtype in shapes for spec in softmax.warm_specs(N, dtype)]
 
 
 def main() -> None:

@@ -16,8 +16,18 @@ __version__ = "0.1.0"
 # Declaring and launching kernels of your own (kbuild/kernels/declare.py): pure Python but
 # `launch`, which is torch's.
 _DECLARE = {"Arg": "kernels.table", "Param": "kernels.table", "kernel": "kernels.declare"}
+# Describing an op (kbuild/ops/opdef.py): torch's.
+_OPDEF = ("Feature", "Launch", "Like", "Op", "Out", "Rows", "Scalar", "Tensors")
 __all__ = [
     "Arg",
+    "Feature",
+    "Launch",
+    "Like",
+    "Op",
+    "Out",
+    "Rows",
+    "Scalar",
+    "Tensors",
     "FusedAddRMSNormFunction",
     "LayerNormFunction",
     "LinearFunction",
@@ -39,6 +49,10 @@ __all__ = [
 def __getattr__(name: str):
     if name in _DECLARE:
         value = getattr(importlib.import_module(f".{_DECLARE[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    if name in _OPDEF:
+        value = getattr(importlib.import_module(".ops.opdef", __name__), name)
         globals()[name] = value
         return value
     if name in __all__:

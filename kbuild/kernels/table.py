@@ -49,6 +49,11 @@ class Param:
     vectors_of: tuple[str, ...] = ()
     keyed: bool = True
 
+    @property
+    def required(self) -> bool:
+        """Whether a spec must give this parameter (it has no default)."""
+        return self.default is _REQUIRED
+
     def check(self, kernel: str, value: Scalar) -> Scalar:
         ok = {
             "int": isinstance(value, int) and not isinstance(value, bool),

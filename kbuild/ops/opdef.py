@@ -1,0 +1,661 @@
+"""One description per op: from an `Op`, everything torch needs of a kernel-backed operator.
+
+    softmax = Op(
+        "user_softmax::softmax",
+        args=(Rows("x"),),
+        outputs=(Out("y", like="x"),),
+        launch=Launch(SOFTMAX_FWD),           # a KernelDef (kbuild.kernel or the table)
+        reference=lambda x: torch.softmax(x.float(), -1).to(x.dtype),
+        backward=Op("user_softmax::softmax_backward", args=(Rows("y"), Like("dy", "y")),
+                    outputs=(Out("dx", like="y"),), launch=Launch(SOFTMAX_BWD),
+                    reference=softmax_backward_reference),
+    )
+    y = softmax(x)                             # checks, then torch.ops.user_softmax.softmax
+
+From the declaration come:
+- the torch.library schema (`args` in order: tensors, then or among them the compile-time
+  scalars, with their defaults; the outputs as Tensors);
+- the argument checks, each error naming the argument (`Op.check`, run by `Op.__call__`):
+  `Rows` is a float tensor of at least one dimension seen as (M, N) rows, `Like` one of
+  another's shape, dtype (or fp32) and device, `Feature` an optional (N,) parameter,
+  `Scalar` a bool, int, float or dtype with its own check (eps: finite and >= 0);
+- the fake kernel (shapes for tracing) from the outputs' rules, and the CPU kernel (the
+  `reference`, outputs made dense, unwanted ones empty);
+- the CUDA kernel: `Launch` binds the kernel table's parameters and arguments by name (a
+  tensor argument is the op's tensor of that name, `M` the row count, `N` and `dtype` the
+  first Rows tensor's, `<t>_dtype` tensor t's dtype or None, `vectorize` whether every
+  pointer is 16-byte aligned, any other parameter the op's scalar of that name, or a function
+  of the call given in `values`), one block per row group (or the persistent grid the
+  builder asks for); or a hand-written `cuda` function;
+- the autograd formula, by names: the backward op's arguments are the forward's tensors
+  (saved), `d<output>` (the gradient of that output), `need_d<input>` (whether that input
+  wants a gradient) and the forward's scalars; its outputs `d<input>` are the inputs'
+  gradients (an empty tensor: none). Or a hand-written `autograd=(setup, backward)`;
+- the kernels to warm for a row width (`Op.warm_specs`: the launches' specs on meta tensors,
+  so exactly what a call of aligned tensors asks for), which `kbuild warmup --ops` lists.
+
+kbuild's own norm operators are declared so too (ops/custom_ops.py); their CUDA kernels and
+autograd come from the C++ extension where it loads (`native=True`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..kernels.table import KernelDef
+from ..spec import KernelSpec
+from .common import (
+    DTYPE_NAMES,
+    check_eps,
+    check_input,
+    check_like,
+    check_param,
+    device_guard,
+    row_count,
+    stream_of,
+)
+from .launch import launcher_for
+
+_REQUIRED = object()
+_LIBRARIES: dict[str, torch.library.Library] = {}  # kept alive: a dropped Library unregisters
+DEFINED: dict[str, Op] = {}  # qualified name -> its description, as declared
+
+
+# ----------------------------------------------------------------------------- arguments
+
+
+class _Tensor:
+    """What the tensor arguments share: their schema type."""
+
+    optional: bool
+
+    @property
+    def schema_type(self) -> str:
+        return "Tensor?" if self.optional else "Tensor"
+
+
+@dataclass(frozen=True)
+class Rows(_Tensor):
+    """A float tensor (float32, float16 or bfloat16) of shape (..., N), seen as (M, N) rows.
+    The first Rows argument gives the kernels' N and dtype."""
+
+    name: str
+    optional: bool = False
+
+    def check(self, value: Any, bound: Mapping[str, Any]) -> Any:
+        if value is None and self.optional:
+            return None
+        return check_input(self.name, value)
+
+
+@dataclass(frozen=True)
+class Like(_Tensor):
+    """A tensor of `of`'s shape, dtype (or float32, with `or_fp32`) and device."""
+
+    name: str
+    of: str
+    or_fp32: bool = False
+    optional: bool = False
+
+    def check(self, value: Any, bound: Mapping[str, Any]) -> Any:
+        if value is None and self.optional:
+            return None
+        return check_like(self.name, value, bound[self.of], self.of, self.or_fp32)
+
+
+@dataclass(frozen=True)
+class Feature(_Tensor):
+    """A per-feature parameter (weight, bias): None, or (N,) of `of`'s dtype or float32 on
+    its device."""
+
+    name: str
+    of: str = "x"
+    optional: bool = True
+
+    def check(self, value: Any, bound: Mapping[str, Any]) -> Any:
+        if value is None and not self.optional:
+            raise TypeError(f"{self.name} must be a torch.Tensor, got None")
+        return check_param(self.name, value, bound[self.of])
+
+
+@dataclass(frozen=True)
+class Tensors(_Tensor):
+    """Any tensor the op's own code interprets (saved statistics, token ids): checked to be a
+    tensor (or None where optional), nothing more."""
+
+    name: str
+    optional: bool = False
+
+    def check(self, value: Any, bound: Mapping[str, Any]) -> Any:
+        if value is None and self.optional:
+            return None
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"{self.name} must be a torch.Tensor, got {type(value).__name__}")
+        return value
+
+
+_SCALAR_SCHEMA = {"float": "float", "bool": "bool", "int": "int", "dtype": "ScalarType"}
+
+
+@dataclass(frozen=True)
+class Scalar:
+    """A compile-time scalar: `kind` float, bool, int or dtype (a torch float dtype), None
+    allowed where `optional`; `check(value, bound)` validates further (and may normalise)."""
+
+    name: str
+    kind: str
+    default: Any = _REQUIRED
+    optional: bool = False
+    check_value: Callable[[Any, Mapping[str, Any]], Any] | None = None
+    # In a backward op: the forward input whose "needs a gradient" this bool is (autograd
+    # sets it); by default X for a name need_dX.
+    need_grad_of: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in _SCALAR_SCHEMA:
+            raise ValueError(f"{self.name}: kind must be one of {sorted(_SCALAR_SCHEMA)}")
+
+    @property
+    def schema_type(self) -> str:
+        return _SCALAR_SCHEMA[self.kind] + ("?" if self.optional else "")
+
+    def check(self, value: Any, bound: Mapping[str, Any]) -> Any:
+        if self.check_value is not None:
+            return self.check_value(value, bound)
+        if value is None and self.optional:
+            return None
+        ok = {
+            "float": isinstance(value, (int, float, torch.SymFloat))
+            and not isinstance(value, bool),
+            "bool": isinstance(value, bool),
+            "int": isinstance(value, int) and not isinstance(value, bool),
+            "dtype": value in DTYPE_NAMES,
+        }[self.kind] and (self.kind == "bool" or not isinstance(value, bool))
+        if not ok:
+            want = "a torch float dtype" if self.kind == "dtype" else f"a {self.kind}"
+            raise TypeError(f"{self.name} must be {want}, got {value!r}")
+        if self.kind == "float" and not isinstance(value, torch.SymFloat):
+            if not math.isfinite(value):
+                raise ValueError(f"{self.name} must be a finite number; got {value}")
+            return float(value)
+        return value
+
+
+def eps(default: Any = _REQUIRED) -> Scalar:
+    """A norm's eps, declared once: its schema type, its check, the kernels' `eps`."""
+    return Scalar("eps", "float", default, check_value=lambda value, bound: check_eps(value))
+
+
+Argument = Rows | Like | Feature | Tensors | Scalar
+
+
+# ----------------------------------------------------------------------------- outputs
+
+
+@dataclass(frozen=True)
+class Out:
+    """An output: of `like`'s shape (and its dtype, or `dtype`: "float32" or the name of a
+    dtype scalar), or with `rows`, one float32 value per row of that tensor (a statistic,
+    flattened to (M,)). `when`: the names that must all hold (a bool scalar true, a dtype
+    scalar or a tensor not None) for it to be computed; otherwise it is an empty tensor
+    (float32 for a statistic, else of the op's first tensor's dtype), as the kernels return.
+    In a backward op, `grad_of` names the forward input it is the gradient of (by default X
+    for an output dX)."""
+
+    name: str
+    like: str | None = None
+    rows: str | None = None
+    dtype: str | None = None
+    when: tuple[str, ...] | str = ()
+    # In a backward op: the forward input this is the gradient of; by default X for dX.
+    grad_of: str | None = None
+
+    def __post_init__(self) -> None:
+        if (self.like is None) == (self.rows is None):
+            raise ValueError(f"output {self.name}: give one of like= and rows=")
+        if isinstance(self.when, str):
+            object.__setattr__(self, "when", (self.when,))
+
+    def wanted(self, bound: Mapping[str, Any]) -> bool:
+        return all(bound[name] is not None and bound[name] is not False for name in self.when)
+
+    def dtype_for(self, bound: Mapping[str, Any]) -> torch.dtype:
+        if self.rows is not None or self.dtype == "float32":
+            return torch.float32
+        if self.dtype is not None:
+            return bound[self.dtype]
+        return bound[self.like].dtype
+
+    def empty(self, first: torch.Tensor) -> torch.Tensor:
+        return first.new_empty(0, dtype=torch.float32 if self.rows is not None else None)
+
+    def allocate(self, bound: Mapping[str, Any], first: torch.Tensor) -> torch.Tensor:
+        """A dense tensor for this output (the kernels write dense outputs), or an empty one."""
+        if not self.wanted(bound):
+            return self.empty(first)
+        if self.rows is not None:
+            return first.new_empty(row_count(bound[self.rows]), dtype=torch.float32)
+        like = bound[self.like]
+        return like.new_empty(like.shape, dtype=self.dtype_for(bound))
+
+
+# ----------------------------------------------------------------------------- launches
+
+
+def rows_grid(launcher, M: int) -> int:
+    """One block (or cluster) per row group, or the persistent grid the builder asks for."""
+    if launcher.meta.get("grid") == "persistent":
+        return min(-(-M // launcher.rows_per_block), launcher.resident_clusters) * launcher.cluster
+    return -(-M // launcher.rows_per_block) * launcher.cluster
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One kernel launch of an op's CUDA kernel, bound by names (see the module docstring).
+    `values`: table parameters computed from the call, {name: f(bound) -> value};
+    `ints`: i64 arguments other than M, {name: f(bound) -> int}; `grid(launcher, M)`: the
+    block count, by default one block (or cluster) per row group."""
+
+    kernel: KernelDef
+    values: Mapping[str, Callable[[Mapping[str, Any]], Any]] = field(default_factory=dict)
+    ints: Mapping[str, Callable[[Mapping[str, Any]], int]] = field(default_factory=dict)
+    grid: Callable[[Any, int], int | tuple[int, ...]] = rows_grid
+
+
+class _Binding:
+    """A Launch compiled against its op: one getter per table parameter, in table order."""
+
+    def __init__(self, launch: Launch, op: Op) -> None:
+        self.launch, self.kernel = launch, launch.kernel
+        rows = [a.name for a in op.args if isinstance(a, Rows)]
+        if not rows:
+            raise ValueError(f"{op.name}: a Launch needs a Rows argument (its N and dtype)")
+        self.rows = rows[0]
+        tensors = set(op.tensor_names) | {o.name for o in op.outputs}
+        scalars = {a.name: a for a in op.args if isinstance(a, Scalar)}
+        self.getters: list[Callable[[Mapping[str, Any], bool], Any]] = []
+        for p in self.kernel.params:
+            self.getters.append(self._getter(p, op, tensors, scalars))
+        for a in self.kernel.args:
+            if a.name not in tensors and a.name != "M" and a.name not in launch.ints:
+                if a.name == "trace":
+                    continue  # diagnostic builds only (never asked for by an op)
+                raise ValueError(
+                    f"{op.name}: kernel {self.kernel.name}'s argument {a.name!r} is none of "
+                    f"the op's tensors {sorted(tensors)}, M or the launch's ints"
+                )
+
+    def _getter(self, p, op: Op, tensors: set[str], scalars: Mapping[str, Scalar]):
+        name, rows = p.name, self.rows
+        if name in self.launch.values:
+            f = self.launch.values[name]
+            return lambda bound, aligned: f(bound)
+        if name == "N":
+            return lambda bound, aligned: bound[rows].shape[-1]
+        if name == "dtype":
+            return lambda bound, aligned: DTYPE_NAMES[bound[rows].dtype]
+        if name.endswith("_dtype") and name[: -len("_dtype")] in tensors:
+            t = name[: -len("_dtype")]
+            return lambda bound, aligned: None if bound[t] is None else DTYPE_NAMES[bound[t].dtype]
+        if name in scalars:
+            if scalars[name].kind == "dtype":
+                return lambda bound, aligned: DTYPE_NAMES.get(bound[name])
+            return lambda bound, aligned: bound[name]
+        if name == "vectorize":
+            return lambda bound, aligned: aligned
+        if not p.required:
+            default = p.default
+            return lambda bound, aligned: default
+        raise ValueError(
+            f"{op.name}: kernel {self.kernel.name}'s parameter {name!r} has no source: name "
+            "a scalar of the op so, or give it in Launch(values=...)"
+        )
+
+    def values(self, bound: Mapping[str, Any], aligned: bool) -> tuple:
+        return tuple(get(bound, aligned) for get in self.getters)
+
+    def run(self, bound: Mapping[str, Any]) -> None:
+        x = bound[self.rows]
+        N = x.shape[-1]
+        M = row_count(x)
+        if M == 0 or N == 0:
+            return  # nothing to launch (a grid of no blocks is a driver error)
+        tensors = [t for t in bound.values() if isinstance(t, torch.Tensor) and t.numel()]
+        combined = 0
+        for t in tensors:
+            combined |= t.data_ptr()
+        values = self.values(bound, combined & 15 == 0)
+        device = x.get_device()
+        launcher = launcher_for(self.kernel, device, values)
+        ints = self.launch.ints
+        args = []
+        for name in launcher.names:
+            if name == "M":
+                args.append(M)
+            elif name in ints:
+                args.append(int(ints[name](bound)))
+            else:
+                t = bound[name]
+                if t is None or not t.numel():
+                    raise ValueError(f"{self.kernel.name}: argument {name} has no tensor")
+                args.append(t.data_ptr())
+        launcher(self.launch.grid(launcher, M), stream_of(device), *args)
+
+
+# ----------------------------------------------------------------------------- the op
+
+
+class Op:
+    """One operator: its arguments, outputs, kernels, reference and gradient (see the module
+    docstring). Declaring it defines and registers `namespace::name` with torch.library."""
+
+    def __init__(
+        self,
+        name: str,
+        args: Iterable[Argument],
+        outputs: Iterable[Out],
+        reference: Callable[..., Any],
+        launch: Launch | Iterable[Launch] | None = None,
+        cuda: Callable[..., Any] | None = None,
+        backward: Op | None = None,
+        autograd: tuple[Callable, Callable] | None = None,
+        native: bool = False,
+        check: Callable[[dict[str, Any]], None] | None = None,
+    ) -> None:
+        if "::" not in name:
+            raise ValueError(f"op name must be 'namespace::name', got {name!r}")
+        self.name = name
+        self.namespace, self.op_name = name.split("::", 1)
+        self.args = tuple(args)
+        self.outputs = tuple(outputs)
+        self.reference = reference
+        self.backward = backward
+        self.native = native
+        self._check_more = check
+        names = [a.name for a in self.args]
+        if len(set(names)) != len(names):
+            raise ValueError(f"{name}: argument names must be unique, got {names}")
+        self.arg_names = tuple(names)
+        self.tensor_names = tuple(a.name for a in self.args if not isinstance(a, Scalar))
+        self.scalars = {a.name: a for a in self.args if isinstance(a, Scalar)}
+        if launch is not None and cuda is not None:
+            raise ValueError(f"{name}: give launch= or cuda=, not both")
+        launches = () if launch is None else (launch,) if isinstance(launch, Launch) else launch
+        self.launches = tuple(launches)
+        self._bindings = [_Binding(x, self) for x in self.launches]
+        self._cuda = cuda
+        self.schema = self._schema()
+        if backward is not None and autograd is not None:
+            raise ValueError(f"{name}: give backward= (by names) or autograd=, not both")
+        self._autograd = autograd
+        if backward is not None:
+            self._check_backward(backward)
+        self._register()
+        self.overload = getattr(getattr(torch.ops, self.namespace), self.op_name).default
+
+    # -- the schema --------------------------------------------------------------------
+
+    def _schema(self) -> str:
+        parts = []
+        for a in self.args:
+            default = getattr(a, "default", _REQUIRED)
+            text = f"{a.schema_type} {a.name}"
+            if default is not _REQUIRED:
+                text += f"={_schema_default(default)}"
+            parts.append(text)
+        returns = ", ".join("Tensor" for _ in self.outputs)
+        returns = returns if len(self.outputs) == 1 else f"({returns})"
+        return f"({', '.join(parts)}) -> {returns}"
+
+    # -- binding and checks ------------------------------------------------------------
+
+    def bind(self, args: tuple, kwargs: Mapping[str, Any]) -> dict[str, Any]:
+        """The call's arguments by name, defaults filled in (TypeError as Python's own)."""
+        if len(args) > len(self.args):
+            raise TypeError(f"{self.name} takes {len(self.args)} arguments, got {len(args)}")
+        bound = dict(zip(self.arg_names, args, strict=False))
+        for key, value in kwargs.items():
+            if key not in self.arg_names:
+                raise TypeError(f"{self.name} has no argument {key!r}; it takes {self.arg_names}")
+            if key in bound:
+                raise TypeError(f"{self.name}: {key} given twice")
+            bound[key] = value
+        for a in self.args:
+            if a.name not in bound:
+                default = getattr(a, "default", _REQUIRED)
+                if default is _REQUIRED:
+                    if getattr(a, "optional", False) and not isinstance(a, Scalar):
+                        bound[a.name] = None
+                        continue
+                    raise TypeError(f"{self.name}: missing argument {a.name!r}")
+                bound[a.name] = default
+        return {name: bound[name] for name in self.arg_names}
+
+    def check(self, bound: dict[str, Any]) -> dict[str, Any]:
+        """Every argument's check, in order; returns the checked (normalised) values."""
+        for a in self.args:
+            bound[a.name] = a.check(bound[a.name], bound)
+        if self._check_more is not None:
+            self._check_more(bound)
+        return bound
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Check the arguments, then run the operator (autograd included)."""
+        bound = self.check(self.bind(args, kwargs))
+        return self.overload(*bound.values())
+
+    # -- kernels -----------------------------------------------------------------------
+
+    def _named(self, args: tuple) -> dict[str, Any]:
+        """A kernel's arguments by name: the dispatcher leaves trailing defaults out."""
+        if len(args) == len(self.arg_names):
+            return dict(zip(self.arg_names, args, strict=True))
+        return self.bind(args, {})
+
+    def _first(self, bound: Mapping[str, Any]) -> torch.Tensor:
+        return next(bound[n] for n in self.tensor_names if bound[n] is not None)
+
+    def _fake(self, *args: Any) -> Any:
+        bound = self._named(args)
+        if self._check_more is not None:
+            self._check_more(bound)
+        first = self._first(bound)
+        return self._result([o.allocate(bound, first) for o in self.outputs])
+
+    def _cpu(self, *args: Any) -> Any:
+        bound = self._named(args)
+        if self._check_more is not None:
+            self._check_more(bound)
+        got = self.reference(*bound.values())
+        got = (got,) if isinstance(got, torch.Tensor) else tuple(got)
+        first = self._first(bound)
+        outs = []
+        for o, t in zip(self.outputs, got, strict=True):
+            if not o.wanted(bound) or t is None:
+                outs.append(o.empty(first))
+            else:
+                outs.append((t.reshape(-1) if o.rows is not None else t).contiguous())
+        return self._result(outs)
+
+    def _launch_cuda(self, *args: Any) -> Any:
+        bound = self._named(args)
+        for a in self.args:  # the kernels read dense rows
+            if isinstance(a, (Rows, Like, Feature)) and bound[a.name] is not None:
+                t = bound[a.name]
+                bound[a.name] = t if t.is_contiguous() else t.contiguous()
+        first = self._first(bound)
+        outs = [o.allocate(bound, first) for o in self.outputs]
+        bound.update((o.name, t) for o, t in zip(self.outputs, outs, strict=True))
+        with device_guard(first):
+            for binding in self._bindings:
+                binding.run(bound)
+        for o, t in zip(self.outputs, outs, strict=True):
+            if o.rows is not None and bound[o.rows].shape[-1] == 0:
+                t.fill_(float("nan"))  # statistics of rows with no elements: undefined
+        return self._result(outs)
+
+    def _result(self, outs: list[torch.Tensor]) -> Any:
+        return outs[0] if len(outs) == 1 else tuple(outs)
+
+    def kernel_values(self, *args: Any, aligned: bool = True) -> list[tuple[KernelDef, tuple]]:
+        """The (kernel, table values) each launch of a call with these arguments asks for."""
+        bound = self._named(args)
+        first = self._first(bound)
+        bound.update((o.name, o.allocate(bound, first)) for o in self.outputs)
+        return [(b.kernel, b.values(bound, aligned)) for b in self._bindings]
+
+    # -- autograd ----------------------------------------------------------------------
+
+    def _check_backward(self, bwd: Op) -> None:
+        """Every argument of the backward op must have a source and every output a target:
+        the forward's tensors and scalars, d<output>, need_d<input> (or need_grad_of), and
+        outputs d<input> (or grad_of)."""
+        outputs = [o.name for o in self.outputs]
+        self._grad_sources: dict[str, str] = {}  # backward argument -> forward output
+        self._need_sources: dict[str, str] = {}  # backward argument -> forward input
+        for a in bwd.args:
+            name = a.name
+            if name in self.arg_names or name in outputs:
+                continue
+            need = getattr(a, "need_grad_of", None) or (
+                name[len("need_d") :] if name.startswith("need_d") else None
+            )
+            if need in self.tensor_names:
+                self._need_sources[name] = need
+            elif name.startswith("d") and name[1:] in outputs:
+                self._grad_sources[name] = name[1:]
+            else:
+                raise ValueError(
+                    f"{bwd.name}: argument {name!r} is none of {self.name}'s tensors, scalars, "
+                    "d<output> or need_d<input>"
+                )
+        self._grad_targets: dict[str, str] = {}  # backward output -> forward input
+        for o in bwd.outputs:
+            target = o.grad_of or o.name[1:]
+            if target not in self.tensor_names:
+                raise ValueError(
+                    f"{bwd.name}: output {o.name!r} is the gradient of none of {self.name}'s "
+                    f"tensors {self.tensor_names} (name it d<input> or give grad_of=)"
+                )
+            self._grad_targets[o.name] = target
+
+    def _setup_context(self, ctx, inputs, output) -> None:
+        bound = self._named(tuple(inputs))
+        outs = (output,) if isinstance(output, torch.Tensor) else output
+        named = {**bound, **{o.name: t for o, t in zip(self.outputs, outs, strict=True)}}
+        bwd = self.backward
+        saved = [n for n in bwd.arg_names if n in named and n not in self.scalars]
+        ctx.kbuild_saved = saved
+        ctx.save_for_backward(*(named[n] for n in saved))
+        ctx.kbuild_scalars = {n: bound[n] for n in bwd.arg_names if n in self.scalars}
+
+    def _backward(self, ctx, *grads):
+        bwd = self.backward
+        saved = dict(zip(ctx.kbuild_saved, ctx.saved_tensors, strict=True))
+        outputs = [o.name for o in self.outputs]
+        # (arguments left at their defaults are not among the inputs: they need nothing)
+        given = self.arg_names[: len(ctx.needs_input_grad)]
+        needs = dict(zip(self.arg_names, ctx.needs_input_grad, strict=False))
+        args = []
+        for name in bwd.arg_names:
+            if name in saved:
+                args.append(saved[name])
+            elif name in ctx.kbuild_scalars:
+                args.append(ctx.kbuild_scalars[name])
+            elif name in self._need_sources:
+                args.append(bool(needs.get(self._need_sources[name])))
+            else:
+                args.append(grads[outputs.index(self._grad_sources[name])])
+        got = bwd.overload(*args)
+        got = (got,) if isinstance(got, torch.Tensor) else got
+        # An empty gradient is one not computed (or of an empty input): None, which autograd
+        # reads as zeros.
+        by_input = {self._grad_targets[o.name]: g for o, g in zip(bwd.outputs, got, strict=True)}
+        return tuple(
+            by_input[n] if needs[n] and n in by_input and by_input[n].numel() else None
+            for n in given
+        )
+
+    # -- registration ------------------------------------------------------------------
+
+    def _register(self) -> None:
+        """Define the operator with its CPU and fake kernels; its CUDA kernel and autograd
+        too unless they come from elsewhere (`native`: the C++ extension's, where it loads;
+        `register_python_cuda` registers these when it does not)."""
+        existing = DEFINED.get(self.name)
+        if existing is not None:
+            raise ValueError(f"{self.name} is declared already (as {existing.schema})")
+        lib = _LIBRARIES.get(self.namespace)
+        if lib is None:
+            lib = _LIBRARIES[self.namespace] = torch.library.Library(self.namespace, "FRAGMENT")
+        lib.define(self.op_name + self.schema)
+        lib.impl(self.op_name, self._cpu, "CPU")
+        torch.library.register_fake(self.name, self._fake, lib=lib)
+        DEFINED[self.name] = self
+        if not self.native:
+            self.register_python_cuda()
+
+    def register_python_cuda(self) -> None:
+        """Register the CUDA kernel (the launches, or `cuda`) and the autograd formula."""
+        lib = _LIBRARIES[self.namespace]
+        if self._cuda is None and not self.launches:
+            raise ValueError(f"{self.name}: give launch= or cuda= (its CUDA kernel)")
+        lib.impl(self.op_name, self._cuda or self._launch_cuda, "CUDA")
+        if self.backward is not None:
+            torch.library.register_autograd(
+                self.name, self._backward, setup_context=self._setup_context, lib=lib
+            )
+        elif self._autograd is not None:
+            setup, backward = self._autograd
+            torch.library.register_autograd(self.name, backward, setup_context=setup, lib=lib)
+
+    # -- warming -----------------------------------------------------------------------
+
+    def warm_specs(self, N: int, dtype: torch.dtype | str = torch.bfloat16) -> list[KernelSpec]:
+        """The specs this op and its backward launch on aligned rows of width N in `dtype`
+        (every optional tensor given, scalars at their defaults): what `kbuild warmup --ops`
+        compiles. Computed on meta tensors, by the launches' own bindings."""
+        if isinstance(dtype, str):
+            dtype = {v: k for k, v in DTYPE_NAMES.items()}[dtype]
+        specs: list[KernelSpec] = []
+        for op in (self, self.backward):
+            if op is None:
+                continue
+            args = op._example_args(N, dtype)
+            specs += [k.spec(*values) for k, values in op.kernel_values(*args)]
+        return list(dict.fromkeys(specs))
+
+    def _example_args(self, N: int, dtype: torch.dtype) -> list[Any]:
+        bound: dict[str, Any] = {}
+        for a in self.args:
+            if isinstance(a, Scalar):
+                if a.default is _REQUIRED:
+                    raise ValueError(f"{self.name}: {a.name} has no default to warm with")
+                bound[a.name] = a.default
+            elif isinstance(a, Feature):
+                bound[a.name] = torch.empty(N, dtype=dtype, device="meta")
+            else:
+                bound[a.name] = torch.empty(1, N, dtype=dtype, device="meta")
+        return list(bound.values())
+
+
+def _schema_default(value: Any) -> str:
+    if value is None:
+        return "None"
+    if isinstance(value, bool):
+        return str(value)
+    if isinstance(value, float):
+        return repr(value)
+    return str(value)
+
+
+def declared(names: Iterable[str] | None = None) -> dict[str, Op]:
+    """The ops declared so far (kbuild's and those of imported user modules), by name."""
+    if names is None:
+        return dict(DEFINED)
+    return {n: DEFINED[n] for n in names}
