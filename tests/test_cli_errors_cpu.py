@@ -220,3 +220,23 @@ def test_a_spec_of_a_kernel_nobody_declared(env):
     for jobs in ("1", "2"):
         run = kbuild_cli("warmup", "--spec", spec, "-j", jobs, env=env)
         assert_error(run, 2, "unknown kernel 'user_softmax_fwd'", "module that defines it")
+
+
+def test_ops_of_a_users_module(env):
+    """`--ops namespace::name` warms a declared op's kernels (kbuild.Op) at the width; an op
+    nobody declared, or one that launches from its own code, is a one-line error (once a
+    KeyError / AttributeError from the op registry, or silently nothing warmed)."""
+    example = str(Path(__file__).resolve().parents[1] / "examples" / "custom_softmax.py")
+    width = ("--hidden", "512", "--dtype", "f32")
+    run = kbuild_cli("warmup", "--ops", "user_softmax::softmax", *width, env=env)
+    assert_error(run, 2, "--ops user_softmax::softmax: no op of that name is declared", "--module")
+    run = kbuild_cli("warmup", "--module", example, "--ops", "user_softmax::nope", *width, env=env)
+    assert_error(run, 2, "user_softmax::nope", "declared: ", "user_softmax::softmax")
+    run = kbuild_cli("warmup", "--module", example, "--ops", "kbuild::rmsnorm_fwd", *width, env=env)
+    assert_error(run, 1, "--ops kbuild::rmsnorm_fwd", "own code (cuda=)")
+    run = kbuild_cli(
+        "warmup", "--module", example, "--ops", "user_softmax::softmax", *width, "-j", "1", env=env
+    )
+    assert run.returncode == 0, run.stderr
+    assert "user_softmax_fwd(N=512, dtype=f32, vectorize=True)" in run.stdout
+    assert "user_softmax_bwd(N=512, dtype=f32, vectorize=True)" in run.stdout

@@ -120,6 +120,23 @@ def warmup(
     return results
 
 
+def _declared_op_specs(name: str, hidden: int, dtype: str) -> list[KernelSpec]:
+    """The kernels a declared op (kbuild.Op, in a --module) and its backward launch at this
+    width: what its launches ask for, on aligned rows."""
+    opdef = sys.modules.get("kbuild.ops.opdef")  # imported by the module declaring the op
+    op = None if opdef is None else opdef.DEFINED.get(name)
+    if op is None:
+        known = sorted(opdef.DEFINED) if opdef is not None else []
+        raise CLIError(
+            f"--ops {name}: no op of that name is declared (give the --module declaring it)"
+            + (f"; declared: {', '.join(known)}" if known else "")
+        )
+    try:
+        return op.warm_specs(hidden, dtype)
+    except (ValueError, TypeError) as err:
+        raise CLIError(f"--ops {name}: {err}", 1) from None
+
+
 def _specs_from(args) -> list[KernelSpec]:
     from ..manifest import for_width
     from ..record import read_specs
@@ -141,7 +158,9 @@ def _specs_from(args) -> list[KernelSpec]:
     if args.head_dim is not None and args.hidden is None:
         raise CLIError("--head-dim goes with --hidden (the model's width)")
     if args.hidden is not None:
-        ops = tuple(filter(None, args.ops.split(",")))
+        names = tuple(filter(None, args.ops.split(",")))
+        declared = [name for name in names if "::" in name]  # kbuild.Op's of user modules
+        ops = tuple(name for name in names if "::" not in name)
         try:
             specs += for_width(
                 args.hidden,
@@ -154,6 +173,8 @@ def _specs_from(args) -> list[KernelSpec]:
             )
         except (ValueError, TypeError) as err:
             raise CLIError(f"--hidden: {err}") from None
+        for name in declared:
+            specs += _declared_op_specs(name, args.hidden, args.dtype)
     for text in args.spec or []:
         try:
             specs.append(KernelSpec.from_json(json.loads(text)))
@@ -249,7 +270,8 @@ def _add_warmup_options(p: argparse.ArgumentParser) -> None:
         "--ops",
         default=",".join(DEFAULT_WIDTH_OPS),
         help=f"comma-separated, among {', '.join(WIDTH_OPS)} (encoder: GPT-2's "
-        "embedding; linear: a GPT-2 block's bias gradients)",
+        "embedding; linear: a GPT-2 block's bias gradients), or an op a --module declares "
+        "(kbuild.Op: namespace::name)",
     )
     p.add_argument("--residual-fp32", action="store_true")
     p.add_argument(

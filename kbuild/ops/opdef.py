@@ -620,6 +620,11 @@ class Op:
         """The specs this op and its backward launch on aligned rows of width N in `dtype`
         (every optional tensor given, scalars at their defaults): what `kbuild warmup --ops`
         compiles. Computed on meta tensors, by the launches' own bindings."""
+        if not self.launches:
+            raise ValueError(
+                f"{self.name} launches its kernels from its own code (cuda=), not by Launch: "
+                "its kernels are warmed by their specs (--spec, a module's warmup_specs())"
+            )
         if isinstance(dtype, str):
             dtype = {v: k for k, v in DTYPE_NAMES.items()}[dtype]
         specs: list[KernelSpec] = []
