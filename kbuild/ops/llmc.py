@@ -4,8 +4,8 @@
     y = kbuild.linear(x, weight, bias)          # x @ weight.T + bias; dbias by kbuild
     db = kbuild.bias_grad(dout)                 # dout summed over every row, fp32 sums
 
-They are kbuild::* operators (schemas, CPU references, fakes and autograd here; the CUDA
-kernels launch from Python, ops/encoder.py), so they work eagerly, under
+They are kbuild::* operators, each declared once (`Op`: schema, CPU reference, fake,
+autograd; the CUDA kernels launch from Python, ops/encoder.py), so they work eagerly, under
 torch.compile(fullgraph=True) and inside CUDA graphs, on CPU as on the GPU. The gradients of
 wte, wpe and bias are deterministic: bitwise the same on every run (no float atomics).
 
@@ -31,21 +31,9 @@ from .encoder import (
     encoder_reference,
 )
 from .encoder import bias_grad as _bias_grad_launch
-
-_lib = torch.library.Library("kbuild", "FRAGMENT")
-_lib.define("encoder_fwd(Tensor tokens, Tensor wte, Tensor wpe) -> Tensor")
-_lib.define(
-    "encoder_bwd(Tensor dout, Tensor tokens, SymInt vocab, SymInt positions, bool need_wte, "
-    "bool need_wpe) -> (Tensor, Tensor)"
-)
-_lib.define("bias_grad(Tensor dout) -> Tensor")
-
+from .opdef import Op, Out, Rows, Scalar, Tensors
 
 # ----------------------------------------------------------------------------- kernels
-
-
-def _encoder_fwd_cpu(tokens, wte, wpe):
-    return encoder_reference(tokens, wte, wpe)
 
 
 def _encoder_fwd_cuda(tokens, wte, wpe):
@@ -55,9 +43,7 @@ def _encoder_fwd_cuda(tokens, wte, wpe):
 
 def _encoder_bwd_cpu(dout, tokens, vocab, positions, need_wte, need_wpe):
     dwte, dwpe = encoder_bwd_reference(dout, tokens, vocab, positions)
-    empty = dout.new_empty(0)
-    dwte = dwte.to(dout.dtype) if need_wte else empty
-    return dwte, (dwpe.to(dout.dtype) if need_wpe else empty)
+    return dwte.to(dout.dtype), dwpe.to(dout.dtype)
 
 
 def _encoder_bwd_cuda(dout, tokens, vocab, positions, need_wte, need_wpe):
@@ -75,47 +61,9 @@ def _encoder_bwd_cuda(dout, tokens, vocab, positions, need_wte, need_wpe):
     return (dwte if need_wte else empty), (dwpe if need_wpe else empty)
 
 
-def _bias_grad_cpu(dout):
-    return bias_grad_reference(dout)
-
-
 def _bias_grad_cuda(dout):
     with device_guard(dout):
         return _bias_grad_launch(contiguous(dout).view(-1, dout.shape[-1]))
-
-
-for _name, _cpu, _cuda in (
-    ("encoder_fwd", _encoder_fwd_cpu, _encoder_fwd_cuda),
-    ("encoder_bwd", _encoder_bwd_cpu, _encoder_bwd_cuda),
-    ("bias_grad", _bias_grad_cpu, _bias_grad_cuda),
-):
-    _lib.impl(_name, _cpu, "CPU")
-    if _name != "bias_grad" or NATIVE is None:  # the extension's C++ kernel, where it loads
-        _lib.impl(_name, _cuda, "CUDA")
-
-
-@torch.library.register_fake("kbuild::encoder_fwd", lib=_lib)
-def _(tokens, wte, wpe):
-    return wte.new_empty(*tokens.shape, wte.shape[1])
-
-
-@torch.library.register_fake("kbuild::encoder_bwd", lib=_lib)
-def _(dout, tokens, vocab, positions, need_wte, need_wpe):
-    C = dout.shape[-1]
-    return (
-        dout.new_empty(vocab, C) if need_wte else dout.new_empty(0),
-        dout.new_empty(positions, C) if need_wpe else dout.new_empty(0),
-    )
-
-
-@torch.library.register_fake("kbuild::bias_grad", lib=_lib)
-def _(dout):
-    return dout.new_empty(dout.shape[-1])
-
-
-encoder_fwd_op = torch.ops.kbuild.encoder_fwd.default
-encoder_bwd_op = torch.ops.kbuild.encoder_bwd.default
-bias_grad_op = torch.ops.kbuild.bias_grad.default
 
 
 def _encoder_setup(ctx, inputs, output):
@@ -127,13 +75,57 @@ def _encoder_setup(ctx, inputs, output):
 def _encoder_backward(ctx, dout):
     (tokens,) = ctx.saved_tensors
     need_wte, need_wpe = ctx.needs_input_grad[1], ctx.needs_input_grad[2]
-    dwte, dwpe = encoder_bwd_op(dout, tokens, ctx.vocab, ctx.positions, need_wte, need_wpe)
+    dwte, dwpe = ENCODER_BWD.overload(dout, tokens, ctx.vocab, ctx.positions, need_wte, need_wpe)
     return None, (dwte if need_wte else None), (dwpe if need_wpe else None)
 
 
-torch.library.register_autograd(
-    "kbuild::encoder_fwd", _encoder_backward, setup_context=_encoder_setup, lib=_lib
+# ----------------------------------------------------------------------------- the operators
+# Their launches are Python's (ops/encoder.py), bias_grad's the C++ extension's where it loads.
+
+ENCODER_FWD = Op(
+    "kbuild::encoder_fwd",
+    args=(Tensors("tokens"), Rows("wte"), Rows("wpe")),
+    outputs=(Out("out", like="wte", shape=lambda b: (*b["tokens"].shape, b["wte"].shape[1])),),
+    reference=encoder_reference,
+    cuda=_encoder_fwd_cuda,
+    autograd=(_encoder_setup, _encoder_backward),
 )
+
+
+def _table(bound, rows: str) -> tuple:
+    """The shape of an embedding table's gradient: (rows, C)."""
+    return bound[rows], bound["dout"].shape[-1]
+
+
+ENCODER_BWD = Op(
+    "kbuild::encoder_bwd",
+    args=(
+        Rows("dout"),
+        Tensors("tokens"),
+        Scalar("vocab", "SymInt"),
+        Scalar("positions", "SymInt"),
+        Scalar("need_wte", "bool"),
+        Scalar("need_wpe", "bool"),
+    ),
+    outputs=(
+        Out("dwte", like="dout", shape=lambda b: _table(b, "vocab"), when="need_wte"),
+        Out("dwpe", like="dout", shape=lambda b: _table(b, "positions"), when="need_wpe"),
+    ),
+    reference=_encoder_bwd_cpu,
+    cuda=_encoder_bwd_cuda,
+)
+BIAS_GRAD = Op(
+    "kbuild::bias_grad",
+    args=(Rows("dout"),),
+    outputs=(Out("dbias", like="dout", shape=lambda b: (b["dout"].shape[-1],)),),
+    reference=bias_grad_reference,
+    cuda=_bias_grad_cuda,
+    native=NATIVE is not None,  # the extension's C++ kernel (two launches by handle)
+)
+
+encoder_fwd_op = ENCODER_FWD.overload
+encoder_bwd_op = ENCODER_BWD.overload
+bias_grad_op = BIAS_GRAD.overload
 
 
 # ----------------------------------------------------------------------------- checks

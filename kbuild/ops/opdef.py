@@ -139,12 +139,18 @@ class Tensors(_Tensor):
         return value
 
 
-_SCALAR_SCHEMA = {"float": "float", "bool": "bool", "int": "int", "dtype": "ScalarType"}
+_SCALAR_SCHEMA = {
+    "float": "float",
+    "bool": "bool",
+    "int": "int",
+    "SymInt": "SymInt",  # a size, symbolic under torch.compile(dynamic=True)
+    "dtype": "ScalarType",
+}
 
 
 @dataclass(frozen=True)
 class Scalar:
-    """A compile-time scalar: `kind` float, bool, int or dtype (a torch float dtype), None
+    """A compile-time scalar: `kind` float, bool, int, SymInt or dtype (a torch float dtype), None
     allowed where `optional`; `check(value, bound)` validates further (and may normalise)."""
 
     name: str
@@ -205,7 +211,8 @@ class Out:
     scalar or a tensor not None) for it to be computed; otherwise it is an empty tensor
     (float32 for a statistic, else of the op's first tensor's dtype), as the kernels return.
     In a backward op, `grad_of` names the forward input it is the gradient of (by default X
-    for an output dX)."""
+    for an output dX). `shape(bound)`: a shape of its own (an embedding's (B, T, C) from the
+    ids and the table), `like` then giving its dtype and device."""
 
     name: str
     like: str | None = None
@@ -214,6 +221,8 @@ class Out:
     when: tuple[str, ...] | str = ()
     # In a backward op: the forward input this is the gradient of; by default X for dX.
     grad_of: str | None = None
+    # A shape of its own, from the call (`like` then gives the dtype and device only).
+    shape: Callable[[Mapping[str, Any]], tuple] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if (self.like is None) == (self.rows is None):
@@ -241,7 +250,8 @@ class Out:
         if self.rows is not None:
             return first.new_empty(row_count(bound[self.rows]), dtype=torch.float32)
         like = bound[self.like]
-        return like.new_empty(like.shape, dtype=self.dtype_for(bound))
+        shape = like.shape if self.shape is None else self.shape(bound)
+        return like.new_empty(shape, dtype=self.dtype_for(bound))
 
 
 # ----------------------------------------------------------------------------- launches
