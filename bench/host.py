@@ -3,7 +3,9 @@ beside torch eager, at shapes where the kernels cost almost nothing.
 
     KBUILD_CACHE_DIR=.kbuild-aot KBUILD_OFFLINE=1 python bench/host.py OUT_DIR
 
-For rmsnorm, layernorm and fused_add_rmsnorm at (4, 4096) and (1, 4096) bf16 (bf16 weights):
+For rmsnorm, layernorm and fused_add_rmsnorm at (4, 4096) and (1, 4096) bf16 (bf16 weights),
+and the softmax of examples/custom_softmax.py (an op declared with kbuild.Op: its CUDA kernel
+and autograd are the generic ones, no C++ of its own) beside torch.softmax:
 - forward under torch.no_grad(), and forward + backward through torch.autograd.grad: wall us
   per call, 2000 calls issued back to back then one synchronize (median of 5 rounds);
 - the same forward + backward captured once in a CUDA graph and replayed (us per replay).
@@ -88,10 +90,26 @@ def calls(M: int, N: int):
             [x, r, w],
         ),
     }
+    if softmax is not None:
+        ops["softmax (kbuild.Op)"] = (lambda: softmax(x), lambda: torch.softmax(x, -1), [x])
     return {
         op: {"kbuild": (k, grad(k, inputs)), "torch": (t, grad(t, inputs))}
         for op, (k, t, inputs) in ops.items()
     }
+
+
+def _example_softmax():
+    """The example's op, where this tree has it (its kernels warmed with --module)."""
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+    if not os.path.exists(os.path.join(path, "custom_softmax.py")):
+        return None
+    sys.path.insert(0, path)
+    import custom_softmax
+
+    return getattr(custom_softmax, "softmax", None)
+
+
+softmax = _example_softmax()
 
 
 def on_route(fn, route: str, entry):
