@@ -2,7 +2,7 @@
 source tree in turn, round after round, so the machine's drift (20-40% between minutes)
 falls on both.
 
-    git worktree add .kbuild-before <commit>   # the tree to compare against (git-ignored)
+    mkdir .kbuild-before && git archive <commit> | tar -x -C .kbuild-before   # git-ignored
     KBUILD_CACHE_DIR=.kbuild-aot KBUILD_OFFLINE=1 python bench/host_versions.py \
         .kbuild-before . OUT                   # carry .kbuild-before and .kbuild-aot
 
