@@ -6,15 +6,18 @@ with a launch hook that records each launch instead of calling the driver, and w
 memory tier of launch_recorder behind the resolver. The Python launch functions run on the
 same inputs against the same fake tier. Both must request the same specs, in the same order,
 with the same grids and the same arguments (each pointer named by the tensor it belongs to).
-Catches: a key field the C++ side drops or mixes up (eps, a dtype, the aligned bit: a wrong
+Catches: a table value the C++ side drops or mixes up (eps, a dtype, vectorize: a wrong
 kernel or a stale record), a slot written to the wrong argument, a wrong persistent grid or
 workspace, a column sum of the wrong planes, a record resolved on every call.
 
-Also here: the extension builds (CPU CI compiles it), its tables match resolve.py's, errors
-from the resolver keep their Python type, and the autograd it registers is what runs.
+Also here: the extension builds (CPU CI compiles it), its value names and kinds are the
+kernel table's and its other tables match resolve.py's, every value it sets splits its key,
+errors from the resolver keep their Python type, and the autograd it registers is what runs.
 """
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -24,7 +27,7 @@ from kbuild.kernels.table import group_magic, kernel_def
 from kbuild.ops import api, custom_ops, resolve
 from kbuild.ops.common import readable_rows
 
-from .launch_recorder import Tier, install, layernorm, rmsnorm
+from .launch_recorder import TORCH, Tier, install, layernorm, rmsnorm
 from .launch_recorder import encoder as encoder_ops
 from .launch_recorder import zeros as _t
 
@@ -276,9 +279,9 @@ def test_each_kernel_is_resolved_once(recorder, monkeypatch):
     """Repeated calls of one shape hit the extension's records; eps or N changes miss."""
     seen = []
 
-    def counting(*fields):
-        seen.append(fields[0])
-        return resolve.resolve(*fields)
+    def counting(kernel, device, values):
+        seen.append(kernel)
+        return resolve.resolve(kernel, device, values)
 
     NATIVE.set_resolver(counting)
     try:
@@ -304,8 +307,8 @@ def test_resolver_errors_keep_their_type(recorder):
     class Missing(LookupError):
         pass
 
-    def failing(*fields):
-        raise Missing(f"kernel {fields[0]} is not in the cache")
+    def failing(kernel, device, values):
+        raise Missing(f"kernel {kernel} is not in the cache")
 
     NATIVE.set_resolver(failing)
     try:
@@ -338,6 +341,35 @@ def test_bad_statistics_are_refused(recorder):
 def test_tables_match_resolve():
     assert list(NATIVE.slot_names) == list(resolve.SLOT_NAMES)
     assert list(NATIVE.kernel_names) == list(resolve.KERNELS)
+
+
+def test_values_are_the_tables_parameters():
+    """The names a key's values are set by, and their kinds, are the kernel table's: every
+    parameter of every native kernel, in the order they first appear, one kind per name.
+    Catches a parameter added to the table that the extension cannot key (its calls would all
+    get the default), a renamed one, and a value encoded as another kind (eps as an int)."""
+    assert list(zip(NATIVE.value_names, NATIVE.value_kinds, strict=True)) == list(
+        resolve.VALUE_KINDS.items()
+    )
+    for kernel in resolve.KERNELS.values():
+        for p in kernel.params:
+            assert resolve.VALUE_KINDS[p.name] == p.kind, (kernel.name, p.name)
+
+
+def test_the_resolver_takes_values_by_name():
+    """Values not given take the table's defaults (and trailing ones stay out of the
+    memory-tier key, as the Python launch functions leave them); a name the kernel does not
+    have is an error, not a value dropped."""
+    rms = resolve.KERNELS["rmsnorm_fwd"]
+    given = {"N": 64, "dtype": "bf16", "weight_dtype": None, "store_rstd": True, "eps": 1e-6}
+    assert resolve.table_values(rms, given) == (64, "bf16", None, True, 1e-6)
+    assert resolve.table_values(rms, given | {"strided": True}) == (
+        (64, "bf16", None, True, 1e-6, True, 0.0, True)
+    )
+    with pytest.raises(ValueError, match="no parameter"):
+        resolve.table_values(rms, given | {"planes": 2})
+    with pytest.raises(TypeError, match="missing parameter 'eps'"):
+        resolve.resolve("rmsnorm_fwd", -1, {k: v for k, v in given.items() if k != "eps"})
 
 
 def test_every_table_argument_has_a_slot():
@@ -833,3 +865,211 @@ def test_unreadable_rows_are_copied_once(recorder):
     (py_spec, _, py_args), (spec, _, args) = backward
     assert spec == py_spec and "strided" not in spec.kwargs
     assert args[0] == py_args[0] == "new"
+
+
+# --- the keys: every table value the extension sets splits its key ---------------------------
+
+
+def _rows(M, N, dtype, vectorize=True, strided=False):
+    """x of M rows: misaligned (no vector accesses) unless `vectorize`; `strided`: the rows
+    of a wider matrix (read in place at a stride: the strided kernels)."""
+    if strided:
+        return _t((M, 2 * N), dtype)[:, :N]
+    return _t((M, N), dtype, not vectorize)
+
+
+# Native calls of each kernel that take its table values by name (the defaults: one kernel),
+# so that a test can vary one.
+def _rmsnorm_fwd(
+    N=64,
+    dtype="bf16",
+    weight_dtype="f32",
+    store_rstd=True,
+    eps=1e-6,
+    vectorize=True,
+    offset=0.0,
+    strided=False,
+):
+    x = _rows(4, N, dtype, vectorize, strided)
+    NATIVE.rmsnorm_fwd_cuda(x, _t((N,), weight_dtype), eps, store_rstd, offset)
+
+
+def _fused_add_rmsnorm_fwd(
+    N=64,
+    dtype="bf16",
+    weight_dtype="f32",
+    residual_dtype="f32",
+    store_rstd=True,
+    eps=1e-6,
+    vectorize=True,
+    offset=0.0,
+    residual_in_dtype=None,
+):
+    x, r = _rows(4, N, dtype, vectorize), _t((4, N), residual_in_dtype or dtype)
+    w = _t((N,), weight_dtype)
+    NATIVE.fused_add_rmsnorm_fwd_cuda(x, r, w, eps, TORCH[residual_dtype], store_rstd, offset)
+
+
+def _layernorm_fwd(
+    N=64,
+    dtype="bf16",
+    weight_dtype="f32",
+    bias_dtype="f32",
+    store_stats=True,
+    eps=1e-5,
+    vectorize=True,
+):
+    x = _rows(4, N, dtype, vectorize)
+    NATIVE.layernorm_fwd_cuda(x, _t((N,), weight_dtype), _t((N,), bias_dtype), eps, store_stats)
+
+
+def _rmsnorm_bwd(
+    N=64,
+    dtype="bf16",
+    weight_dtype="f32",
+    compute_dw=True,
+    vectorize=True,
+    offset=0.0,
+    strided=False,
+):
+    x, dy = _rows(4, N, dtype, vectorize, strided), _t((4, N), dtype)
+    w = _t((N,), weight_dtype)
+    NATIVE.rmsnorm_bwd_cuda(dy, x, w, torch.zeros(4), True, compute_dw, offset)
+
+
+def _fused_add_rmsnorm_bwd(
+    N=64,
+    dtype="bf16",
+    weight_dtype="f32",
+    residual_dtype="bf16",
+    has_dresidual_out=True,
+    compute_dw=True,
+    vectorize=True,
+    offset=0.0,
+    dresidual_dtype=None,
+):
+    dy, res_out = _rows(4, N, dtype, vectorize), _t((4, N), residual_dtype)
+    dres = _t((4, N), residual_dtype) if has_dresidual_out else None
+    w, rstd = _t((N,), weight_dtype), torch.zeros(4)
+    stream = TORCH.get(dresidual_dtype)
+    NATIVE.fused_add_rmsnorm_bwd_cuda(dy, dres, res_out, w, rstd, compute_dw, offset, stream)
+
+
+def _layernorm_bwd(
+    N=64, dtype="bf16", weight_dtype="f32", compute_dw=True, compute_db=True, vectorize=True
+):
+    x, dy, w = _rows(4, N, dtype, vectorize), _t((4, N), dtype), _t((N,), weight_dtype)
+    stats = torch.zeros(4)
+    NATIVE.layernorm_bwd_cuda(dy, x, w, _t((N,), "f32"), stats, stats, True, compute_dw, compute_db)
+
+
+def _column_sum(N=64, out_dtype="f32", planes=1):
+    """dw, and db too for two planes (of one dtype), of a LayerNorm backward."""
+    x, w, stats = _t((4, N), out_dtype), _t((N,), out_dtype), torch.zeros(4)
+    NATIVE.layernorm_bwd_cuda(x, x, w, w, stats, stats, True, True, planes == 2)
+
+
+def _bias_grad(OC=64, dtype="bf16", vectorize=True):
+    NATIVE.bias_grad_cuda(_t((100, OC), dtype, not vectorize))
+
+
+_EPS = (1e-6, math.nextafter(1e-6, 1.0), 1e-5)  # keyed by their bits: 1e-6's neighbour too
+_DTYPES, _WEIGHTS = ("bf16", "f16", "f32"), (None, "bf16", "f32")
+_FLAG = (True, False)
+# Each native kernel: a native call taking the kernel's parameter values by name, and values
+# of each parameter (the others at the call's defaults) that make distinct kernels.
+KEY_VALUES = {
+    "rmsnorm_fwd": (_rmsnorm_fwd, {
+        "N": (64, 128), "dtype": _DTYPES, "weight_dtype": _WEIGHTS, "store_rstd": _FLAG,
+        "eps": _EPS, "vectorize": _FLAG, "offset": (0.0, 1.0), "strided": (False, True),
+    }),
+    "fused_add_rmsnorm_fwd": (_fused_add_rmsnorm_fwd, {
+        "N": (64, 128), "dtype": _DTYPES, "weight_dtype": _WEIGHTS, "residual_dtype": _DTYPES,
+        "store_rstd": _FLAG, "eps": _EPS, "vectorize": _FLAG, "offset": (0.0, 1.0),
+        "residual_in_dtype": (None, "f32"),
+    }),
+    "layernorm_fwd": (_layernorm_fwd, {
+        "N": (64, 128), "dtype": _DTYPES, "weight_dtype": _WEIGHTS, "bias_dtype": _WEIGHTS,
+        "store_stats": _FLAG, "eps": _EPS, "vectorize": _FLAG,
+    }),
+    "rmsnorm_bwd": (_rmsnorm_bwd, {
+        "N": (64, 128), "dtype": _DTYPES, "weight_dtype": _WEIGHTS, "compute_dw": _FLAG,
+        "vectorize": _FLAG, "offset": (0.0, 1.0), "strided": (False, True),
+    }),
+    "fused_add_rmsnorm_bwd": (_fused_add_rmsnorm_bwd, {
+        "N": (64, 128), "dtype": _DTYPES, "weight_dtype": _WEIGHTS, "residual_dtype": _DTYPES,
+        "has_dresidual_out": _FLAG, "compute_dw": _FLAG, "vectorize": _FLAG,
+        "offset": (0.0, 1.0), "dresidual_dtype": (None, "f32"),
+    }),
+    "layernorm_bwd": (_layernorm_bwd, {
+        "N": (64, 128), "dtype": _DTYPES, "weight_dtype": _WEIGHTS, "compute_dw": _FLAG,
+        "compute_db": _FLAG, "vectorize": _FLAG,
+    }),
+    "column_sum": (_column_sum, {"N": (64, 128), "out_dtype": _DTYPES, "planes": (1, 2)}),
+    "bias_grad": (_bias_grad, {"OC": (64, 128), "dtype": _DTYPES, "vectorize": _FLAG}),
+}  # fmt: skip
+
+
+def test_every_parameter_of_a_native_kernel_is_varied():
+    for kernel in resolve.KERNELS.values():
+        assert set(KEY_VALUES[kernel.name][1]) == {p.name for p in kernel.params}, kernel.name
+
+
+@pytest.mark.parametrize(
+    "kernel, param",
+    [(kernel, param) for kernel, (_, values) in KEY_VALUES.items() for param in values],
+    ids=lambda v: v,
+)
+def test_every_value_splits_the_key(recorder, monkeypatch, kernel, param):
+    """Calls that differ in one table value of a kernel make a record each and launch the
+    kernel of that value; run again, each hits its record. Catches a value the key leaves out
+    (or reads into another): the second call would launch the first call's kernel."""
+    monkeypatch.setattr(encoder_ops, "_units", lambda device: 132)  # the bias gradient's
+    call, values = KEY_VALUES[kernel]
+    default = next(p.default for p in kernel_def(kernel).params if p.name == param)
+    for value in values[param]:
+        before = NATIVE.record_count()
+        recorder.launches.clear()
+        call(**{param: value})
+        spec = next(spec for spec, _, _ in recorder.launches if spec.kernel == kernel)
+        assert spec.kwargs.get(param, default) == value
+        assert NATIVE.record_count() > before, (param, value)
+    count = NATIVE.record_count()
+    for value in values[param]:
+        call(**{param: value})
+    assert NATIVE.record_count() == count
+
+
+def test_the_resolver_loads_by_the_python_paths_key(recorder):
+    """The resolver asks the memory tier with the key the Python launch function uses (the
+    table's values as that function gives them): a process running both paths loads each
+    kernel once. (An offset without a weight is the exception: the key zeroes it.)"""
+    t = _inputs(6, 64, "bf16", "bf16")
+    x, r, w, b, dy = (t[k] for k in ("x", "residual", "weight", "bias", "dy"))
+    rstd, mean = t["rstd"], t["mean"]
+    strided = _rows(6, 64, "bf16", strided=True)
+    f32 = torch.float32
+    calls = [
+        (lambda: rmsnorm.rmsnorm_fwd(x, w, 1e-6, True, 1.0),
+         lambda: NATIVE.rmsnorm_fwd_cuda(x, w, 1e-6, True, 1.0)),
+        (lambda: rmsnorm.rmsnorm_fwd(strided, None, 1e-6, False),
+         lambda: NATIVE.rmsnorm_fwd_cuda(strided, None, 1e-6, False)),
+        (lambda: rmsnorm.fused_add_rmsnorm_fwd(x, _t((6, 64), "f32"), w, 1e-6, f32, True),
+         lambda: NATIVE.fused_add_rmsnorm_fwd_cuda(x, _t((6, 64), "f32"), w, 1e-6, f32, True)),
+        (lambda: layernorm.layernorm_fwd(x, w, None, 1e-5, True),
+         lambda: NATIVE.layernorm_fwd_cuda(x, w, None, 1e-5, True)),
+        (lambda: rmsnorm.rmsnorm_bwd(dy, strided, w, rstd, True),
+         lambda: NATIVE.rmsnorm_bwd_cuda(dy, strided, w, rstd, True, True)),
+        (lambda: rmsnorm.fused_add_rmsnorm_bwd(dy, r, x, w, rstd, True, 0.0, f32),
+         lambda: NATIVE.fused_add_rmsnorm_bwd_cuda(dy, r, x, w, rstd, True, 0.0, f32)),
+        (lambda: layernorm.layernorm_bwd(dy, x, w, mean, rstd, True, b, True),
+         lambda: NATIVE.layernorm_bwd_cuda(dy, x, w, b, mean, rstd, True, True, True)),
+    ]  # fmt: skip
+    for py_call, native_call in calls:
+        recorder.tier.requests.clear()
+        py_call()
+        python_keys = [key for key, _, _ in recorder.tier.requests]
+        recorder.tier.requests.clear()
+        NATIVE.clear_records()
+        native_call()
+        assert [key for key, _, _ in recorder.tier.requests] == python_keys

@@ -13,12 +13,14 @@
 // eager LinearFunction for kbuild.linear (torch's matmuls, kbuild's bias gradient), applied
 // by the `linear` entry; their schemas, CPU kernels and fakes are in kbuild/ops/llmc.py.
 //
-// Kernels are found by a key of what picks them (kernel, N, dtypes, flags, eps, weight
-// offset, aligned, device). On a miss the Python resolver (kbuild/ops/resolve.py) asks the kernel table for the
-// spec, loads the binary through kbuild's memory and disk tiers and returns the kernel's
-// launch record: driver function handle, block, shared memory, grid shape and argument slots
-// in the table's order. Only the launch record lives here; which spec a call needs is decided
-// in Python, once per key.
+// Kernels are found by a key: the kernel, the device and the kernel table's parameter values
+// (kbuild/kernels/table.py), each set by its parameter's name (launch.h Value). On a miss the
+// Python resolver (kbuild/ops/resolve.py) is given the values set, by name; it makes the spec
+// (the table's defaults for the rest), loads the binary through kbuild's memory and disk tiers
+// and returns the kernel's launch record, read here by field name: driver function handle,
+// block, shared memory, grid shape and argument slots in the table's order. A call's values
+// are decided here, as the Python launch functions decide theirs (a CPU test holds the two
+// paths to identical specs); the spec they make and its launch shape in Python, once per key.
 //
 // One translation unit in parts, included below in order: launch.h (slots, keys, the driver,
 // records and launch shapes), norms.h (the norms' CUDA kernels and autograd), entries.h (the
@@ -39,12 +41,15 @@
 #include <torch/csrc/utils/pybind.h>
 #include <torch/library.h>
 
+#include <array>
+#include <bit>
 #include <cmath>
 #include <cstring>
 #include <limits>
 #include <mutex>
 #include <optional>
 #include <string>
+#include <type_traits>
 #include <unordered_map>
 #include <vector>
 
@@ -139,5 +144,13 @@ PYBIND11_MODULE(KBUILD_EXTENSION_NAME, m) {
   });
   m.attr("slot_names") = py::cast(std::vector<std::string>(kSlotNames, kSlotNames + NUM_SLOTS));
   m.attr("kernel_names") =
-      py::cast(std::vector<std::string>(kKindNames, kKindNames + NUM_KINDS));
+      py::cast(std::vector<std::string>(kKernelNames, kKernelNames + NUM_KERNELS));
+  // The parameters a key's values are named by, and their kinds (the kernel table's).
+  std::vector<std::string> value_names, value_kinds;
+  for (const ValueInfo& v : kValues) {
+    value_names.push_back(v.name);
+    value_kinds.push_back(kValueKindNames[static_cast<int>(v.kind)]);
+  }
+  m.attr("value_names") = py::cast(value_names);
+  m.attr("value_kinds") = py::cast(value_kinds);
 }

@@ -18,20 +18,67 @@ const char* const kSlotNames[NUM_SLOTS] = {
     "dresidual_out", "dx", "dw_partial", "db_partial", "M", "partial", "out", "out1", "R",
     "dout", "rows_per_chunk", "dresidual", "x_group", "x_stride", "x_group_magic"};
 
-// The kernels, in the order of kbuild/ops/resolve.py KERNELS.
-enum Kind : int8_t {
+// The kernels, in the order of kbuild/ops/resolve.py NATIVE_KERNELS.
+enum Kernel : int8_t {
   RMSNORM_FWD, FUSED_ADD_RMSNORM_FWD, LAYERNORM_FWD, RMSNORM_BWD, FUSED_ADD_RMSNORM_BWD,
-  LAYERNORM_BWD, COLUMN_SUM, BIAS_GRAD, NUM_KINDS
+  LAYERNORM_BWD, COLUMN_SUM, BIAS_GRAD, NUM_KERNELS
 };
-const char* const kKindNames[NUM_KINDS] = {
+const char* const kKernelNames[NUM_KERNELS] = {
     "rmsnorm_fwd", "fused_add_rmsnorm_fwd", "layernorm_fwd", "rmsnorm_bwd",
     "fused_add_rmsnorm_bwd", "layernorm_bwd", "column_sum", "bias_grad"};
 
-// Flag bits of a key (what each kernel's bool parameters are made of, in resolve.py). RES32:
-// the fused forms' residual is fp32 while x is not (its forward reads it as fp32, its
-// backward writes d(residual) in fp32 beside dx). STRIDED: RMSNorm's x is read in place at a
-// two-level stride (slots X_GROUP, X_STRIDE, X_GROUP_MAGIC: see grouped_rows).
-constexpr uint8_t STATS = 1, DW = 2, DB = 4, DRES = 8, RES32 = 16, STRIDED = 32;
+// ----------------------------------------------------------------------------------- values
+// A key holds a kernel's compile-time parameter values, each named by its parameter in the
+// kernel table (kbuild/kernels/table.py Param) and of that parameter's kind. These are the
+// parameters of the kernels above, in the order they first appear there; a CPU test holds the
+// names and kinds equal to the table's (`value_names`, `value_kinds`).
+enum class Value : int8_t {
+  N, DTYPE, WEIGHT_DTYPE, STORE_RSTD, EPS, VECTORIZE, OFFSET, STRIDED,  // rmsnorm_fwd
+  RESIDUAL_DTYPE, RESIDUAL_IN_DTYPE,                                    // fused_add_rmsnorm_fwd
+  BIAS_DTYPE, STORE_STATS,                                              // layernorm_fwd
+  COMPUTE_DW,                                                           // rmsnorm_bwd
+  HAS_DRESIDUAL_OUT, DRESIDUAL_DTYPE,                                   // fused_add_rmsnorm_bwd
+  COMPUTE_DB,                                                           // layernorm_bwd
+  OUT_DTYPE, PLANES,                                                    // column_sum
+  OC,                                                                   // bias_grad
+  COUNT
+};
+constexpr int NUM_VALUES = static_cast<int>(Value::COUNT);
+
+// The table's kinds (Param.kind); OPTIONAL_DTYPE is "dtype?", a dtype or None.
+enum class ValueKind : int8_t { INT, FLOAT, BOOL, DTYPE, OPTIONAL_DTYPE };
+const char* const kValueKindNames[] = {"int", "float", "bool", "dtype", "dtype?"};
+
+struct ValueInfo {
+  const char* name;
+  ValueKind kind;
+};
+constexpr ValueInfo kValues[NUM_VALUES] = {
+    {"N", ValueKind::INT},
+    {"dtype", ValueKind::DTYPE},
+    {"weight_dtype", ValueKind::OPTIONAL_DTYPE},
+    {"store_rstd", ValueKind::BOOL},
+    {"eps", ValueKind::FLOAT},
+    {"vectorize", ValueKind::BOOL},
+    {"offset", ValueKind::FLOAT},
+    {"strided", ValueKind::BOOL},
+    {"residual_dtype", ValueKind::DTYPE},
+    {"residual_in_dtype", ValueKind::OPTIONAL_DTYPE},
+    {"bias_dtype", ValueKind::OPTIONAL_DTYPE},
+    {"store_stats", ValueKind::BOOL},
+    {"compute_dw", ValueKind::BOOL},
+    {"has_dresidual_out", ValueKind::BOOL},
+    {"dresidual_dtype", ValueKind::OPTIONAL_DTYPE},
+    {"compute_db", ValueKind::BOOL},
+    {"out_dtype", ValueKind::DTYPE},
+    {"planes", ValueKind::INT},
+    {"OC", ValueKind::INT},
+};
+static_assert(NUM_VALUES <= 32, "Key::given has a bit per value");
+
+// A dtype value's code; NONE is a "dtype?" parameter's None (no weight, no bias, ...).
+enum class Dtype : uint8_t { F32, F16, BF16, NONE };
+const char* const kDtypeNames[3] = {"f32", "f16", "bf16"};
 
 // ----------------------------------------------------------------------------------- driver
 using CUresult = int;
@@ -74,32 +121,76 @@ std::string error_name(CUresult err) {
   return name;
 }
 
-// ----------------------------------------------------------------------------- the records
+// ------------------------------------------------------------------------------- the keys
+// The C++ type a value of each kind is given as (checked where a key is built).
+template <typename T>
+constexpr bool is_of_kind(ValueKind kind) {
+  if constexpr (std::is_same_v<T, int64_t>) return kind == ValueKind::INT;
+  if constexpr (std::is_same_v<T, double>) return kind == ValueKind::FLOAT;
+  if constexpr (std::is_same_v<T, bool>) return kind == ValueKind::BOOL;
+  if constexpr (std::is_same_v<T, Dtype>)
+    return kind == ValueKind::DTYPE || kind == ValueKind::OPTIONAL_DTYPE;
+  return false;
+}
+
+// Each value as a u64: an int as int64, a float by its IEEE bits (1e-6 and its neighbour are
+// two keys, as they are two specs; so are 0.0 and -0.0), a bool 0/1, a dtype by its code.
+inline uint64_t encode(int64_t v) { return static_cast<uint64_t>(v); }
+inline uint64_t encode(double v) { return std::bit_cast<uint64_t>(v); }
+inline uint64_t encode(bool v) { return v; }
+inline uint64_t encode(Dtype v) { return static_cast<uint64_t>(v); }
+
+// One odd multiplier per value (splitmix64's outputs) and one for (kernel, device): a key's
+// hash is the sum of its values times theirs, kept up to date as values are set.
+constexpr auto kMixers = [] {
+  std::array<uint64_t, NUM_VALUES + 1> m{};
+  uint64_t z = 0;
+  for (auto& x : m) {
+    z += 0x9E3779B97F4A7C15ull;
+    uint64_t y = (z ^ z >> 30) * 0xBF58476D1CE4E5B9ull;
+    y = (y ^ y >> 27) * 0x94D049BB133111EBull;
+    x = (y ^ y >> 31) | 1;
+  }
+  return m;
+}();
+
+// What picks a kernel: the kernel, the device and the table's parameter values by name, built
+// as Key key(RMSNORM_FWD, x); key.set<Value::EPS>(eps)... A value not set stays 0 with its
+// bit clear in `given`, and the resolver gives that parameter the table's default. Fixed size
+// and hashed as it is built (a multiply-add per value set): a lookup allocates nothing.
 struct Key {
-  int64_t N;
-  uint64_t eps_bits, offset_bits;  // RMSNorm's weight offset; 0 for the other kernels
-  int8_t kind, dtype, weight, aux, device;
-  uint8_t flags;
-  bool aligned;
+  uint64_t values[NUM_VALUES] = {};
+  uint64_t hash;
+  uint32_t given = 0;  // bit i: values[i] was set
+  Kernel kernel;
+  int8_t device;  // -1: a CPU tensor (tests)
+
+  Key(Kernel kernel, const Tensor& like)
+      : kernel(kernel), device(static_cast<int8_t>(like.is_cuda() ? like.get_device() : -1)) {
+    hash = (uint64_t{static_cast<uint8_t>(kernel)} << 8 | static_cast<uint8_t>(device)) *
+           kMixers[NUM_VALUES];
+  }
+
+  template <Value v, typename T>
+  Key& set(T value) {
+    constexpr int i = static_cast<int>(v);
+    static_assert(is_of_kind<T>(kValues[i].kind),
+                  "a value is set as its table kind: int64_t, double, bool or Dtype");
+    uint64_t bits = encode(value);
+    hash += (bits - values[i]) * kMixers[i];
+    values[i] = bits;
+    given |= uint32_t{1} << i;
+    return *this;
+  }
+
   bool operator==(const Key& o) const {
-    return N == o.N && eps_bits == o.eps_bits && offset_bits == o.offset_bits && kind == o.kind && dtype == o.dtype &&
-           weight == o.weight && aux == o.aux && device == o.device && flags == o.flags &&
-           aligned == o.aligned;
+    return given == o.given && kernel == o.kernel && device == o.device &&
+           std::memcmp(values, o.values, sizeof values) == 0;
   }
 };
 
 struct KeyHash {
-  size_t operator()(const Key& k) const {
-    uint64_t h = static_cast<uint64_t>(k.N) * 0x9E3779B97F4A7C15ull ^ k.eps_bits ^
-                 (k.offset_bits * 0xD6E8FEB86659FD93ull);
-    uint64_t small = static_cast<uint8_t>(k.kind) | static_cast<uint8_t>(k.dtype) << 8 |
-                     static_cast<uint64_t>(static_cast<uint8_t>(k.weight)) << 16 |
-                     static_cast<uint64_t>(static_cast<uint8_t>(k.aux)) << 24 |
-                     static_cast<uint64_t>(static_cast<uint8_t>(k.device)) << 32 |
-                     static_cast<uint64_t>(k.flags) << 40 |
-                     static_cast<uint64_t>(k.aligned) << 48;
-    return h ^ (small * 0xC2B2AE3D27D4EB4Full);
-  }
+  size_t operator()(const Key& k) const { return k.hash ^ k.hash >> 32; }
 };
 
 // What a launch needs of a loaded kernel (kbuild/runtime/cuda.py Launcher, reduced).
@@ -119,19 +210,25 @@ py::object* g_resolver = nullptr;     // kbuild.ops.resolve.resolve (leaked: out
 py::object* g_launch_hook = nullptr;  // tests: record launches instead of making them
 bool g_hooked = false;
 
-int8_t dtype_code(at::ScalarType t) {
+Dtype dtype_code(at::ScalarType t) {
   switch (t) {
-    case at::kFloat: return 0;
-    case at::kHalf: return 1;
-    case at::kBFloat16: return 2;
+    case at::kFloat: return Dtype::F32;
+    case at::kHalf: return Dtype::F16;
+    case at::kBFloat16: return Dtype::BF16;
     default:
       TORCH_CHECK_TYPE(false, "kbuild kernels take float32, float16 or bfloat16; got ", t);
   }
 }
-const char* const kDtypeNames[3] = {"f32", "f16", "bf16"};
 
-py::object dtype_object(int8_t code) {
-  return code < 0 ? py::none() : py::object(py::str(kDtypeNames[code]));
+// A key's value as the resolver takes it: the Python value of the table's kind.
+py::object value_object(int i, uint64_t bits) {
+  switch (kValues[i].kind) {
+    case ValueKind::INT: return py::int_(static_cast<int64_t>(bits));
+    case ValueKind::FLOAT: return py::float_(std::bit_cast<double>(bits));
+    case ValueKind::BOOL: return py::bool_(bits != 0);
+    default:
+      return bits < 3 ? py::object(py::str(kDtypeNames[bits])) : py::object(py::none());
+  }
 }
 
 // Rethrow a Python exception from the resolver as torch's python_error, which every path
@@ -153,34 +250,29 @@ const Record& record(const Key& key) {
   {
     py::gil_scoped_acquire gil;
     TORCH_CHECK(g_resolver != nullptr, "kbuild native: no resolver set");
-    py::object out;
     try {
-      double eps, offset;
-      std::memcpy(&eps, &key.eps_bits, sizeof eps);
-      std::memcpy(&offset, &key.offset_bits, sizeof offset);
-      out = (*g_resolver)(kKindNames[key.kind], key.device, key.N, dtype_object(key.dtype),
-                          dtype_object(key.weight), dtype_object(key.aux), key.flags, eps,
-                          key.aligned, offset);
+      py::dict values;  // the values set, by name; the resolver defaults the others
+      for (int i = 0; i < NUM_VALUES; ++i)
+        if (key.given >> i & 1) values[kValues[i].name] = value_object(i, key.values[i]);
+      py::object out = (*g_resolver)(kKernelNames[key.kernel], key.device, values);
+      // The launch record's fields by name (kbuild/ops/resolve.py Record).
+      rec.function = reinterpret_cast<void*>(out.attr("function_handle").cast<uintptr_t>());
+      rec.block = out.attr("block").cast<unsigned>();
+      rec.shared = out.attr("shared").cast<unsigned>();
+      rec.cluster = out.attr("cluster").cast<int64_t>();
+      rec.rows_per_block = out.attr("rows_per_block").cast<int64_t>();
+      rec.resident_clusters = out.attr("resident_clusters").cast<int64_t>();
+      rec.persistent = out.attr("persistent").cast<bool>();
+      rec.columns_per_block = out.attr("columns_per_block").cast<int64_t>();
+      for (auto s : out.attr("slots").cast<std::vector<int>>()) {
+        TORCH_CHECK(0 <= s && s < NUM_SLOTS, "kbuild native: bad argument slot ", s);
+        rec.slots.push_back(static_cast<int8_t>(s));
+      }
+      rec.name = out.attr("name").cast<std::string>();
+      rec.units = out.attr("units").cast<int64_t>();
     } catch (py::error_already_set& e) {
       rethrow_python(e);
     }
-    auto t = out.cast<py::tuple>();
-    TORCH_CHECK(t.size() == 11, "kbuild native: the resolver returned ", t.size(),
-                " fields, expected 11");
-    rec.function = reinterpret_cast<void*>(t[0].cast<uintptr_t>());
-    rec.block = t[1].cast<unsigned>();
-    rec.shared = t[2].cast<unsigned>();
-    rec.cluster = t[3].cast<int64_t>();
-    rec.rows_per_block = t[4].cast<int64_t>();
-    rec.resident_clusters = t[5].cast<int64_t>();
-    rec.persistent = t[6].cast<bool>();
-    rec.columns_per_block = t[7].cast<int64_t>();
-    for (auto s : t[8].cast<std::vector<int>>()) {
-      TORCH_CHECK(0 <= s && s < NUM_SLOTS, "kbuild native: bad argument slot ", s);
-      rec.slots.push_back(static_cast<int8_t>(s));
-    }
-    rec.name = t[9].cast<std::string>();
-    rec.units = t[10].cast<int64_t>();
   }
   std::lock_guard<std::mutex> lock(g_mutex);
   return g_records.emplace(key, std::move(rec)).first->second;  // a racing thread's wins
@@ -239,23 +331,14 @@ void launch(const Record& k, int64_t grid, const uint64_t* slots, void* stream, 
 // ------------------------------------------------------------------------------ launch shapes
 uint64_t ptr(const Tensor& t) { return reinterpret_cast<uint64_t>(t.data_ptr()); }
 uint64_t ptr(const optional<Tensor>& t) { return t.has_value() ? ptr(*t) : 0; }
-int8_t dtype_of(const optional<Tensor>& t) {
-  return t.has_value() ? dtype_code(t->scalar_type()) : -1;
-}
+Dtype dtype_of(const Tensor& t) { return t.defined() ? dtype_code(t.scalar_type()) : Dtype::NONE; }
 
-uint64_t eps_bits(double eps) {
-  uint64_t bits;
-  std::memcpy(&bits, &eps, sizeof bits);
-  return bits;
-}
+// The vector kernels (the table's `vectorize`) take 16-byte aligned addresses (or'ed here).
+bool aligned(uint64_t addresses) { return (addresses & 15) == 0; }
 
-Key make_key(Kind kind, int64_t N, int8_t dtype, int8_t weight, int8_t aux, uint8_t flags,
-             double eps, uint64_t addresses, const Tensor& like, double offset = 0.0) {
-  if (weight < 0) offset = 0.0;  // an offset scales the weight: without one it is nothing
-  return Key{N, eps_bits(eps), eps_bits(offset), kind, dtype, weight, aux,
-             static_cast<int8_t>(like.is_cuda() ? like.get_device() : -1), flags,
-             (addresses & 15) == 0};
-}
+// RMSNorm's weight offset as keyed: an offset scales the weight, so without one it is nothing
+// (the table's needs="weight_dtype" drops it from the spec) and splits no key either.
+double weight_offset(const Tensor& w, double offset) { return w.defined() ? offset : 0.0; }
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
@@ -320,8 +403,8 @@ bool grouped_rows(const Tensor& t, int64_t& group, int64_t& stride) {
 
 // RMSNorm's x as its kernels read it: itself when contiguous or of grouped rows (then
 // slots[X_GROUP], slots[X_STRIDE], slots[X_GROUP_MAGIC] are set and the result is true: the
-// STRIDED kernels), else
-// a contiguous copy. `x` receives the tensor to read (and to save for the backward).
+// kernels of the table's `strided`), else a contiguous copy. `x` receives the tensor to read
+// (and to save for the backward).
 bool readable_rows(const Tensor& t, Tensor& x, uint64_t* slots) {
   x = t;
   if (t.is_contiguous()) return false;
@@ -352,9 +435,9 @@ void launch_rows(const Key& key, const Tensor& like, int64_t M, uint64_t* slots)
 // order, in one launch of the column-sum kernel; one (N,) tensor of `dtype` per plane.
 std::vector<Tensor> column_sums(uint64_t partial, int planes, int64_t R, int64_t N,
                                 at::ScalarType dtype, const Tensor& like, void* stream) {
-  Key key = make_key(COLUMN_SUM, N, dtype_code(dtype), -1, -1, static_cast<uint8_t>(planes),
-                     0.0, 0, like);
-  key.aligned = true;  // not a parameter of the column sum
+  Key key(COLUMN_SUM, like);
+  key.set<Value::N>(N).set<Value::OUT_DTYPE>(dtype_code(dtype));
+  key.set<Value::PLANES>(static_cast<int64_t>(planes));
   const Record& c = record(key);
   uint64_t cs[NUM_SLOTS] = {};
   cs[PARTIAL] = partial;

@@ -24,8 +24,9 @@ Tensor bias_grad_cuda(const Tensor& dout_) {
   if (M == 0 || OC == 0) return at::zeros({OC}, dout.options());
   uint64_t s[NUM_SLOTS] = {};
   s[DOUT] = ptr(dout);
-  Key key = make_key(BIAS_GRAD, OC, dtype_code(dout.scalar_type()), -1, -1, 0, 0.0, s[DOUT],
-                     dout);
+  Key key(BIAS_GRAD, dout);
+  key.set<Value::OC>(OC).set<Value::DTYPE>(dtype_code(dout.scalar_type()));
+  key.set<Value::VECTORIZE>(aligned(s[DOUT]));
   const Record& k = record(key);
   int64_t column_blocks = ceil_div(OC, k.columns_per_block);
   auto [chunks, per_chunk] = bias_chunks(M, column_blocks, k.units);

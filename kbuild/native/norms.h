@@ -24,10 +24,12 @@ std::tuple<Tensor, Tensor> rmsnorm_fwd_cuda(const Tensor& x_, const optional<Ten
   if (M == 0 || N == 0) return {y, rstd.fill_(NAN)};
   s[X] = ptr(x), s[Y] = ptr(y), s[WEIGHT] = w.defined() ? ptr(w) : 0;
   s[RSTD] = store_rstd ? ptr(rstd) : 0;
-  Key key = make_key(RMSNORM_FWD, N, dtype_code(x.scalar_type()),
-                     w.defined() ? dtype_code(w.scalar_type()) : -1, -1,
-                     (store_rstd ? STATS : 0) | (strided ? STRIDED : 0), eps,
-                     s[X] | s[Y] | s[WEIGHT] | group_bytes(x, s), x, offset);
+  Key key(RMSNORM_FWD, x);
+  key.set<Value::N>(N).set<Value::DTYPE>(dtype_code(x.scalar_type()));
+  key.set<Value::WEIGHT_DTYPE>(dtype_of(w)).set<Value::STORE_RSTD>(store_rstd);
+  key.set<Value::EPS>(eps).set<Value::OFFSET>(weight_offset(w, offset));
+  key.set<Value::VECTORIZE>(aligned(s[X] | s[Y] | s[WEIGHT] | group_bytes(x, s)));
+  if (strided) key.set<Value::STRIDED>(true);  // else unset (False), as the Python path has it
   launch_rows(key, x, M, s);
   return {y, rstd};
 }
@@ -54,10 +56,14 @@ std::tuple<Tensor, Tensor, Tensor> fused_add_rmsnorm_fwd_cuda(
   uint64_t s[NUM_SLOTS] = {};
   s[X] = ptr(x), s[RESIDUAL] = ptr(residual), s[WEIGHT] = w.defined() ? ptr(w) : 0;
   s[Y] = ptr(y), s[RESIDUAL_OUT] = ptr(residual_out), s[RSTD] = store_rstd ? ptr(rstd) : 0;
-  Key key = make_key(FUSED_ADD_RMSNORM_FWD, N, dtype_code(x.scalar_type()),
-                     w.defined() ? dtype_code(w.scalar_type()) : -1,
-                     dtype_code(residual_dtype), (store_rstd ? STATS : 0) | (res32 ? RES32 : 0), eps,
-                     s[X] | s[RESIDUAL] | s[WEIGHT] | s[Y] | s[RESIDUAL_OUT], x, offset);
+  Key key(FUSED_ADD_RMSNORM_FWD, x);
+  key.set<Value::N>(N).set<Value::DTYPE>(dtype_code(x.scalar_type()));
+  key.set<Value::WEIGHT_DTYPE>(dtype_of(w));
+  key.set<Value::RESIDUAL_DTYPE>(dtype_code(residual_dtype));
+  key.set<Value::STORE_RSTD>(store_rstd).set<Value::EPS>(eps);
+  key.set<Value::VECTORIZE>(aligned(s[X] | s[RESIDUAL] | s[WEIGHT] | s[Y] | s[RESIDUAL_OUT]));
+  key.set<Value::OFFSET>(weight_offset(w, offset));
+  key.set<Value::RESIDUAL_IN_DTYPE>(res32 ? dtype_code(residual.scalar_type()) : Dtype::NONE);
   launch_rows(key, x, M, s);
   return {y, residual_out, rstd};
 }
@@ -79,10 +85,11 @@ std::tuple<Tensor, Tensor, Tensor> layernorm_fwd_cuda(const Tensor& x_,
   s[X] = ptr(x), s[Y] = ptr(y);
   s[WEIGHT] = w.defined() ? ptr(w) : 0, s[BIAS] = b.defined() ? ptr(b) : 0;
   if (store_stats) s[MEAN] = ptr(mean), s[RSTD] = ptr(rstd);
-  Key key = make_key(LAYERNORM_FWD, N, dtype_code(x.scalar_type()),
-                     w.defined() ? dtype_code(w.scalar_type()) : -1,
-                     b.defined() ? dtype_code(b.scalar_type()) : -1, store_stats ? STATS : 0,
-                     eps, s[X] | s[WEIGHT] | s[BIAS] | s[Y], x);
+  Key key(LAYERNORM_FWD, x);
+  key.set<Value::N>(N).set<Value::DTYPE>(dtype_code(x.scalar_type()));
+  key.set<Value::WEIGHT_DTYPE>(dtype_of(w)).set<Value::BIAS_DTYPE>(dtype_of(b));
+  key.set<Value::STORE_STATS>(store_stats).set<Value::EPS>(eps);
+  key.set<Value::VECTORIZE>(aligned(s[X] | s[WEIGHT] | s[BIAS] | s[Y]));
   launch_rows(key, x, M, s);
   return {y, mean, rstd};
 }
@@ -108,10 +115,13 @@ std::tuple<Tensor, Tensor> rmsnorm_bwd_cuda(const Tensor& dy_, const Tensor& x_,
   Tensor dx = at::empty(dy.sizes(), dy.options());
   s[X] = ptr(x), s[WEIGHT] = w.defined() ? ptr(w) : 0, s[DY] = ptr(dy), s[RSTD] = ptr(rstd);
   s[DX] = ptr(dx);
-  Key key = make_key(RMSNORM_BWD, N, dtype_code(x.scalar_type()),
-                     w.defined() ? dtype_code(w.scalar_type()) : -1, -1,
-                     (compute_dw ? DW : 0) | (strided ? STRIDED : 0), 0.0,
-                     s[X] | s[WEIGHT] | s[DY] | s[RSTD] | s[DX] | group_bytes(x, s), dy, offset);
+  Key key(RMSNORM_BWD, dy);
+  key.set<Value::N>(N).set<Value::DTYPE>(dtype_code(x.scalar_type()));
+  key.set<Value::WEIGHT_DTYPE>(dtype_of(w)).set<Value::COMPUTE_DW>(compute_dw);
+  key.set<Value::VECTORIZE>(
+      aligned(s[X] | s[WEIGHT] | s[DY] | s[RSTD] | s[DX] | group_bytes(x, s)));
+  key.set<Value::OFFSET>(weight_offset(w, offset));
+  if (strided) key.set<Value::STRIDED>(true);  // as in the forward
   auto grads = launch_persistent(key, dy, N ? M : 0, N, s, {compute_dw ? w : Tensor()});
   Tensor dw = grads[0].defined() ? grads[0] : at::empty({0}, x.options());
   return {need_dx ? dx : at::empty({0}, x.options()), dw};
@@ -143,12 +153,15 @@ std::tuple<Tensor, Tensor, Tensor> fused_add_rmsnorm_bwd_cuda(const Tensor& dy_,
   s[X] = ptr(residual_out), s[WEIGHT] = w.defined() ? ptr(w) : 0, s[DY] = ptr(dy);
   s[RSTD] = ptr(rstd), s[DRESIDUAL_OUT] = dres.defined() ? ptr(dres) : 0, s[DX] = ptr(dx);
   s[DRESIDUAL] = res32 ? ptr(dres_in) : 0;
-  uint8_t flags = (compute_dw ? DW : 0) | (dres.defined() ? DRES : 0) | (res32 ? RES32 : 0);
-  Key key = make_key(FUSED_ADD_RMSNORM_BWD, N, dtype_code(dy.scalar_type()),
-                     w.defined() ? dtype_code(w.scalar_type()) : -1,
-                     dtype_code(residual_out.scalar_type()), flags, 0.0,
-                     s[X] | s[WEIGHT] | s[DY] | s[RSTD] | s[DRESIDUAL_OUT] | s[DX] | s[DRESIDUAL],
-                     dy, offset);
+  Key key(FUSED_ADD_RMSNORM_BWD, dy);
+  key.set<Value::N>(N).set<Value::DTYPE>(dtype_code(dy.scalar_type()));
+  key.set<Value::WEIGHT_DTYPE>(dtype_of(w));
+  key.set<Value::RESIDUAL_DTYPE>(dtype_code(residual_out.scalar_type()));
+  key.set<Value::HAS_DRESIDUAL_OUT>(dres.defined()).set<Value::COMPUTE_DW>(compute_dw);
+  key.set<Value::VECTORIZE>(
+      aligned(s[X] | s[WEIGHT] | s[DY] | s[RSTD] | s[DRESIDUAL_OUT] | s[DX] | s[DRESIDUAL]));
+  key.set<Value::OFFSET>(weight_offset(w, offset));
+  key.set<Value::DRESIDUAL_DTYPE>(res32 ? dtype_code(*residual_dtype) : Dtype::NONE);
   auto grads = launch_persistent(key, dy, N ? M : 0, N, s, {compute_dw ? w : Tensor()});
   return {dx, dres_in, grads[0].defined() ? grads[0] : at::empty({0}, dy.options())};
 }
@@ -166,10 +179,11 @@ std::tuple<Tensor, Tensor, Tensor> layernorm_bwd_cuda(
   uint64_t s[NUM_SLOTS] = {};
   s[X] = ptr(x), s[WEIGHT] = w.defined() ? ptr(w) : 0, s[DY] = ptr(dy), s[MEAN] = ptr(mean);
   s[RSTD] = ptr(rstd), s[DX] = ptr(dx);
-  uint8_t flags = (compute_dw ? DW : 0) | (compute_db ? DB : 0);
-  Key key = make_key(LAYERNORM_BWD, N, dtype_code(x.scalar_type()),
-                     w.defined() ? dtype_code(w.scalar_type()) : -1, -1, flags, 0.0,
-                     s[X] | s[WEIGHT] | s[DY] | s[MEAN] | s[RSTD] | s[DX], dy);
+  Key key(LAYERNORM_BWD, dy);
+  key.set<Value::N>(N).set<Value::DTYPE>(dtype_code(x.scalar_type()));
+  key.set<Value::WEIGHT_DTYPE>(dtype_of(w)).set<Value::COMPUTE_DW>(compute_dw);
+  key.set<Value::COMPUTE_DB>(compute_db);
+  key.set<Value::VECTORIZE>(aligned(s[X] | s[WEIGHT] | s[DY] | s[MEAN] | s[RSTD] | s[DX]));
   auto grads = launch_persistent(key, dy, N ? M : 0, N, s,
                                  {compute_dw ? w : Tensor(), compute_db ? b : Tensor()});
   auto none = [&] { return at::empty({0}, x.options()); };

@@ -1,18 +1,24 @@
-"""The C++ hot path's one call into Python: from what a call needs to a kernel's launch record.
+"""The C++ hot path's one call into Python: from a key's parameter values to a launch record.
 
-The extension (kbuild/native/kbuild_native.cpp) keys its kernels by (kernel, N, dtype,
-weight dtype, aux dtype, flags, eps, RMSNorm's weight offset, aligned, device). On a miss it
-calls `resolve` with those fields; this turns them into the kernel table's parameter values,
-exactly as the Python launch functions (ops/rmsnorm.py, layernorm.py, encoder.py's bias_grad)
-do (a CPU test holds the two to the same specs and launches), loads the kernel through
-`launcher_for` (the memory and disk tiers), and returns what a launch needs: the driver
-function handle, block, shared memory, grid shape and the argument slots in the table's
-order.
+The extension (kbuild/native/kbuild_native.cpp) keys its kernels by (kernel, device, the
+kernel table's parameter values), each value set by its parameter's name (launch.h Value,
+whose names and kinds a CPU test holds equal to the table's). On a miss it calls `resolve`
+with the values it set, by name, decoded to their Python kinds. The values are those the
+Python launch functions give (ops/rmsnorm.py, layernorm.py, encoder.py's bias_grad; a CPU
+test holds the two paths to the same specs and launches); this turns them into the table's
+positional values (its defaults for what is not set), loads the kernel through `launcher_for`
+(the memory and disk tiers) and returns what a launch needs, by field name (`Record`): the
+driver function handle, block, shared memory, grid shape and the argument slots in the
+table's order.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass
+
 from ..kernels.table import KERNELS as TABLE
+from ..kernels.table import KernelDef
 from ..spec import Scalar
 from . import encoder
 from .launch import launcher_for
@@ -23,76 +29,77 @@ NATIVE_KERNELS = (
     "fused_add_rmsnorm_bwd", "layernorm_bwd", "column_sum", "bias_grad",
 )  # fmt: skip
 KERNELS = {name: TABLE[name] for name in NATIVE_KERNELS}
-# Flag bits of a key, and the argument slots (the extension's `slot_names`, in its order).
-STATS, DW, DB, DRES, RES32, STRIDED = 1, 2, 4, 8, 16, 32
+# The argument slots (the extension's `slot_names`, in its order).
 SLOT_NAMES = (
     "x", "weight", "bias", "residual", "y", "residual_out", "mean", "rstd", "dy",
     "dresidual_out", "dx", "dw_partial", "db_partial", "M", "partial", "out", "out1", "R",
     "dout", "rows_per_chunk", "dresidual", "x_group", "x_stride", "x_group_magic",
 )  # fmt: skip
 SLOTS = {name: i for i, name in enumerate(SLOT_NAMES)}
+# The parameters of the native kernels and their kinds, in the order they first appear: the
+# extension's `value_names` and `value_kinds` (a test compares them).
+VALUE_KINDS = {p.name: p.kind for kernel in KERNELS.values() for p in kernel.params}
 
 
-def values(
-    kernel: str,
-    N: int,
-    dtype: str,
-    weight: str | None,
-    aux: str | None,
-    flags: int,
-    eps: float,
-    aligned: bool,
-    offset: float = 0.0,
-) -> tuple[Scalar, ...]:
-    """The kernel table's parameter values (its order) for a key's fields. `aux` is the bias
-    dtype (layernorm_fwd) or the residual dtype (fused forms); for column_sum, `flags` is the
-    number of planes; `offset` is RMSNorm's weight offset; RES32: the fused forms' fp32
-    residual stream (read in fp32, its gradient written in fp32); STRIDED: RMSNorm's x read
-    in place at a two-level stride (x_group, x_stride and x_group_magic follow M)."""
-    res32 = "f32" if flags & RES32 else None
-    strided = (True,) if flags & STRIDED else ()  # out of the table's values when False
-    if kernel == "rmsnorm_fwd":
-        return (N, dtype, weight, bool(flags & STATS), eps, aligned, offset, *strided)
-    if kernel == "fused_add_rmsnorm_fwd":
-        return (N, dtype, weight, aux, bool(flags & STATS), eps, aligned, offset, res32)
-    if kernel == "layernorm_fwd":
-        return (N, dtype, weight, aux, bool(flags & STATS), eps, aligned)
-    if kernel == "rmsnorm_bwd":
-        return (N, dtype, weight, bool(flags & DW), aligned, offset, *strided)
-    if kernel == "fused_add_rmsnorm_bwd":
-        dres, dw = bool(flags & DRES), bool(flags & DW)
-        return (N, dtype, weight, aux, dres, dw, aligned, offset, res32)
-    if kernel == "layernorm_bwd":
-        return (N, dtype, weight, bool(flags & DW), bool(flags & DB), aligned)
-    if kernel == "column_sum":
-        return (N, dtype, flags)
-    if kernel == "bias_grad":
-        return (N, dtype, aligned)
-    raise ValueError(f"kbuild native: unknown kernel {kernel!r}")
+@dataclass(frozen=True)
+class Record:
+    """What the extension keeps of a loaded kernel (Record in kbuild/native/launch.h), read
+    there by field name once per key."""
+
+    function_handle: int  # the driver's CUfunction
+    block: int  # threads per block
+    shared: int  # dynamic shared memory, bytes
+    cluster: int  # blocks per cluster
+    rows_per_block: int
+    resident_clusters: int  # clusters the device holds at once (a persistent grid's size)
+    persistent: bool  # grid: min(row groups, resident clusters) clusters, else one per group
+    columns_per_block: int  # columns a block sums (column_sum and bias_grad: their grids)
+    slots: tuple[int, ...]  # the launch arguments' slots (SLOT_NAMES), in the table's order
+    name: str  # the spec's short name, for messages (and the CPU tests' launch hook)
+    units: int  # the device's multiprocessors where they size the grid (bias_grad), else 1
 
 
-def launch_record(launcher, name: str, units: int = 1) -> tuple:
-    """What the extension keeps of a loaded kernel (see Record in kbuild_native.cpp)."""
+def table_values(kernel: KernelDef, values: Mapping[str, Scalar]) -> tuple[Scalar, ...]:
+    """The table's positional values for parameter values given by name: the table's default
+    for a parameter not given, and none past the last one given, as the Python launch
+    functions leave them (their memory-tier key: a process running both paths loads a kernel
+    once)."""
+    names = [p.name for p in kernel.params]
+    unknown = sorted(set(values) - set(names))
+    if unknown:
+        raise ValueError(
+            f"kbuild native: {kernel.name} has no parameter {unknown}; it takes {names}"
+        )
+    last = max((i for i, name in enumerate(names) if name in values), default=-1)
+    return tuple(values.get(p.name, p.default) for p in kernel.params[: last + 1])
+
+
+def launch_record(launcher, name: str, units: int = 1) -> Record:
+    """What the extension keeps of a loaded launcher (runtime/cuda.py Launcher)."""
     missing = [name for name in launcher.names if name not in SLOTS]
     if missing:  # e.g. a trace build: the hot path launches production kernels only
         raise ValueError(f"kbuild native: no argument slot for {missing} of {launcher.names}")
-    return (
-        launcher.function_handle,
-        launcher.block,
-        launcher.dynamic_shared,
-        launcher.cluster,
-        launcher.rows_per_block,
-        launcher.resident_clusters,
-        launcher.meta.get("grid") == "persistent",
-        int(launcher.meta.get("columns_per_block", 1)),
-        [SLOTS[name] for name in launcher.names],
-        name,
-        units,  # the device's multiprocessors, for kernels whose grid is sized by them
+    return Record(
+        function_handle=launcher.function_handle,
+        block=launcher.block,
+        shared=launcher.dynamic_shared,
+        cluster=launcher.cluster,
+        rows_per_block=launcher.rows_per_block,
+        resident_clusters=launcher.resident_clusters,
+        persistent=launcher.meta.get("grid") == "persistent",
+        columns_per_block=int(launcher.meta.get("columns_per_block", 1)),
+        slots=tuple(SLOTS[name] for name in launcher.names),
+        name=name,
+        units=units,
     )
 
 
-def resolve(kernel, device, N, dtype, weight, aux, flags, eps, aligned, offset=0.0) -> tuple:
-    vals = values(kernel, N, dtype, weight, aux, flags, eps, aligned, offset)
+def resolve(kernel: str, device: int, values: Mapping[str, Scalar]) -> Record:
+    """The launch record of `kernel` with these parameter values (by name) on `device`."""
     kdef = KERNELS[kernel]
+    positional = table_values(kdef, values)
+    name = kdef.spec(**values).short()  # the table's checks: a value missing or of a wrong kind
+    # Only the bias gradient's grid is sized by the multiprocessors: no device query for the
+    # others.
     units = encoder._units(device) if kernel == "bias_grad" else 1
-    return launch_record(launcher_for(kdef, device, vals), kdef.spec(*vals).short(), units)
+    return launch_record(launcher_for(kdef, device, positional), name, units)
