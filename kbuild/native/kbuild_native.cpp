@@ -64,6 +64,7 @@ using torch::autograd::variable_list;
 #include "norms.h"
 #include "entries.h"
 #include "llmc.h"
+#include "generic.h"
 
 
 TORCH_LIBRARY_IMPL(kbuild, CUDA, m) {
@@ -137,6 +138,14 @@ PYBIND11_MODULE(KBUILD_EXTENSION_NAME, m) {
   m.def("clear_records", [] {
     std::lock_guard<std::mutex> lock(g_mutex);
     g_records.clear();
+    generic::g_generic_records.clear();
+  });
+  // Ops declared with kbuild.Op (generic.h): their programs and CUDA kernel; a test entry.
+  m.def("define_generic", &generic::define);
+  m.def("run_generic", &generic::run_on);
+  m.def("generic_record_count", [] {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    return generic::g_generic_records.size();
   });
   m.def("record_count", [] {
     std::lock_guard<std::mutex> lock(g_mutex);

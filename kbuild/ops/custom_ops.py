@@ -21,6 +21,7 @@ from .. import native
 from .autograd import _fused_backward, _layernorm_backward, _rmsnorm_backward
 from .common import device_guard
 from .layernorm import layernorm_fwd, layernorm_reference
+from . import opdef
 from .opdef import Feature, Like, Op, Out, Rows, Scalar, Tensors, eps
 from .rmsnorm import fused_add_rmsnorm_fwd, rmsnorm_fwd, rmsnorm_reference
 
@@ -168,7 +169,7 @@ FUSED_ADD_RMSNORM_BWD = Op(
         Rows("dy"),
         Like("dresidual_out", "dy", or_fp32=True, optional=True),
         Rows("residual_out"),
-        _WEIGHT,
+        Feature("weight", of="dy"),  # (no x here)
         Tensors("rstd"),
         _NEED_DW,
         _OFFSET,
@@ -260,6 +261,7 @@ if NATIVE is not None:
 
     NATIVE.set_resolver(resolve)
     on_forget(NATIVE.clear_records)
+    opdef.NATIVE[0] = NATIVE  # ops declared from now on run its generic CUDA kernel
 else:  # the Python launch path, registered as the same operators
     for _op in NORM_OPS:
         _op.register_python_cuda()

@@ -64,6 +64,9 @@ from .launch import launcher_for
 _REQUIRED = object()
 _LIBRARIES: dict[str, torch.library.Library] = {}  # kept alive: a dropped Library unregisters
 DEFINED: dict[str, Op] = {}  # qualified name -> its description, as declared
+# The C++ extension, once ops/custom_ops.py has loaded it (None: unavailable), whose generic
+# kernel runs the CUDA kernel of ops declared later.
+NATIVE: list = [None]
 
 
 # ----------------------------------------------------------------------------- arguments
@@ -120,7 +123,7 @@ class Feature(_Tensor):
     def check(self, value: Any, bound: Mapping[str, Any]) -> Any:
         if value is None and not self.optional:
             raise TypeError(f"{self.name} must be a torch.Tensor, got None")
-        return check_param(self.name, value, bound[self.of])
+        return check_param(self.name, value, bound[self.of], self.of)
 
 
 @dataclass(frozen=True)
@@ -180,10 +183,12 @@ class Scalar:
             and not isinstance(value, bool),
             "bool": isinstance(value, bool),
             "int": isinstance(value, int) and not isinstance(value, bool),
-            "dtype": value in DTYPE_NAMES,
+            "SymInt": isinstance(value, (int, torch.SymInt)) and not isinstance(value, bool),
+            "dtype": isinstance(value, torch.dtype) and value in DTYPE_NAMES,
         }[self.kind] and (self.kind == "bool" or not isinstance(value, bool))
         if not ok:
-            want = "a torch float dtype" if self.kind == "dtype" else f"a {self.kind}"
+            want = {"dtype": "a torch float dtype", "int": "an int", "SymInt": "an int"}
+            want = want.get(self.kind, f"a {self.kind}")
             raise TypeError(f"{self.name} must be {want}, got {value!r}")
         if self.kind == "float" and not isinstance(value, torch.SymFloat):
             if not math.isfinite(value):
@@ -198,6 +203,10 @@ def eps(default: Any = _REQUIRED) -> Scalar:
 
 
 Argument = Rows | Like | Feature | Tensors | Scalar
+
+
+def _has_data(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and t.numel() > 0
 
 
 # ----------------------------------------------------------------------------- outputs
@@ -264,6 +273,30 @@ def rows_grid(launcher, M: int) -> int:
     return -(-M // launcher.rows_per_block) * launcher.cluster
 
 
+# The C++ generic kernel's value sources (kbuild/native/generic.h `Source`).
+_ROWS_N, _DTYPE_OF, _ALIGNED = 0, 1, 6
+_SCALAR_CODES = {"float": 2, "bool": 3, "int": 4, "SymInt": 4, "dtype": 5}
+
+
+@dataclass(frozen=True)
+class NativeRecord:
+    """What the C++ generic kernel keeps of a loaded kernel (generic.h `Record`): the launch
+    and, per kernel argument, the call slot it reads (an argument's position, nargs + an
+    output's index, or the slot after them for M)."""
+
+    function_handle: int
+    block: int
+    shared: int
+    cluster: int
+    rows_per_block: int
+    resident_clusters: int
+    persistent: bool
+    name: str
+    slots: list[int]
+    pointers: list[int]
+    arg_names: list[str]
+
+
 @dataclass(frozen=True)
 class Launch:
     """One kernel launch of an op's CUDA kernel, bound by names (see the module docstring).
@@ -281,7 +314,7 @@ class _Binding:
     """A Launch compiled against its op: one getter per table parameter, in table order."""
 
     def __init__(self, launch: Launch, op: Op) -> None:
-        self.launch, self.kernel = launch, launch.kernel
+        self.launch, self.kernel, self.op = launch, launch.kernel, op.name
         rows = [a.name for a in op.args if isinstance(a, Rows)]
         if not rows:
             raise ValueError(f"{op.name}: a Launch needs a Rows argument (its N and dtype)")
@@ -289,8 +322,13 @@ class _Binding:
         tensors = set(op.tensor_names) | {o.name for o in op.outputs}
         scalars = {a.name: a for a in op.args if isinstance(a, Scalar)}
         self.getters: list[Callable[[Mapping[str, Any], bool], Any]] = []
+        # Where each value comes from, for the C++ generic kernel: ("N",), ("dtype_of", t),
+        # ("scalar", name), ("aligned",), ("const",) or ("call",) (a Python function: none).
+        self.sources: list[tuple[str, ...]] = []
         for p in self.kernel.params:
-            self.getters.append(self._getter(p, op, tensors, scalars))
+            source, getter = self._getter(p, op, tensors, scalars)
+            self.sources.append(source)
+            self.getters.append(getter)
         for a in self.kernel.args:
             if a.name not in tensors and a.name != "M" and a.name not in launch.ints:
                 if a.name == "trace":
@@ -304,27 +342,89 @@ class _Binding:
         name, rows = p.name, self.rows
         if name in self.launch.values:
             f = self.launch.values[name]
-            return lambda bound, aligned: f(bound)
+            return ("call",), lambda bound, aligned: f(bound)
+        derived = name in ("N", "dtype", "vectorize") or (
+            name.endswith("_dtype") and name[: -len("_dtype")] in tensors
+        )
+        if derived and name in scalars:  # the scalar would be ignored without a word
+            raise ValueError(
+                f"{op.name}: kernel {self.kernel.name}'s parameter {name!r} is derived from the "
+                f"call and is also the op's scalar {name}: rename the scalar, or give the "
+                "parameter in Launch(values=...)"
+            )
         if name == "N":
-            return lambda bound, aligned: bound[rows].shape[-1]
+            return ("N",), lambda bound, aligned: bound[rows].shape[-1]
         if name == "dtype":
-            return lambda bound, aligned: DTYPE_NAMES[bound[rows].dtype]
+            return ("dtype_of", rows), lambda bound, aligned: DTYPE_NAMES[bound[rows].dtype]
         if name.endswith("_dtype") and name[: -len("_dtype")] in tensors:
             t = name[: -len("_dtype")]
-            return lambda bound, aligned: None if bound[t] is None else DTYPE_NAMES[bound[t].dtype]
+            return (
+                "dtype_of",
+                t,
+            ), lambda bound, aligned: None if bound[t] is None else DTYPE_NAMES[bound[t].dtype]
         if name in scalars:
             if scalars[name].kind == "dtype":
-                return lambda bound, aligned: DTYPE_NAMES.get(bound[name])
-            return lambda bound, aligned: bound[name]
+                return ("scalar", name), lambda bound, aligned: DTYPE_NAMES.get(bound[name])
+            return ("scalar", name), lambda bound, aligned: bound[name]
         if name == "vectorize":
-            return lambda bound, aligned: aligned
+            return ("aligned",), lambda bound, aligned: aligned
         if not p.required:
             default = p.default
-            return lambda bound, aligned: default
+            return ("const",), lambda bound, aligned: default
         raise ValueError(
             f"{op.name}: kernel {self.kernel.name}'s parameter {name!r} has no source: name "
             "a scalar of the op so, or give it in Launch(values=...)"
         )
+
+    def native(self, op: Op) -> tuple[list[tuple[int, int]], Callable] | None:
+        """The launch as the C++ generic kernel runs it: the varying values' sources (kind
+        code and argument position, generic.h `Source`) and its resolver; None where a value
+        or an argument is computed by a Python function, or the grid is not the rows grid."""
+        if self.launch.ints or self.launch.grid is not rows_grid:
+            return None
+        if any(source[0] == "call" for source in self.sources):
+            return None
+        position = {name: i for i, name in enumerate(op.arg_names)}
+        position.update((o.name, len(op.arg_names) + k) for k, o in enumerate(op.outputs))
+        codes = []
+        for source in self.sources:
+            kind = source[0]
+            if kind == "N":
+                codes.append((_ROWS_N, position[self.rows]))
+            elif kind == "dtype_of":
+                codes.append((_DTYPE_OF, position[source[1]]))
+            elif kind == "scalar":
+                scalar = op.scalars[source[1]]
+                codes.append((_SCALAR_CODES[scalar.kind], position[source[1]]))
+            elif kind == "aligned":
+                codes.append((_ALIGNED, 0))
+        m_slot = len(op.arg_names) + len(op.outputs)
+
+        def resolve(device: int, varying: tuple):
+            """A C++ key's values -> the table's, the loaded kernel, the slots it reads."""
+            given = iter(varying)
+            values = tuple(
+                get(None, False) if source[0] == "const" else next(given)
+                for source, get in zip(self.sources, self.getters, strict=True)
+            )
+            launcher = launcher_for(self.kernel, device, values)
+            slots = [m_slot if name == "M" else position[name] for name in launcher.names]
+            named = [(name, position[name]) for name in launcher.names if name != "M"]
+            return NativeRecord(
+                function_handle=launcher.function_handle,
+                block=launcher.block,
+                shared=launcher.dynamic_shared,
+                cluster=launcher.cluster,
+                rows_per_block=launcher.rows_per_block,
+                resident_clusters=launcher.resident_clusters,
+                persistent=launcher.meta.get("grid") == "persistent",
+                name=self.kernel.spec(*values).short(),
+                slots=slots,
+                pointers=[slot for _, slot in named],
+                arg_names=[name for name, _ in named],
+            )
+
+        return codes, resolve
 
     def values(self, bound: Mapping[str, Any], aligned: bool) -> tuple:
         return tuple(get(bound, aligned) for get in self.getters)
@@ -352,7 +452,8 @@ class _Binding:
             else:
                 t = bound[name]
                 if t is None or not t.numel():
-                    raise ValueError(f"{self.kernel.name}: argument {name} has no tensor")
+                    spec = self.kernel.spec(*values).short()
+                    raise ValueError(f"{self.op}: kernel {spec}'s argument {name} has no tensor")
                 args.append(t.data_ptr())
         launcher(self.launch.grid(launcher, M), stream_of(device), *args)
 
@@ -393,10 +494,13 @@ class Op:
         self.arg_names = tuple(names)
         self.tensor_names = tuple(a.name for a in self.args if not isinstance(a, Scalar))
         self.scalars = {a.name: a for a in self.args if isinstance(a, Scalar)}
+        self._check_names()
         if launch is not None and cuda is not None:
             raise ValueError(f"{name}: give launch= or cuda=, not both")
         launches = () if launch is None else (launch,) if isinstance(launch, Launch) else launch
         self.launches = tuple(launches)
+        if not native and cuda is None and not self.launches:
+            raise ValueError(f"{name}: give launch= or cuda= (its CUDA kernel)")
         self._bindings = [_Binding(x, self) for x in self.launches]
         self._cuda = cuda
         self.schema = self._schema()
@@ -407,6 +511,60 @@ class Op:
             self._check_backward(backward)
         self._register()
         self.overload = getattr(getattr(torch.ops, self.namespace), self.op_name).default
+
+    def _check_names(self) -> None:
+        """What the checks, outputs and schema refer to must exist (else a call fails with a
+        KeyError, or torch refuses the schema): a Like's or Feature's `of` a required tensor
+        before it; an output's `like` / `rows` a tensor (an optional one only with it in
+        `when`), its `dtype` "float32" or a dtype scalar, its `when` bool or dtype scalars or
+        tensors; no argument without a default after one with a default."""
+        tensors = set(self.tensor_names)
+        seen: dict[str, Argument] = {}
+        defaulted = None
+        for a in self.args:
+            of = getattr(a, "of", None)
+            if of is not None and not isinstance(seen.get(of), _Tensor):
+                raise ValueError(
+                    f"{self.name}: {a.name} is checked against {of}, which is not a tensor "
+                    "argument before it"
+                )
+            if of is not None and seen[of].optional:
+                raise ValueError(
+                    f"{self.name}: {a.name} is checked against {of}, which is optional"
+                )
+            seen[a.name] = a
+            if getattr(a, "default", _REQUIRED) is not _REQUIRED:
+                defaulted = a.name
+            elif defaulted is not None:
+                raise ValueError(
+                    f"{self.name}: {a.name} has no default but follows {defaulted}, which has "
+                    "one (torch's schemas take defaults last)"
+                )
+        flags = {n for n, a in self.scalars.items() if a.kind in ("bool", "dtype")}
+        for o in self.outputs:
+            of = o.like or o.rows
+            key = "like" if o.like is not None else "rows"
+            if of not in tensors:
+                raise ValueError(
+                    f"{self.name}: output {o.name}: {key}={of!r} is not a tensor argument"
+                )
+            if seen[of].optional and of not in o.when:
+                raise ValueError(
+                    f"{self.name}: output {o.name} is {key} {of}, which is optional: add {of!r} "
+                    "to its when="
+                )
+            dtype = self.scalars.get(o.dtype)
+            if o.dtype not in (None, "float32") and (dtype is None or dtype.kind != "dtype"):
+                raise ValueError(
+                    f"{self.name}: output {o.name}: dtype={o.dtype!r} is neither 'float32' nor a "
+                    "dtype scalar"
+                )
+            for name in o.when:
+                if name not in flags and name not in tensors:
+                    raise ValueError(
+                        f"{self.name}: output {o.name}: when={name!r} is not a bool or dtype "
+                        "scalar or a tensor argument"
+                    )
 
     # -- the schema --------------------------------------------------------------------
 
@@ -484,16 +642,26 @@ class Op:
         got = self.reference(*bound.values())
         got = (got,) if isinstance(got, torch.Tensor) else tuple(got)
         first = self._first(bound)
+        # The schema says no output aliases an input or another output; a reference may return
+        # one (x.float() of fp32 x): such outputs are copied.
+        taken = {t.untyped_storage().data_ptr() for t in bound.values() if _has_data(t)}
         outs = []
         for o, t in zip(self.outputs, got, strict=True):
             if not o.wanted(bound) or t is None:
                 outs.append(o.empty(first))
-            else:
-                outs.append((t.reshape(-1) if o.rows is not None else t).contiguous())
+                continue
+            t = (t.reshape(-1) if o.rows is not None else t).contiguous()
+            if _has_data(t):
+                if t.untyped_storage().data_ptr() in taken:
+                    t = t.clone()
+                taken.add(t.untyped_storage().data_ptr())
+            outs.append(t)
         return self._result(outs)
 
     def _launch_cuda(self, *args: Any) -> Any:
         bound = self._named(args)
+        if self._check_more is not None:
+            self._check_more(bound)
         for a in self.args:  # the kernels read dense rows
             if isinstance(a, (Rows, Like, Feature)) and bound[a.name] is not None:
                 t = bound[a.name]
@@ -504,9 +672,12 @@ class Op:
         with device_guard(first):
             for binding in self._bindings:
                 binding.run(bound)
+        no_rows = row_count(bound[self._bindings[0].rows]) == 0
         for o, t in zip(self.outputs, outs, strict=True):
             if o.rows is not None and bound[o.rows].shape[-1] == 0:
                 t.fill_(float("nan"))  # statistics of rows with no elements: undefined
+            elif no_rows:
+                t.zero_()  # nothing launched: a (N,) output (dw) is a sum over no rows
         return self._result(outs)
 
     def _result(self, outs: list[torch.Tensor]) -> Any:
@@ -546,11 +717,17 @@ class Op:
                 )
         self._grad_targets: dict[str, str] = {}  # backward output -> forward input
         for o in bwd.outputs:
-            target = o.grad_of or o.name[1:]
+            target = o.grad_of or (o.name[1:] if o.name.startswith("d") else None)
             if target not in self.tensor_names:
                 raise ValueError(
                     f"{bwd.name}: output {o.name!r} is the gradient of none of {self.name}'s "
                     f"tensors {self.tensor_names} (name it d<input> or give grad_of=)"
+                )
+            other = next((n for n, t in self._grad_targets.items() if t == target), None)
+            if other is not None:
+                raise ValueError(
+                    f"{bwd.name}: outputs {other!r} and {o.name!r} are both the gradient of "
+                    f"{target}"
                 )
             self._grad_targets[o.name] = target
 
@@ -610,12 +787,49 @@ class Op:
         if not self.native:
             self.register_python_cuda()
 
+    def native_program(self) -> dict | None:
+        """The op as the C++ generic kernel runs it (kbuild/native/generic.h `define`), or
+        None where part of it is Python's (a `cuda` function, a computed value or shape)."""
+        if self._cuda is not None or not self.launches:
+            return None
+        if any(o.shape is not None for o in self.outputs):
+            return None
+        launches = [b.native(self) for b in self._bindings]
+        if any(launch is None for launch in launches):
+            return None
+        position = {name: i for i, name in enumerate(self.arg_names)}
+        dtype_rule = {None: -1, "float32": -2}
+        outputs = [
+            (
+                o.rows is not None,
+                position[o.rows if o.rows is not None else o.like],
+                dtype_rule[o.dtype] if o.dtype in dtype_rule else position[o.dtype],
+                [position[name] for name in o.when],
+            )
+            for o in self.outputs
+        ]
+        return {
+            "nargs": len(self.arg_names),
+            "tensors": [position[n] for n in self.tensor_names],
+            "dense": [position[a.name] for a in self.args if isinstance(a, (Rows, Like, Feature))],
+            "rows": position[self._bindings[0].rows],
+            "outputs": outputs,
+            "launches": launches,
+        }
+
     def register_python_cuda(self) -> None:
-        """Register the CUDA kernel (the launches, or `cuda`) and the autograd formula."""
+        """Register the CUDA kernel and the autograd formula: the C++ generic kernel where
+        the extension loads and the op is all declarations (`native_program`), else the
+        launches from Python (or `cuda`)."""
         lib = _LIBRARIES[self.namespace]
         if self._cuda is None and not self.launches:
             raise ValueError(f"{self.name}: give launch= or cuda= (its CUDA kernel)")
-        lib.impl(self.op_name, self._cuda or self._launch_cuda, "CUDA")
+        program = self.native_program() if NATIVE[0] is not None else None
+        self.generic_native = program is not None
+        if program is not None:
+            NATIVE[0].define_generic(self.namespace, self.op_name, program)
+        else:
+            lib.impl(self.op_name, self._cuda or self._launch_cuda, "CUDA")
         if self.backward is not None:
             torch.library.register_autograd(
                 self.name, self._backward, setup_context=self._setup_context, lib=lib
@@ -636,7 +850,12 @@ class Op:
                 "its kernels are warmed by their specs (--spec, a module's warmup_specs())"
             )
         if isinstance(dtype, str):
-            dtype = {v: k for k, v in DTYPE_NAMES.items()}[dtype]
+            by_name = {v: k for k, v in DTYPE_NAMES.items()}
+            if dtype not in by_name:
+                raise ValueError(
+                    f"dtype must be a torch float dtype or one of {sorted(by_name)}, got {dtype!r}"
+                )
+            dtype = by_name[dtype]
         specs: list[KernelSpec] = []
         for op in (self, self.backward):
             if op is None:
@@ -662,6 +881,8 @@ class Op:
 def _schema_default(value: Any) -> str:
     if value is None:
         return "None"
+    if isinstance(value, torch.dtype):
+        return str(value).removeprefix("torch.")  # torch's schemas spell it float32
     if isinstance(value, bool):
         return str(value)
     if isinstance(value, float):

@@ -1,0 +1,322 @@
+// The generic CUDA kernel of ops declared with kbuild.Op: no C++ of their own.
+// Part of kbuild_native.cpp's one translation unit (included there, in order).
+//
+// An Op whose launches bind by name (kbuild/ops/opdef.py `Launch`, nothing computed by a
+// Python function) is compiled there into a Program: which arguments are tensors to read
+// dense, how each output is allocated, and per launch which call values pick the kernel (N,
+// a tensor's dtype, a scalar argument, the alignment bit). `define_generic` registers one
+// boxed kernel for the op's CUDA dispatch key that runs any Program: it allocates the
+// outputs, keys each launch by (launch, device, its values) and launches by handle, so a
+// call never enters Python after the first per key. On a miss the launch's resolver
+// (Python, built by opdef from the kernel table) turns the values into the table's
+// parameters, loads the kernel and says which argument each of its slots takes.
+#pragma once
+
+namespace kbuild::generic {
+
+// Where a launch's varying values come from (opdef.py `_Binding.native_sources`).
+enum Source : int8_t {
+  ROWS_N,       // the first Rows tensor's last dimension
+  DTYPE_OF,     // a tensor's dtype (an argument or an output), None where absent
+  SCALAR_FLOAT, // a float argument
+  SCALAR_BOOL,
+  SCALAR_INT,
+  SCALAR_DTYPE, // a ScalarType argument (None allowed)
+  ALIGNED,      // every tensor of the call 16-byte aligned (`vectorize`)
+};
+constexpr int kMaxValues = 16, kMaxSlots = 64;
+
+struct ValueSource {
+  Source source;
+  int position;  // the argument (or nargs + output index) it reads
+};
+
+struct OutputRule {
+  bool rows = false;     // one fp32 value per row of `source`, else `source`'s shape
+  int source = 0;        // argument position
+  int dtype = -1;        // -1: the source's dtype, -2: float32, k >= 0: the dtype argument k
+  std::vector<int> when; // arguments that must all hold (a tensor given, true, not None)
+};
+
+struct Launch {
+  std::vector<ValueSource> values;
+  py::object resolve;  // (device, values tuple) -> record (opdef.py `_native_record`)
+};
+
+struct Program {
+  std::string name;
+  int nargs = 0;
+  std::vector<int> tensors;     // argument positions of tensors, in order (the first given
+                                // one is where empty outputs live)
+  std::vector<int> dense;       // tensor arguments the kernels read dense
+  int rows = 0;                 // the first Rows argument: N, M and the device
+  std::vector<OutputRule> outputs;
+  std::vector<Launch> launches;
+  int id = 0;                   // of the first launch; launch i keys as id + i
+};
+
+// What a launch needs of a loaded kernel, plus which call slot each argument reads.
+struct Record {
+  kbuild::Record launch;
+  std::vector<int8_t> pointers;  // slot indices that must hold a tensor's address
+  std::vector<std::string> arg_names;
+};
+
+struct Key {
+  uint64_t values[kMaxValues] = {};
+  int32_t launch = 0;
+  int8_t device = 0, count = 0;
+  bool operator==(const Key& o) const {
+    return launch == o.launch && device == o.device && count == o.count &&
+           std::memcmp(values, o.values, sizeof(uint64_t) * count) == 0;
+  }
+};
+
+struct KeyHash {
+  size_t operator()(const Key& k) const {
+    uint64_t h = (static_cast<uint64_t>(k.launch) << 8 | static_cast<uint8_t>(k.device)) *
+                 kMixers[NUM_VALUES];
+    for (int i = 0; i < k.count; ++i) h += k.values[i] * kMixers[i];
+    return h ^ h >> 32;
+  }
+};
+
+std::mutex g_programs_mutex;  // guards g_programs (written at declaration, read per call)
+// Leaked, as the resolver is: their Python objects must not be freed after the interpreter.
+auto& g_programs = *new std::unordered_map<std::string, std::unique_ptr<Program>>();
+std::unordered_map<Key, Record, KeyHash> g_generic_records;  // under kbuild::g_mutex
+int g_next_launch = 0;
+
+bool holds(const c10::IValue& v) {
+  if (v.isNone()) return false;
+  if (v.isBool()) return v.toBool();
+  return true;  // a tensor given, a dtype given
+}
+
+uint64_t dtype_bits(const c10::IValue& v) {
+  if (v.isNone()) return static_cast<uint64_t>(Dtype::NONE);
+  if (v.isTensor()) return static_cast<uint64_t>(dtype_code(v.toTensor().scalar_type()));
+  return static_cast<uint64_t>(dtype_code(v.toScalarType()));
+}
+
+py::object value_object(Source source, uint64_t bits) {
+  switch (source) {
+    case ROWS_N:
+    case SCALAR_INT: return py::int_(static_cast<int64_t>(bits));
+    case SCALAR_FLOAT: return py::float_(std::bit_cast<double>(bits));
+    case SCALAR_BOOL:
+    case ALIGNED: return py::bool_(bits != 0);
+    default:
+      return bits < 3 ? py::object(py::str(kDtypeNames[bits])) : py::object(py::none());
+  }
+}
+
+const Record& record(const Program& p, int index, const Key& key) {
+  {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    auto it = g_generic_records.find(key);
+    if (it != g_generic_records.end()) return it->second;
+  }
+  Record rec;
+  {
+    py::gil_scoped_acquire gil;
+    try {
+      py::tuple values(key.count);
+      const auto& sources = p.launches[index].values;
+      for (int i = 0; i < key.count; ++i)
+        values[i] = value_object(sources[i].source, key.values[i]);
+      py::object out = p.launches[index].resolve(key.device, values);
+      auto& k = rec.launch;
+      k.function = reinterpret_cast<void*>(out.attr("function_handle").cast<uintptr_t>());
+      k.block = out.attr("block").cast<unsigned>();
+      k.shared = out.attr("shared").cast<unsigned>();
+      k.cluster = out.attr("cluster").cast<int64_t>();
+      k.rows_per_block = out.attr("rows_per_block").cast<int64_t>();
+      k.resident_clusters = out.attr("resident_clusters").cast<int64_t>();
+      k.persistent = out.attr("persistent").cast<bool>();
+      k.name = out.attr("name").cast<std::string>();
+      for (auto s : out.attr("slots").cast<std::vector<int>>()) {
+        TORCH_CHECK(0 <= s && s < kMaxSlots, "kbuild native: bad argument slot ", s);
+        k.slots.push_back(static_cast<int8_t>(s));
+      }
+      TORCH_CHECK(k.slots.size() <= NUM_SLOTS, "kbuild native: ", k.name, " takes ",
+                  k.slots.size(), " arguments, more than ", NUM_SLOTS);
+      for (auto s : out.attr("pointers").cast<std::vector<int>>())
+        rec.pointers.push_back(static_cast<int8_t>(s));
+      rec.arg_names = out.attr("arg_names").cast<std::vector<std::string>>();
+    } catch (py::error_already_set& e) {
+      rethrow_python(e);
+    }
+  }
+  std::lock_guard<std::mutex> lock(g_mutex);
+  return g_generic_records.emplace(key, std::move(rec)).first->second;
+}
+
+at::ScalarType output_dtype(const OutputRule& o, const std::vector<c10::IValue>& args) {
+  if (o.rows || o.dtype == -2) return at::kFloat;
+  if (o.dtype >= 0) return args[o.dtype].toScalarType();
+  return args[o.source].toTensor().scalar_type();
+}
+
+// The op's CUDA kernel: arguments from the stack, outputs onto it.
+void run(const Program& p, torch::jit::Stack* stack) {
+  std::vector<c10::IValue> args(stack->end() - p.nargs, stack->end());
+  torch::jit::drop(*stack, p.nargs);
+  for (int i : p.dense)
+    if (args[i].isTensor() && !args[i].toTensor().is_contiguous())
+      args[i] = args[i].toTensor().contiguous();
+  const Tensor* first = nullptr;
+  for (int i : p.tensors)
+    if (args[i].isTensor()) {
+      first = &args[i].toTensor();
+      break;
+    }
+  const Tensor& rows = args[p.rows].toTensor();
+  auto [M, N] = rows_of(rows);
+  c10::OptionalDeviceGuard guard(cuda_device(rows));
+  uint64_t slots[kMaxSlots] = {};
+  std::vector<Tensor> outs;
+  outs.reserve(p.outputs.size());
+  for (size_t k = 0; k < p.outputs.size(); ++k) {
+    const OutputRule& o = p.outputs[k];
+    bool wanted = true;
+    for (int w : o.when) wanted = wanted && holds(args[w]);
+    Tensor t;
+    if (!wanted) {
+      t = at::empty({0}, first->options().dtype(o.rows ? at::kFloat : first->scalar_type()));
+    } else if (o.rows) {
+      t = at::empty({rows_of(args[o.source].toTensor()).first}, first->options().dtype(at::kFloat));
+    } else {
+      const Tensor& like = args[o.source].toTensor();
+      t = at::empty(like.sizes(), like.options().dtype(output_dtype(o, args)));
+    }
+    outs.push_back(std::move(t));
+  }
+  if (M > 0 && N > 0) {
+    uint64_t addresses = 0;
+    for (int i : p.tensors)
+      if (args[i].isTensor() && args[i].toTensor().numel()) {
+        slots[i] = ptr(args[i].toTensor());
+        addresses |= slots[i];
+      }
+    for (size_t k = 0; k < outs.size(); ++k)
+      if (outs[k].numel()) {
+        slots[p.nargs + k] = ptr(outs[k]);
+        addresses |= slots[p.nargs + k];
+      }
+    int m_slot = p.nargs + static_cast<int>(outs.size());
+    slots[m_slot] = static_cast<uint64_t>(M);
+    int8_t device = static_cast<int8_t>(rows.is_cuda() ? rows.get_device() : -1);
+    void* stream = current_stream(rows);
+    for (size_t l = 0; l < p.launches.size(); ++l) {
+      Key key;
+      key.launch = p.id + static_cast<int>(l), key.device = device;
+      for (const ValueSource& v : p.launches[l].values) {
+        const c10::IValue& a = v.position < p.nargs ? args[v.position] : c10::IValue();
+        uint64_t bits = 0;
+        switch (v.source) {
+          case ROWS_N: bits = static_cast<uint64_t>(N); break;
+          case DTYPE_OF:
+            bits = v.position < p.nargs
+                       ? dtype_bits(a)
+                       : static_cast<uint64_t>(dtype_code(outs[v.position - p.nargs].scalar_type()));
+            break;
+          case SCALAR_FLOAT: bits = std::bit_cast<uint64_t>(a.toDouble()); break;
+          case SCALAR_BOOL: bits = a.toBool(); break;
+          case SCALAR_INT: bits = static_cast<uint64_t>(a.toInt()); break;
+          case SCALAR_DTYPE: bits = dtype_bits(a); break;
+          case ALIGNED: bits = (addresses & 15) == 0; break;
+        }
+        key.values[key.count++] = bits;
+      }
+      const Record& r = record(p, static_cast<int>(l), key);
+      for (size_t i = 0; i < r.pointers.size(); ++i)
+        TORCH_CHECK_VALUE(slots[r.pointers[i]] != 0, p.name, ": kernel ", r.launch.name,
+                          "'s argument ", r.arg_names[i], " has no tensor");
+      const auto& k = r.launch;
+      int64_t groups = ceil_div(M, k.rows_per_block);
+      int64_t grid = (k.persistent ? std::min(groups, k.resident_clusters) : groups) * k.cluster;
+      launch(k, grid, slots, stream, device);
+    }
+  }
+  for (size_t k = 0; k < outs.size(); ++k)  // statistics of rows with no elements: undefined
+    if (p.outputs[k].rows && outs[k].numel() && args[p.outputs[k].source].toTensor().size(-1) == 0)
+      outs[k].fill_(NAN);
+  for (auto& t : outs) stack->emplace_back(std::move(t));
+}
+
+const Program& program_of(const c10::OperatorHandle& op) {
+  const auto& name = op.schema().name();
+  std::lock_guard<std::mutex> lock(g_programs_mutex);
+  auto it = g_programs.find(name);
+  TORCH_CHECK(it != g_programs.end(), "kbuild native: no program for ", name);
+  return *it->second;  // never erased: the reference outlives the lock
+}
+
+void boxed(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  run(program_of(op), stack);
+}
+
+// Registered from Python (opdef.py) as each eligible Op is declared: the Program, and the
+// boxed kernel for its CUDA key.
+void define(const std::string& ns, const std::string& name, py::dict spec) {
+  auto p = std::make_unique<Program>();
+  p->name = ns + "::" + name;
+  p->nargs = spec["nargs"].cast<int>();
+  p->tensors = spec["tensors"].cast<std::vector<int>>();
+  p->dense = spec["dense"].cast<std::vector<int>>();
+  p->rows = spec["rows"].cast<int>();
+  for (auto o : spec["outputs"]) {
+    auto t = o.cast<py::tuple>();
+    p->outputs.push_back({t[0].cast<bool>(), t[1].cast<int>(), t[2].cast<int>(),
+                          t[3].cast<std::vector<int>>()});
+  }
+  for (auto l : spec["launches"]) {
+    auto t = l.cast<py::tuple>();
+    Launch launch;
+    for (auto v : t[0]) {
+      auto pair = v.cast<std::pair<int, int>>();
+      launch.values.push_back({static_cast<Source>(pair.first), pair.second});
+    }
+    TORCH_CHECK(launch.values.size() <= kMaxValues, "kbuild native: ", p->name, " keys ",
+                launch.values.size(), " values, more than ", kMaxValues);
+    launch.resolve = t[1];
+    p->launches.push_back(std::move(launch));
+  }
+  TORCH_CHECK(p->nargs + static_cast<int>(p->outputs.size()) + 1 <= kMaxSlots, "kbuild native: ",
+              p->name, " has too many arguments and outputs");
+  {
+    std::lock_guard<std::mutex> lock(g_programs_mutex);
+    p->id = g_next_launch;
+    g_next_launch += static_cast<int>(p->launches.size());
+    TORCH_CHECK(!g_programs.count(p->name), "kbuild native: ", p->name, " is defined already");
+    g_programs.emplace(p->name, std::move(p));
+  }
+  // Never freed: a Library unregisters its kernels when destroyed.
+  auto* lib = new torch::Library(torch::Library::IMPL, ns, c10::DispatchKey::CUDA, __FILE__,
+                                 __LINE__);
+  lib->impl(name.c_str(), torch::CppFunction::makeFromBoxedFunction<&boxed>());
+}
+
+// Tests: the kernel run on CPU tensors (with the launch hook set), arguments from Python.
+py::object run_on(const std::string& name, py::list args) {
+  const auto& op = c10::Dispatcher::singleton().findSchemaOrThrow(name.c_str(), "");
+  torch::jit::Stack stack;
+  for (auto a : args) {  // the kinds an Op's arguments take
+    if (a.is_none()) stack.emplace_back();
+    else if (THPVariable_Check(a.ptr())) stack.emplace_back(THPVariable_Unpack(a.ptr()));
+    else if (PyBool_Check(a.ptr())) stack.emplace_back(a.cast<bool>());
+    else if (PyLong_Check(a.ptr())) stack.emplace_back(a.cast<int64_t>());
+    else if (PyFloat_Check(a.ptr())) stack.emplace_back(a.cast<double>());
+    else stack.emplace_back(a.cast<at::ScalarType>());
+  }
+  {
+    py::gil_scoped_release release;
+    run(program_of(op), &stack);
+  }
+  py::list outs;
+  for (auto& v : stack) outs.append(py::reinterpret_steal<py::object>(THPVariable_Wrap(v.toTensor())));
+  return py::tuple(outs);
+}
+
+}  // namespace kbuild::generic

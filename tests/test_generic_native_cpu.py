@@ -1,0 +1,311 @@
+"""The C++ generic kernel of ops declared with kbuild.Op (kbuild/native/generic.h), checked on
+CPU against the Python launch path (`Op._launch_cuda`): for the same call both must ask for
+the same kernels (specs), with the same grids and the same arguments (each pointer named by
+the tensor it belongs to), allocate the same outputs, and resolve each kernel once.
+
+The C++ kernel runs on CPU tensors through the extension's `run_generic` with the launch
+hook set (it records launches instead of calling the driver); both paths load kernels through
+a fake `launcher_for`. Catches: a value the C++ key drops or reads from the wrong argument (a
+stale kernel: eps, a dtype, the alignment bit), an argument slot pointing at the wrong tensor,
+a wrong grid, an output of the wrong shape or dtype or one not left empty, a key resolved on
+every call, a Python-computed binding sent to C++ (which cannot compute it).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kbuild.kernels.table import Arg, KernelDef, Param
+from kbuild.ops import custom_ops, opdef
+from kbuild.ops.opdef import Feature, Launch, Op, Out, Rows, Scalar, eps
+
+NATIVE = custom_ops.NATIVE
+pytestmark = pytest.mark.skipif(NATIVE is None, reason="the C++ extension is unavailable")
+
+# A row kernel with what the norms' have: an optional weight and its dtype, a stored
+# statistic, a float, a dtype parameter, the alignment bit and a default left alone.
+NORMISH = KernelDef(
+    "generic_test_norm",
+    "tests.nowhere:build",  # never compiled here
+    (
+        Param("N", "int"),
+        Param("dtype", "dtype"),
+        Param("weight_dtype", "dtype?"),
+        Param("store_stats", "bool"),
+        Param("eps", "float"),
+        Param("out_dtype", "dtype"),
+        Param("vectorize", "bool", True, vectors_of=("dtype",)),
+        Param("unroll", "int", 2),
+    ),
+    (
+        Arg("x"),
+        Arg("weight", when="weight_dtype"),
+        Arg("y"),
+        Arg("stats", when="store_stats"),
+        Arg("M", "i64"),
+    ),
+)
+
+
+def _declare() -> Op:
+    name = "kbuild_generic_test::norm"
+    if name in opdef.DEFINED:
+        return opdef.DEFINED[name]
+    return Op(
+        name,
+        args=(
+            Rows("x"),
+            Feature("weight"),
+            Scalar("out_dtype", "dtype"),
+            eps(1e-6),
+            Scalar("store_stats", "bool", False),
+        ),
+        outputs=(
+            Out("y", like="x", dtype="out_dtype"),
+            Out("stats", rows="x", when="store_stats"),
+        ),
+        launch=Launch(NORMISH),
+        reference=lambda x, weight, out_dtype, eps, store_stats: (
+            x.to(out_dtype),
+            x.float().mean(-1),
+        ),
+    )
+
+
+NORM = _declare()
+
+
+class FakeLauncher:
+    """What both paths read of a loaded kernel; calling it records a Python-path launch."""
+
+    def __init__(self, log, spec, names, persistent):
+        self.log, self.spec, self.names = log, spec, names
+        self.function_handle, self.block, self.dynamic_shared = 0, 128, 0
+        self.cluster, self.rows_per_block, self.resident_clusters = 2, 3, 4
+        self.meta = {"grid": "persistent"} if persistent else {}
+
+    def __call__(self, grid, stream, *args):
+        self.log.append(("py", self.spec.short(), grid, list(args)))
+
+
+@pytest.fixture
+def paths(monkeypatch):
+    """Both paths behind one fake tier; yields (log, resolved kernels, persistent switch)."""
+    log, resolved, persistent = [], [], {"on": False}
+
+    def launcher_for(kernel, device, values):
+        spec = kernel.spec(*values)
+        resolved.append(spec.short())
+        return FakeLauncher(log, spec, kernel.arg_names(spec), persistent["on"])
+
+    monkeypatch.setattr(opdef, "launcher_for", launcher_for)
+    monkeypatch.setattr(opdef, "stream_of", lambda device: 0)
+    monkeypatch.setattr(opdef, "device_guard", lambda t: torch.no_grad())
+    NATIVE.clear_records()
+    NATIVE.set_launch_hook(lambda name, grid, args: log.append(("cpp", name, grid, list(args))))
+    yield log, resolved, persistent
+    NATIVE.set_launch_hook(None)
+    NATIVE.clear_records()
+
+
+def _named(launches, tensors):
+    """Launches with pointers named by the tensor they are the address of ("copy" for one
+    made inside the call; ints as they are)."""
+    names = {
+        t.data_ptr(): name
+        for name, t in tensors.items()
+        if isinstance(t, torch.Tensor) and t.numel()
+    }
+
+    def name(a):  # an address no tensor given has: a copy the call made (M is small)
+        return names.get(a, "copy" if a > 1 << 32 else a)
+
+    return [(spec, grid, [name(a) for a in args]) for _, spec, grid, args in launches]
+
+
+def _both(op, args, log):
+    """(C++ launches, Python launches, C++ outputs, Python outputs) for one call."""
+    cpp_out = NATIVE.run_generic(op.name, list(args))
+    cpp, log[:] = list(log), []
+    py_out = op._launch_cuda(*args)
+    py_out = (py_out,) if isinstance(py_out, torch.Tensor) else py_out
+    py, log[:] = list(log), []
+    inputs = dict(zip(op.arg_names, args, strict=True))
+    outputs = [o.name for o in op.outputs]
+    cpp_named = _named(cpp, {**inputs, **dict(zip(outputs, cpp_out, strict=True))})
+    py_named = _named(py, {**inputs, **dict(zip(outputs, py_out, strict=True))})
+    return cpp_named, py_named, cpp_out, py_out
+
+
+def _aligned(shape, dtype):
+    return torch.randn(shape).to(dtype)
+
+
+def _misaligned(shape, dtype):
+    n = 1
+    for s in shape:
+        n *= s
+    return torch.randn(n + 1).to(dtype)[1:].view(shape)
+
+
+CASES = [
+    # (M, N, x dtype, weight dtype or None, store_stats, eps, out dtype, x maker)
+    (5, 64, torch.bfloat16, torch.bfloat16, True, 1e-6, torch.bfloat16, _aligned),
+    (5, 64, torch.bfloat16, torch.float32, False, 1e-5, torch.float32, _aligned),
+    (7, 24, torch.float16, None, True, 0.0, torch.float16, _aligned),
+    (7, 24, torch.float32, None, False, 1e-2, torch.bfloat16, _misaligned),
+    (3, 8, torch.bfloat16, torch.bfloat16, True, 1e-6, torch.bfloat16, _misaligned),
+]
+
+
+@pytest.mark.parametrize("persistent", [False, True], ids=["rows", "persistent"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}x{c[1]}-{c[2]}-{c[3]}-{c[4]}")
+def test_same_launches_and_outputs_as_the_python_path(paths, case, persistent):
+    log, _, switch = paths
+    switch["on"] = persistent
+    M, N, dtype, wdtype, store, eps_, out_dtype, make = case
+    x = make((M, N), dtype)
+    w = None if wdtype is None else torch.randn(N).to(wdtype)
+    args = (x, w, out_dtype, eps_, store)
+    cpp, py, cpp_out, py_out = _both(NORM, args, log)
+    assert cpp == py and len(cpp) == 1
+    spec, grid, named = cpp[0]
+    groups = -(-M // 3)
+    assert grid == (min(groups, 4) if persistent else groups) * 2
+    assert named == ["x", *(["weight"] if w is not None else []), "y",
+                     *(["stats"] if store else []), M]  # fmt: skip
+    assert f"eps={eps_!r}" in spec or (eps_ == 0.0 and "eps=0.0" in spec)
+    for a, b in zip(cpp_out, py_out, strict=True):
+        assert (a.shape, a.dtype, a.is_contiguous()) == (b.shape, b.dtype, b.is_contiguous())
+
+
+def test_outputs_not_wanted_and_rows_without_elements(paths):
+    """No launch for M = 0 or N = 0; a statistic of rows with no elements is NaN, an
+    unwanted one empty fp32 (the Python path's, the fake's)."""
+    log, _, _ = paths
+    for shape in ((0, 16), (4, 0)):
+        x = torch.zeros(shape, dtype=torch.bfloat16)
+        for store in (False, True):
+            cpp, py, cpp_out, py_out = _both(NORM, (x, None, torch.bfloat16, 1e-6, store), log)
+            assert cpp == py == []
+            for a, b in zip(cpp_out, py_out, strict=True):
+                assert (a.shape, a.dtype) == (b.shape, b.dtype)
+                assert torch.equal(a.isnan(), b.isnan())
+            if store and shape[1] == 0:
+                assert cpp_out[1].shape == (4,) and cpp_out[1].isnan().all()
+            if not store:
+                assert cpp_out[1].shape == (0,) and cpp_out[1].dtype == torch.float32
+
+
+def test_a_strided_input_is_read_as_a_dense_copy(paths):
+    log, _, _ = paths
+    x = torch.randn(16, 8).to(torch.bfloat16).t()  # (8, 16), not contiguous
+    cpp, py, _, _ = _both(NORM, (x, None, torch.bfloat16, 1e-6, False), log)
+    assert cpp == py
+    assert cpp[0][2] == ["copy", "y", 8]  # a dense copy's address, not x's
+
+
+def test_each_key_resolves_once_and_every_value_splits_it(paths):
+    """A second call asks Python for nothing; each value the key holds (eps by its bits, a
+    dtype, the weight's presence, the flag, the alignment bit) makes a kernel of its own."""
+    log, resolved, _ = paths
+    x = _aligned((4, 64), torch.bfloat16)
+    w = torch.randn(64).to(torch.bfloat16)
+    base = [x, w, torch.bfloat16, 1e-6, True]
+    NATIVE.run_generic(NORM.name, base)
+    NATIVE.run_generic(NORM.name, base)
+    assert len(resolved) == 1 and NATIVE.generic_record_count() == 1
+    above = float(torch.nextafter(torch.tensor(1e-6, dtype=torch.float64),
+                                  torch.tensor(1.0, dtype=torch.float64)))  # fmt: skip
+    variants = [
+        [x, w, torch.bfloat16, above, True],
+        [x, None, torch.bfloat16, 1e-6, True],
+        [x, w.float(), torch.bfloat16, 1e-6, True],
+        [x, w, torch.bfloat16, 1e-6, False],
+        [x, w, torch.float32, 1e-6, True],
+        [_misaligned((4, 64), torch.bfloat16), w, torch.bfloat16, 1e-6, True],
+        [x.float(), w, torch.bfloat16, 1e-6, True],
+    ]
+    for i, args in enumerate(variants, 2):
+        NATIVE.run_generic(NORM.name, args)
+        assert NATIVE.generic_record_count() == i, args
+    assert len(set(resolved)) == len(resolved) == 1 + len(variants)
+
+
+def _example():
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    try:
+        import custom_softmax
+    finally:
+        sys.path.pop(0)
+    return custom_softmax
+
+
+def test_the_example_softmax_runs_on_the_generic_kernel(paths):
+    """The example's two ops are all declarations: their CUDA kernel is the C++ one (no
+    Python per call), and it launches what the Python path launches."""
+    log, _, _ = paths
+    ex = _example()
+    assert ex.softmax.generic_native and ex.softmax.backward.generic_native
+    x = _aligned((6, 256), torch.bfloat16)
+    cpp, py, (y,), _ = _both(ex.softmax, (x,), log)
+    assert cpp == py and cpp[0][2] == ["x", "y", 6]
+    dy = _aligned((6, 256), torch.bfloat16)
+    cpp, py, _, _ = _both(ex.softmax.backward, (y, dy), log)
+    assert cpp == py and cpp[0][2] == ["y", "dy", "dx", 6]
+    dump = torch._C._dispatch_dump("user_softmax::softmax")
+    cuda = [line for line in dump.splitlines() if line.startswith("CUDA")]
+    assert cuda and "generic.h" in cuda[0], dump
+
+
+def test_a_value_python_computes_keeps_the_python_launch():
+    """Launch(values=...) is a Python function of the call: the op's CUDA kernel stays the
+    Python launch path (C++ cannot compute it), and says so."""
+    name = "kbuild_generic_test::computed"
+    op = opdef.DEFINED.get(name) or Op(
+        name,
+        args=(Rows("x"), Feature("weight")),
+        outputs=(Out("y", like="x"), Out("stats", rows="x")),
+        launch=Launch(
+            NORMISH,
+            values={
+                "store_stats": lambda b: True,
+                "eps": lambda b: 0.5,
+                "out_dtype": lambda b: "f32",
+            },
+        ),
+        reference=lambda x, weight: (x, x.float().mean(-1)),
+    )
+    assert op.native_program() is None and not op.generic_native
+    dump = torch._C._dispatch_dump(name).splitlines()
+    cuda = [line for line in dump if line.startswith("CUDA")]
+    assert cuda and "generic.h" not in cuda[0]
+
+
+def test_a_pointer_without_a_tensor_is_an_error_naming_it(paths, monkeypatch):
+    """A kernel asking for a tensor the call did not give (a declaration where the table's
+    `when` and the op's optional tensor disagree) must raise, not pass a null pointer."""
+    log, _, _ = paths
+    always = KernelDef(
+        "generic_test_always_weight",
+        "tests.nowhere:build",
+        NORMISH.params,
+        (Arg("x"), Arg("weight"), Arg("y"), Arg("stats", when="store_stats"), Arg("M", "i64")),
+    )
+    name = "kbuild_generic_test::always_weight"
+    op = opdef.DEFINED.get(name) or Op(
+        name,
+        args=NORM.args,
+        outputs=NORM.outputs,
+        launch=Launch(always),
+        reference=NORM.reference,
+    )
+    args = [_aligned((2, 8), torch.float32), None, torch.float32, 1e-6, False]
+    with pytest.raises(ValueError, match="argument weight has no tensor"):
+        NATIVE.run_generic(name, args)
+    with pytest.raises(ValueError, match="argument weight has no tensor"):
+        op._launch_cuda(*args)
