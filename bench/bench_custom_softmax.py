@@ -6,10 +6,11 @@ shapes its acceptance names, copy bandwidth measured in the same run.
 
 Bytes (what must move): the forward reads x and writes y; the backward reads y and dy and
 writes dx; forward + backward through autograd, as users call it, moves both. "op" is the
-custom op called as users call it (torch's dispatcher, then kbuild.launch); "kernel" the
-kbuild.launch alone; torch's backward is `torch._softmax_backward_data`, what its autograd
-runs. Backward and autograd rows record the kernels' device time (profiler) and the events
-around each call.
+op called as users call it (kbuild.Op: its checks, torch's dispatcher, then the C++ generic
+kernel, kbuild/native/generic.h); "python launch" the op's Python launch path (what runs
+where the C++ extension cannot be built); torch's backward is `torch._softmax_backward_data`,
+what its autograd runs. Backward and autograd rows record the kernels' device time
+(profiler) and the events around each call.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ def cases_for(M: int, N: int) -> tuple[list[Case], list[Case]]:
         2 * size,
         {
             "kbuild op": lambda: user.softmax(x),
-            "kbuild kernel": lambda: user._launch(user.build_softmax_fwd, x),
+            "kbuild python launch": lambda: user.softmax._launch_cuda(x),
             "torch": lambda: torch.softmax(x, -1),
         },
     )
@@ -56,7 +57,8 @@ def cases_for(M: int, N: int) -> tuple[list[Case], list[Case]]:
         (M, N),
         3 * size,
         {
-            "kbuild op": lambda: user.softmax_backward(y, dy),
+            "kbuild op": lambda: user.softmax.backward(y, dy),
+            "kbuild python launch": lambda: user.softmax.backward._launch_cuda(y, dy),
             "torch": lambda: torch._softmax_backward_data(dy, y, -1, torch.bfloat16),
         },
     )
@@ -71,7 +73,8 @@ def cases_for(M: int, N: int) -> tuple[list[Case], list[Case]]:
     )
     checks = (
         (user.softmax(x), y),
-        (user.softmax_backward(y, dy), torch._softmax_backward_data(dy, y, -1, x.dtype)),
+        (user.softmax.backward(y, dy), torch._softmax_backward_data(dy, y, -1, x.dtype)),
+        (user.softmax._launch_cuda(x), y),
     )
     for got, want in checks:  # a fast wrong kernel must not pass for a result
         scale = max(1.0, want.float().abs().max().item())
