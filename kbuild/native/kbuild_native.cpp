@@ -1,7 +1,7 @@
 // kbuild's hot path in C++: the CUDA and Autograd kernels of the kbuild::* operators.
 //
 // The operators' schemas, CPU kernels (the torch reference) and fake kernels are defined in
-// Python (kbuild/ops/custom_ops.py). This library adds, for CUDA tensors, the launches of the
+// Python, each operator declared once (kbuild.Op: kbuild/ops/opdef.py, custom_ops.py). This library adds, for CUDA tensors, the launches of the
 // cached kernels by handle, and for every device the autograd formulas, so an eager training
 // step calls the kernels without entering Python after the first call per shape:
 //
@@ -24,7 +24,9 @@
 //
 // One translation unit in parts, included below in order: launch.h (slots, keys, the driver,
 // records and launch shapes), norms.h (the norms' CUDA kernels and autograd), entries.h (the
-// norms' public entries), llmc.h (kbuild::bias_grad and kbuild.linear).
+// norms' public entries), llmc.h (kbuild::bias_grad and kbuild.linear), generic.h (the one
+// CUDA kernel of every op declared with kbuild.Op whose launches bind by name: a program per
+// op, registered at its declaration; no C++ per op).
 //
 // No CUDA headers or libraries at build time: the driver entry points come from libcuda.so.1
 // at first launch and the current stream from c10's device-guard interface, so the same
