@@ -45,8 +45,9 @@ def check_like(
     return t
 
 
-def check_param(name: str, p: object, x: torch.Tensor) -> torch.Tensor | None:
-    """A per-feature parameter (weight, bias): None, or (N,) of x's dtype or fp32 on x's device."""
+def check_param(name: str, p: object, x: torch.Tensor, x_name: str = "x") -> torch.Tensor | None:
+    """A per-feature parameter (weight, bias): None, or (N,) of x's dtype or fp32 on x's device
+    (`x_name`: what the messages call x)."""
     if p is None:
         return None
     if (
@@ -67,12 +68,15 @@ def check_param(name: str, p: object, x: torch.Tensor) -> torch.Tensor | None:
     n = x.shape[-1]
     if p.shape != (n,):
         raise ValueError(
-            f"{name} must have shape ({n},) to match x's last dimension; got {tuple(p.shape)}"
+            f"{name} must have shape ({n},) to match {x_name}'s last dimension; got "
+            f"{tuple(p.shape)}"
         )
     if p.dtype is not x.dtype and p.dtype is not torch.float32:
-        raise TypeError(f"{name} must have x's dtype ({x.dtype}) or torch.float32; got {p.dtype}")
+        raise TypeError(
+            f"{name} must have {x_name}'s dtype ({x.dtype}) or torch.float32; got {p.dtype}"
+        )
     if p.device != x.device:
-        raise ValueError(f"{name} must be on x's device {x.device}; got {p.device}")
+        raise ValueError(f"{name} must be on {x_name}'s device {x.device}; got {p.device}")
     return contiguous(p)  # kernels read it as a dense (N,) array (a strided view would not be)
 
 
