@@ -18,10 +18,10 @@ from __future__ import annotations
 import torch
 
 from .. import native
+from . import opdef
 from .autograd import _fused_backward, _layernorm_backward, _rmsnorm_backward
 from .common import device_guard
 from .layernorm import layernorm_fwd, layernorm_reference
-from . import opdef
 from .opdef import Feature, Like, Op, Out, Rows, Scalar, Tensors, eps
 from .rmsnorm import fused_add_rmsnorm_fwd, rmsnorm_fwd, rmsnorm_reference
 

@@ -28,6 +28,20 @@ def launcher_for(kernel: KernelDef, device: int, values: tuple[Scalar, ...]):
     return launcher
 
 
+def record_fields(launcher) -> dict:
+    """What the C++ launches keep of a loaded kernel (native/launch.h and generic.h `Record`):
+    the driver's function, block, shared memory and the grid's shape."""
+    return dict(
+        function_handle=launcher.function_handle,
+        block=launcher.block,
+        shared=launcher.dynamic_shared,
+        cluster=launcher.cluster,
+        rows_per_block=launcher.rows_per_block,
+        resident_clusters=launcher.resident_clusters,
+        persistent=launcher.meta.get("grid") == "persistent",
+    )
+
+
 def launch_kernel(
     definition: KernelDef, grid, *args: torch.Tensor | int, stream: int | None = None, **params
 ) -> None:

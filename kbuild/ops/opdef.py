@@ -59,7 +59,7 @@ from .common import (
     row_count,
     stream_of,
 )
-from .launch import launcher_for
+from .launch import launcher_for, record_fields
 
 _REQUIRED = object()
 _LIBRARIES: dict[str, torch.library.Library] = {}  # kept alive: a dropped Library unregisters
@@ -411,13 +411,7 @@ class _Binding:
             slots = [m_slot if name == "M" else position[name] for name in launcher.names]
             named = [(name, position[name]) for name in launcher.names if name != "M"]
             return NativeRecord(
-                function_handle=launcher.function_handle,
-                block=launcher.block,
-                shared=launcher.dynamic_shared,
-                cluster=launcher.cluster,
-                rows_per_block=launcher.rows_per_block,
-                resident_clusters=launcher.resident_clusters,
-                persistent=launcher.meta.get("grid") == "persistent",
+                **record_fields(launcher),
                 name=self.kernel.spec(*values).short(),
                 slots=slots,
                 pointers=[slot for _, slot in named],

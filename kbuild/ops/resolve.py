@@ -21,7 +21,7 @@ from ..kernels.table import KERNELS as TABLE
 from ..kernels.table import KernelDef
 from ..spec import Scalar
 from . import encoder
-from .launch import launcher_for
+from .launch import launcher_for, record_fields
 
 # The extension's kernel codes, in order (its `kernel_names`; a test compares them).
 NATIVE_KERNELS = (
@@ -80,13 +80,7 @@ def launch_record(launcher, name: str, units: int = 1) -> Record:
     if missing:  # e.g. a trace build: the hot path launches production kernels only
         raise ValueError(f"kbuild native: no argument slot for {missing} of {launcher.names}")
     return Record(
-        function_handle=launcher.function_handle,
-        block=launcher.block,
-        shared=launcher.dynamic_shared,
-        cluster=launcher.cluster,
-        rows_per_block=launcher.rows_per_block,
-        resident_clusters=launcher.resident_clusters,
-        persistent=launcher.meta.get("grid") == "persistent",
+        **record_fields(launcher),
         columns_per_block=int(launcher.meta.get("columns_per_block", 1)),
         slots=tuple(SLOTS[name] for name in launcher.names),
         name=name,
