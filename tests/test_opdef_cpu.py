@@ -90,9 +90,20 @@ def meta(t: torch.Tensor) -> tuple:
 # ----------------------------------------------------------------------------- a CPU "device"
 
 
+# address -> the bytes from it to the end of its storage, for every data_ptr() taken while the
+# `device` fixture is on: how far a stand-in kernel may reach from a pointer it is given.
+EXTENTS: dict[int, int] = {}
+
+
 def at(address: int, shape, dtype: torch.dtype) -> torch.Tensor:
-    """The dense tensor a kernel sees at `address` (read and written in place)."""
+    """The dense tensor a kernel sees at `address` (read and written in place). Refused past
+    the storage of the tensor that gave the address: a pointer or a row count bound wrongly
+    must fail the test, not write over the heap."""
     size = math.prod(shape) * dtype.itemsize
+    if size > EXTENTS.get(address, 0):
+        raise AssertionError(
+            f"a kernel would reach {size} bytes from {address:#x}, past its tensor"
+        )
     return torch.frombuffer((ctypes.c_char * size).from_address(address), dtype=dtype).view(shape)
 
 
@@ -151,8 +162,18 @@ class FakeDevice:
 
 @pytest.fixture
 def device(monkeypatch) -> FakeDevice:
-    """Every launch of opdef goes to a FakeDevice: nothing touches CUDA."""
+    """Every launch of opdef goes to a FakeDevice: nothing touches CUDA. Every address a
+    tensor hands out is noted with its extent (EXTENTS), for `at`."""
     fake = FakeDevice()
+    real_data_ptr = torch.Tensor.data_ptr
+
+    def data_ptr(t: torch.Tensor) -> int:
+        address, storage = real_data_ptr(t), t.untyped_storage()
+        EXTENTS[address] = storage.data_ptr() + storage.nbytes() - address
+        return address
+
+    EXTENTS.clear()
+    monkeypatch.setattr(torch.Tensor, "data_ptr", data_ptr)
     monkeypatch.setattr(opdef, "launcher_for", fake.launcher_for)
     monkeypatch.setattr(opdef, "device_guard", fake.guard)
     monkeypatch.setattr(opdef, "stream_of", lambda index: STREAM)
@@ -715,6 +736,23 @@ def test_gradients_go_by_name_to_the_inputs_that_want_them(dtype, x_grad, w_grad
     with torch.no_grad():
         dx, dw = y.grad_fn.apply(gy, gms)[:2]  # what the formula returns, input by input
     assert (dx is None) == (not x_grad) and (dw is None) == (not w_grad)
+
+
+def test_an_input_that_wants_no_gradient_gets_none_even_if_computed():
+    """The derived formula returns None for an input that wants no gradient even where the
+    backward op computes one regardless (no `when` on its outputs): the formula's own filter,
+    not the backward op's flags, decides what reaches autograd."""
+    both = Op(fresh("add_backward"), args=(Rows("dy"),),
+              outputs=(Out("dx", like="dy"), Out("du", like="dy")),
+              reference=lambda dy: (dy * 1, dy * 2), cuda=never_runs)  # fmt: skip
+    add = Op(fresh("add"), args=(Rows("x"), Rows("u")), outputs=(Out("y", like="x"),),
+             reference=lambda x, u: x + 2 * u, cuda=never_runs, backward=both)  # fmt: skip
+    x, u = randn((3, N), seed=1), randn((3, N), seed=2).requires_grad_()
+    y = add(x, u)
+    gy = randn(y.shape, seed=3)
+    with torch.no_grad():
+        dx, du = y.grad_fn.apply(gy)[:2]
+    assert dx is None and torch.equal(du, 2 * gy)
 
 
 def test_an_unused_statistic_gets_no_gradient_term():
