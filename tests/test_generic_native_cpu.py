@@ -67,11 +67,13 @@ def _declare() -> Op:
         outputs=(
             Out("y", like="x", dtype="out_dtype"),
             Out("stats", rows="x", when="store_stats"),
+            Out("dw", like="weight", when="weight"),  # not the kernel's: a sum over rows
         ),
         launch=Launch(NORMISH),
         reference=lambda x, weight, out_dtype, eps, store_stats: (
             x.to(out_dtype),
             x.float().mean(-1),
+            None if weight is None else x.float().sum(0).to(weight.dtype),
         ),
     )
 
@@ -183,18 +185,31 @@ def test_same_launches_and_outputs_as_the_python_path(paths, case, persistent):
         assert (a.shape, a.dtype, a.is_contiguous()) == (b.shape, b.dtype, b.is_contiguous())
 
 
-def test_outputs_not_wanted_and_rows_without_elements(paths):
+@pytest.fixture
+def deterministic():
+    """torch.empty filled with NaN (deterministic mode): uninitialised outputs show."""
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    yield
+    torch.use_deterministic_algorithms(was)
+
+
+def test_outputs_not_wanted_and_rows_without_elements(paths, deterministic):
     """No launch for M = 0 or N = 0; a statistic of rows with no elements is NaN, an
-    unwanted one empty fp32 (the Python path's, the fake's)."""
+    unwanted one empty fp32 (the Python path's, the fake's), and with no rows an (N,) output
+    (a parameter's gradient, a sum over no rows) is zeros, not uninitialised memory."""
     log, _, _ = paths
     for shape in ((0, 16), (4, 0)):
         x = torch.zeros(shape, dtype=torch.bfloat16)
+        w = torch.ones(shape[1], dtype=torch.bfloat16)
         for store in (False, True):
-            cpp, py, cpp_out, py_out = _both(NORM, (x, None, torch.bfloat16, 1e-6, store), log)
+            cpp, py, cpp_out, py_out = _both(NORM, (x, w, torch.bfloat16, 1e-6, store), log)
             assert cpp == py == []
             for a, b in zip(cpp_out, py_out, strict=True):
                 assert (a.shape, a.dtype) == (b.shape, b.dtype)
                 assert torch.equal(a.isnan(), b.isnan())
+            if shape[0] == 0:
+                assert torch.equal(cpp_out[2], torch.zeros(16, dtype=torch.bfloat16))
             if store and shape[1] == 0:
                 assert cpp_out[1].shape == (4,) and cpp_out[1].isnan().all()
             if not store:

@@ -239,9 +239,13 @@ void run(const Program& p, torch::jit::Stack* stack) {
       launch(k, grid, slots, stream, device);
     }
   }
-  for (size_t k = 0; k < outs.size(); ++k)  // statistics of rows with no elements: undefined
-    if (p.outputs[k].rows && outs[k].numel() && args[p.outputs[k].source].toTensor().size(-1) == 0)
-      outs[k].fill_(NAN);
+  for (size_t k = 0; k < outs.size(); ++k) {
+    if (!outs[k].numel()) continue;
+    if (p.outputs[k].rows && args[p.outputs[k].source].toTensor().size(-1) == 0)
+      outs[k].fill_(NAN);  // statistics of rows with no elements: undefined
+    else if (M == 0)
+      outs[k].zero_();  // nothing launched: a (N,) output (a dw) is a sum over no rows
+  }
   for (auto& t : outs) stack->emplace_back(std::move(t));
 }
 

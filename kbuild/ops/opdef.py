@@ -783,8 +783,9 @@ class Op:
 
     def native_program(self) -> dict | None:
         """The op as the C++ generic kernel runs it (kbuild/native/generic.h `define`), or
-        None where part of it is Python's (a `cuda` function, a computed value or shape)."""
-        if self._cuda is not None or not self.launches:
+        None where part of it is Python's (a `cuda` function, a `check`, a computed value or
+        shape)."""
+        if self._cuda is not None or not self.launches or self._check_more is not None:
             return None
         if any(o.shape is not None for o in self.outputs):
             return None
