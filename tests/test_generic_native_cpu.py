@@ -21,6 +21,7 @@ import torch
 
 from kbuild.kernels.table import Arg, KernelDef, Param
 from kbuild.ops import custom_ops, opdef
+from kbuild.ops.common import DTYPE_NAMES
 from kbuild.ops.opdef import Feature, Launch, Op, Out, Rows, Scalar, eps
 
 NATIVE = custom_ops.NATIVE
@@ -324,3 +325,34 @@ def test_a_pointer_without_a_tensor_is_an_error_naming_it(paths, monkeypatch):
         NATIVE.run_generic(name, args)
     with pytest.raises(ValueError, match="argument weight has no tensor"):
         op._launch_cuda(*args)
+
+
+# A row kernel whose output dtype is a parameter of its own (a cast): the op's optional dtype
+# scalar picks it, None meaning x's dtype (Out's rule, the fake's and the Python path's).
+CAST = KernelDef(
+    "generic_test_cast",
+    "tests.nowhere:build",
+    (Param("N", "int"), Param("dtype", "dtype"), Param("y_dtype", "dtype")),
+    (Arg("x"), Arg("y"), Arg("M", "i64")),
+)
+
+
+def test_an_output_dtype_argument_of_none_is_the_like_tensors_dtype(paths):
+    """Out(dtype=<an optional dtype scalar>) given None is allocated in its `like` tensor's
+    dtype, on both paths: the C++ kernel read None as a dtype (an internal assert of torch's)."""
+    log, _, _ = paths
+    name = "kbuild_generic_test::cast"
+    op = opdef.DEFINED.get(name) or Op(
+        name,
+        args=(Rows("x"), Scalar("out_dtype", "dtype", None, optional=True)),
+        outputs=(Out("y", like="x", dtype="out_dtype"),),
+        launch=Launch(CAST),
+        reference=lambda x, out_dtype: x.to(out_dtype or x.dtype),
+    )
+    assert op.generic_native
+    x = _aligned((4, 16), torch.bfloat16)
+    for out_dtype, want in ((None, torch.bfloat16), (torch.float32, torch.float32)):
+        cpp, py, (a,), (b,) = _both(op, (x, out_dtype), log)
+        assert cpp == py and cpp[0][2] == ["x", "y", 4]
+        assert a.dtype == b.dtype == want and a.shape == b.shape == x.shape
+        assert f"y_dtype={DTYPE_NAMES[want]}" in cpp[0][0]

@@ -35,6 +35,7 @@ struct OutputRule {
   bool rows = false;     // one fp32 value per row of `source`, else `source`'s shape
   int source = 0;        // argument position
   int dtype = -1;        // -1: the source's dtype, -2: float32, k >= 0: the dtype argument k
+                         // (the source's where it is None)
   std::vector<int> when; // arguments that must all hold (a tensor given, true, not None)
 };
 
@@ -154,7 +155,8 @@ const Record& record(const Program& p, int index, const Key& key) {
 
 at::ScalarType output_dtype(const OutputRule& o, const std::vector<c10::IValue>& args) {
   if (o.rows || o.dtype == -2) return at::kFloat;
-  if (o.dtype >= 0) return args[o.dtype].toScalarType();
+  // A dtype argument of None (an optional one): the source's dtype, as opdef.py's Out has it.
+  if (o.dtype >= 0 && !args[o.dtype].isNone()) return args[o.dtype].toScalarType();
   return args[o.source].toTensor().scalar_type();
 }
 
