@@ -356,3 +356,27 @@ def test_an_output_dtype_argument_of_none_is_the_like_tensors_dtype(paths):
         assert cpp == py and cpp[0][2] == ["x", "y", 4]
         assert a.dtype == b.dtype == want and a.shape == b.shape == x.shape
         assert f"y_dtype={DTYPE_NAMES[want]}" in cpp[0][0]
+
+
+def test_an_optional_scalar_keying_a_kernel_keeps_the_python_launch(paths):
+    """An optional float (or int, bool) scalar given None has no bits in the C++ key: the C++
+    kernel read None as a double (torch's internal assert, "please report a bug to PyTorch").
+    Such an op keeps the Python launch path, where the table's check names the parameter."""
+    name = "kbuild_generic_test::optional_eps"
+    op = opdef.DEFINED.get(name) or Op(
+        name,
+        args=(
+            Rows("x"),
+            Feature("weight"),
+            Scalar("out_dtype", "dtype"),
+            Scalar("eps", "float", None, optional=True),
+            Scalar("store_stats", "bool", False),
+        ),
+        outputs=NORM.outputs,
+        launch=Launch(NORMISH),
+        reference=NORM.reference,
+    )
+    assert op.native_program() is None and not op.generic_native
+    x = _aligned((4, 16), torch.bfloat16)
+    with pytest.raises(TypeError, match="eps must be float, got None"):
+        op._launch_cuda(x, None, torch.bfloat16, None, False)

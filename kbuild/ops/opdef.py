@@ -358,10 +358,7 @@ class _Binding:
             return ("dtype_of", rows), lambda bound, aligned: DTYPE_NAMES[bound[rows].dtype]
         if name.endswith("_dtype") and name[: -len("_dtype")] in tensors:
             t = name[: -len("_dtype")]
-            return (
-                "dtype_of",
-                t,
-            ), lambda bound, aligned: None if bound[t] is None else DTYPE_NAMES[bound[t].dtype]
+            return ("dtype_of", t), lambda bound, aligned: dtype_name(bound[t])
         if name in scalars:
             if scalars[name].kind == "dtype":
                 return ("scalar", name), lambda bound, aligned: DTYPE_NAMES.get(bound[name])
@@ -379,7 +376,8 @@ class _Binding:
     def native(self, op: Op) -> tuple[list[tuple[int, int]], Callable] | None:
         """The launch as the C++ generic kernel runs it: the varying values' sources (kind
         code and argument position, generic.h `Source`) and its resolver; None where a value
-        or an argument is computed by a Python function, or the grid is not the rows grid."""
+        or an argument is computed by a Python function, a value is an optional scalar other
+        than a dtype, or the grid is not the rows grid."""
         if self.launch.ints or self.launch.grid is not rows_grid:
             return None
         if any(source[0] == "call" for source in self.sources):
@@ -395,6 +393,10 @@ class _Binding:
                 codes.append((_DTYPE_OF, position[source[1]]))
             elif kind == "scalar":
                 scalar = op.scalars[source[1]]
+                if scalar.optional and scalar.kind != "dtype":
+                    # None has no bits in the C++ key (only a dtype has a None code): the
+                    # Python path hands it to the table, whose check names the parameter.
+                    return None
                 codes.append((_SCALAR_CODES[scalar.kind], position[source[1]]))
             elif kind == "aligned":
                 codes.append((_ALIGNED, 0))
