@@ -358,7 +358,10 @@ class _Binding:
             return ("dtype_of", rows), lambda bound, aligned: DTYPE_NAMES[bound[rows].dtype]
         if name.endswith("_dtype") and name[: -len("_dtype")] in tensors:
             t = name[: -len("_dtype")]
-            return ("dtype_of", t), lambda bound, aligned: dtype_name(bound[t])
+            return (
+                "dtype_of",
+                t,
+            ), lambda bound, aligned: None if bound[t] is None else DTYPE_NAMES[bound[t].dtype]
         if name in scalars:
             if scalars[name].kind == "dtype":
                 return ("scalar", name), lambda bound, aligned: DTYPE_NAMES.get(bound[name])
