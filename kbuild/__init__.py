@@ -17,10 +17,11 @@ __version__ = "0.1.0"
 # `launch`, which is torch's.
 _DECLARE = {"Arg": "kernels.table", "Param": "kernels.table", "kernel": "kernels.declare"}
 # Describing an op (kbuild/ops/opdef.py): torch's.
-_OPDEF = ("Feature", "Launch", "Like", "Op", "Out", "Rows", "Scalar", "Tensors")
+_OPDEF = ("Feature", "Ids", "Launch", "Like", "Op", "Out", "Rows", "Scalar", "Tensors")
 __all__ = [
     "Arg",
     "Feature",
+    "Ids",
     "Launch",
     "Like",
     "Op",

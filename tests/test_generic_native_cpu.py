@@ -22,7 +22,7 @@ import torch
 from kbuild.kernels.table import Arg, KernelDef, Param
 from kbuild.ops import custom_ops, opdef
 from kbuild.ops.common import DTYPE_NAMES
-from kbuild.ops.opdef import Feature, Launch, Op, Out, Rows, Scalar, eps
+from kbuild.ops.opdef import Feature, Ids, Launch, Op, Out, Rows, Scalar, eps
 
 NATIVE = custom_ops.NATIVE
 pytestmark = pytest.mark.skipif(NATIVE is None, reason="the C++ extension is unavailable")
@@ -380,3 +380,66 @@ def test_an_optional_scalar_keying_a_kernel_keeps_the_python_launch(paths):
     x = _aligned((4, 16), torch.bfloat16)
     with pytest.raises(TypeError, match="eps must be float, got None"):
         op._launch_cuda(x, None, torch.bfloat16, None, False)
+
+
+# A row kernel with ids, one per row (a cross-entropy's targets): an "index" parameter.
+CE_LIKE = KernelDef(
+    "generic_test_ce",
+    "tests.nowhere:build",
+    (
+        Param("N", "int"),
+        Param("dtype", "dtype"),
+        Param("targets_dtype", "index"),
+        Param("vectorize", "bool", True, vectors_of=("dtype",)),
+    ),
+    (Arg("logits"), Arg("targets"), Arg("loss"), Arg("M", "i64")),
+)
+
+
+def _ce_op() -> Op:
+    name = "kbuild_generic_test::ce"
+    return opdef.DEFINED.get(name) or Op(
+        name,
+        args=(Rows("logits"), Ids("targets", rows_of="logits")),
+        outputs=(Out("loss", rows="logits"),),
+        launch=Launch(CE_LIKE),
+        reference=lambda logits, targets: torch.nn.functional.cross_entropy(
+            logits.float().flatten(0, -2), targets.flatten().long(), reduction="none"
+        ),
+    )
+
+
+def test_ids_bind_an_index_parameter_on_both_paths(paths):
+    """Integer ids (Ids) give the kernel's "index" parameter (i32 / i64), in the key too: a
+    key without it would hand int64 targets to the kernel built for int32 ones."""
+    log, resolved, _ = paths
+    op = _ce_op()
+    assert op.generic_native
+    logits = _aligned((2, 3, 32), torch.bfloat16)
+    for index in (torch.int32, torch.int64):
+        targets = torch.randint(0, 32, (2, 3), dtype=index)
+        cpp, py, cpp_out, py_out = _both(op, (logits, targets), log)
+        assert cpp == py and cpp[0][2] == ["logits", "targets", "loss", 6]
+        suffix = "i32" if index == torch.int32 else "i64"
+        assert f"targets_dtype={suffix}" in cpp[0][0]
+        assert cpp_out[0].shape == (6,) and cpp_out[0].dtype == torch.float32
+    assert NATIVE.generic_record_count() == 2
+
+
+@pytest.mark.parametrize(
+    "targets, error, words",
+    [
+        (torch.zeros(2, 3), TypeError,
+         "targets must be torch.int32 or torch.int64 ids; got torch.float32"),
+        (torch.zeros(6, dtype=torch.int64), ValueError,
+         "targets must have logits's shape without its last dimension (2, 3); got (6,)"),
+        ([0, 1], TypeError, "targets must be a torch.Tensor, got list"),
+    ],
+)  # fmt: skip
+def test_ids_are_checked_by_name(targets, error, words):
+    """A float target, or one per element rather than per row, read as ids would index
+    garbage: refused by name before anything runs."""
+    op = _ce_op()
+    with pytest.raises(error) as caught:
+        op(torch.zeros(2, 3, 32), targets)
+    assert str(caught.value) == words

@@ -94,10 +94,20 @@ bool holds(const c10::IValue& v) {
   return true;  // a tensor given, a dtype given
 }
 
+// A dtype as a key holds it: the float codes (Dtype), NONE, then the index dtypes (ids).
+constexpr uint64_t kI32 = 4, kI64 = 5;
+const char* const kAnyDtypeNames[6] = {"f32", "f16", "bf16", nullptr, "i32", "i64"};
+
+uint64_t dtype_bits(at::ScalarType t) {
+  if (t == at::kInt) return kI32;
+  if (t == at::kLong) return kI64;
+  return static_cast<uint64_t>(dtype_code(t));
+}
+
 uint64_t dtype_bits(const c10::IValue& v) {
   if (v.isNone()) return static_cast<uint64_t>(Dtype::NONE);
-  if (v.isTensor()) return static_cast<uint64_t>(dtype_code(v.toTensor().scalar_type()));
-  return static_cast<uint64_t>(dtype_code(v.toScalarType()));
+  if (v.isTensor()) return dtype_bits(v.toTensor().scalar_type());
+  return dtype_bits(v.toScalarType());
 }
 
 py::object value_object(Source source, uint64_t bits) {
@@ -108,7 +118,8 @@ py::object value_object(Source source, uint64_t bits) {
     case SCALAR_BOOL:
     case ALIGNED: return py::bool_(bits != 0);
     default:
-      return bits < 3 ? py::object(py::str(kDtypeNames[bits])) : py::object(py::none());
+      return bits < 6 && kAnyDtypeNames[bits] != nullptr ? py::object(py::str(kAnyDtypeNames[bits]))
+                                                         : py::object(py::none());
   }
 }
 
@@ -221,7 +232,7 @@ void run(const Program& p, torch::jit::Stack* stack) {
           case DTYPE_OF:
             bits = v.position < p.nargs
                        ? dtype_bits(a)
-                       : static_cast<uint64_t>(dtype_code(outs[v.position - p.nargs].scalar_type()));
+                       : dtype_bits(outs[v.position - p.nargs].scalar_type());
             break;
           case SCALAR_FLOAT: bits = std::bit_cast<uint64_t>(a.toDouble()); break;
           case SCALAR_BOOL: bits = a.toBool(); break;

@@ -128,8 +128,8 @@ class Feature(_Tensor):
 
 @dataclass(frozen=True)
 class Tensors(_Tensor):
-    """Any tensor the op's own code interprets (saved statistics, token ids): checked to be a
-    tensor (or None where optional), nothing more."""
+    """Any tensor the op's own code interprets (saved statistics): checked to be a tensor (or
+    None where optional), nothing more."""
 
     name: str
     optional: bool = False
@@ -139,6 +139,52 @@ class Tensors(_Tensor):
             return None
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"{self.name} must be a torch.Tensor, got {type(value).__name__}")
+        return value
+
+
+# Integer ids as the kernel table names them (an "index" parameter: token ids, targets).
+INDEX_NAMES = {torch.int32: "i32", torch.int64: "i64"}
+
+
+def dtype_name(t: torch.Tensor | None) -> str | None:
+    """A tensor's dtype as the kernel table names it: a float or an index dtype; None."""
+    if t is None:
+        return None
+    name = DTYPE_NAMES.get(t.dtype) or INDEX_NAMES.get(t.dtype)
+    if name is None:
+        raise TypeError(f"kbuild kernels take float or int32/int64 tensors, got {t.dtype}")
+    return name
+
+
+@dataclass(frozen=True)
+class Ids(_Tensor):
+    """Integer ids (int32 or int64): with `rows_of`, one per row of that tensor (its shape
+    without the last dimension: a cross-entropy's targets); its `<name>_dtype` binds to an
+    "index" parameter of the kernel table ("i32" / "i64")."""
+
+    name: str
+    rows_of: str | None = None
+    optional: bool = False
+
+    def check(self, value: Any, bound: Mapping[str, Any]) -> Any:
+        if value is None and self.optional:
+            return None
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"{self.name} must be a torch.Tensor, got {type(value).__name__}")
+        if value.dtype not in INDEX_NAMES:
+            raise TypeError(
+                f"{self.name} must be torch.int32 or torch.int64 ids; got {value.dtype}"
+            )
+        if self.rows_of is not None:
+            of = bound[self.rows_of]
+            if value.shape != of.shape[:-1]:
+                raise ValueError(
+                    f"{self.name} must have {self.rows_of}'s shape without its last dimension "
+                    f"{tuple(of.shape[:-1])}; got {tuple(value.shape)}"
+                )
+            if value.device != of.device:
+                where = f"{self.rows_of}'s device {of.device}"
+                raise ValueError(f"{self.name} must be on {where}; got {value.device}")
         return value
 
 
@@ -202,7 +248,9 @@ def eps(default: Any = _REQUIRED) -> Scalar:
     return Scalar("eps", "float", default, check_value=lambda value, bound: check_eps(value))
 
 
-Argument = Rows | Like | Feature | Tensors | Scalar
+Argument = Rows | Like | Feature | Tensors | Ids | Scalar
+# Tensors the kernels read as dense arrays (copied when they are not).
+_DENSE = (Rows, Like, Feature, Ids)
 
 
 def _has_data(t: Any) -> bool:
@@ -358,10 +406,7 @@ class _Binding:
             return ("dtype_of", rows), lambda bound, aligned: DTYPE_NAMES[bound[rows].dtype]
         if name.endswith("_dtype") and name[: -len("_dtype")] in tensors:
             t = name[: -len("_dtype")]
-            return (
-                "dtype_of",
-                t,
-            ), lambda bound, aligned: None if bound[t] is None else DTYPE_NAMES[bound[t].dtype]
+            return ("dtype_of", t), lambda bound, aligned: dtype_name(bound[t])
         if name in scalars:
             if scalars[name].kind == "dtype":
                 return ("scalar", name), lambda bound, aligned: DTYPE_NAMES.get(bound[name])
@@ -521,7 +566,7 @@ class Op:
         seen: dict[str, Argument] = {}
         defaulted = None
         for a in self.args:
-            of = getattr(a, "of", None)
+            of = getattr(a, "of", None) or getattr(a, "rows_of", None)
             if of is not None and not isinstance(seen.get(of), _Tensor):
                 raise ValueError(
                     f"{self.name}: {a.name} is checked against {of}, which is not a tensor "
@@ -662,7 +707,7 @@ class Op:
         if self._check_more is not None:
             self._check_more(bound)
         for a in self.args:  # the kernels read dense rows
-            if isinstance(a, (Rows, Like, Feature)) and bound[a.name] is not None:
+            if isinstance(a, _DENSE) and bound[a.name] is not None:
                 t = bound[a.name]
                 bound[a.name] = t if t.is_contiguous() else t.contiguous()
         first = self._first(bound)
@@ -775,7 +820,15 @@ class Op:
         `register_python_cuda` registers these when it does not)."""
         existing = DEFINED.get(self.name)
         if existing is not None:
-            raise ValueError(f"{self.name} is declared already (as {existing.schema})")
+            where = _where(self.reference)
+            if existing.schema != self.schema or where is None or where != _where(existing.reference):
+                raise ValueError(f"{self.name} is declared already (as {existing.schema})")
+            # The same declaration again: its module imported a second time (a script run as
+            # __main__, then by name, as `kbuild warmup --module` does; kernels are taken
+            # back the same way, kernels/table.py register). The operator registered first
+            # runs the same code: this Op calls it.
+            self.generic_native = getattr(existing, "generic_native", False)
+            return
         lib = _LIBRARIES.get(self.namespace)
         if lib is None:
             lib = _LIBRARIES[self.namespace] = torch.library.Library(self.namespace, "FRAGMENT")
@@ -811,7 +864,7 @@ class Op:
         return {
             "nargs": len(self.arg_names),
             "tensors": [position[n] for n in self.tensor_names],
-            "dense": [position[a.name] for a in self.args if isinstance(a, (Rows, Like, Feature))],
+            "dense": [position[a.name] for a in self.args if isinstance(a, _DENSE)],
             "rows": position[self._bindings[0].rows],
             "outputs": outputs,
             "launches": launches,
@@ -876,6 +929,14 @@ class Op:
             else:
                 bound[a.name] = torch.empty(1, N, dtype=dtype, device="meta")
         return list(bound.values())
+
+
+def _where(function: Callable) -> tuple | None:
+    """Where a function was written (file, line, name), None where it is not Python code."""
+    code = getattr(function, "__code__", None)
+    if code is None:
+        return None
+    return code.co_filename, code.co_firstlineno, getattr(function, "__qualname__", None)
 
 
 def _schema_default(value: Any) -> str:
