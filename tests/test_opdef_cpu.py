@@ -987,3 +987,56 @@ def test_warm_specs_refuse_an_unknown_dtype_by_name(softmax_example):
     TypeError and ValueError, so it printed a traceback)."""
     with pytest.raises(ValueError, match="dtype must be a torch float dtype or one of"):
         softmax_example.softmax.warm_specs(4096, "float16")
+
+
+_TWICE = """
+import sys
+import torch
+import kbuild
+from kbuild import Arg, Launch, Op, Out, Param, Rows
+
+
+@kbuild.kernel("twice_scale", params=(Param("N", "int"), Param("dtype", "dtype")),
+               args=(Arg("x"), Arg("y"), Arg("M", "i64")))
+def build_scale(N, dtype, target):
+    raise NotImplementedError
+
+
+def reference(x):
+    return x * 2
+
+
+scale = Op("twice::scale", args=(Rows("x"),), outputs=(Out("y", like="x"),),
+           launch=Launch(build_scale), reference=reference)
+
+if __name__ == "__main__":
+    import twice  # what `kbuild warmup --module twice.py` (import_user_module) does here
+
+    x = torch.ones(2, 4)
+    assert torch.equal(twice.scale(x), scale(x) ) and twice.scale is not scale
+    try:
+        Op("twice::scale", args=(Rows("x"),), outputs=(Out("y", like="x"),),
+           launch=Launch(build_scale), reference=lambda x: x * 3)
+    except ValueError as err:
+        print("refused:", err)
+"""
+
+
+def test_a_script_declaring_an_op_imports_itself_by_name(tmp_path, subprocess_env):
+    """A script run as __main__ and then imported by its name (its own main, or `kbuild
+    warmup --module` in the same process) declares its ops twice: the second, the same
+    declaration, must use the operator registered by the first (its kernels are taken back
+    alike, kernels/table.py register), not raise "declared already"; another declaration
+    under a taken name is still refused."""
+    import subprocess
+
+    (tmp_path / "twice.py").write_text(_TWICE)
+    run = subprocess.run(
+        [sys.executable, str(tmp_path / "twice.py")],
+        env=subprocess_env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "refused: twice::scale is declared already" in run.stdout

@@ -821,7 +821,11 @@ class Op:
         existing = DEFINED.get(self.name)
         if existing is not None:
             where = _where(self.reference)
-            if existing.schema != self.schema or where is None or where != _where(existing.reference):
+            if (
+                existing.schema != self.schema
+                or where is None
+                or where != _where(existing.reference)
+            ):
                 raise ValueError(f"{self.name} is declared already (as {existing.schema})")
             # The same declaration again: its module imported a second time (a script run as
             # __main__, then by name, as `kbuild warmup --module` does; kernels are taken
