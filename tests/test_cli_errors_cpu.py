@@ -228,6 +228,8 @@ def test_ops_of_a_users_module(env):
     KeyError / AttributeError from the op registry, or silently nothing warmed)."""
     example = str(Path(__file__).resolve().parents[1] / "examples" / "custom_softmax.py")
     width = ("--hidden", "512", "--dtype", "f32")
+    run = kbuild_cli("warmup", "--module", example, "--ops", "user_softmax::softmax", env=env)
+    assert_error(run, 2, "--ops goes with --hidden")  # once ignored without a word
     run = kbuild_cli("warmup", "--ops", "user_softmax::softmax", *width, env=env)
     assert_error(run, 2, "--ops user_softmax::softmax: no op of that name is declared", "--module")
     run = kbuild_cli("warmup", "--module", example, "--ops", "user_softmax::nope", *width, env=env)

@@ -157,8 +157,10 @@ def _specs_from(args) -> list[KernelSpec]:
             raise CLIError(f"--from {path}: {err}", 1) from None
     if args.head_dim is not None and args.hidden is None:
         raise CLIError("--head-dim goes with --hidden (the model's width)")
+    if args.ops is not None and args.hidden is None:
+        raise CLIError("--ops goes with --hidden (the width to warm them at)")
     if args.hidden is not None:
-        names = tuple(filter(None, args.ops.split(",")))
+        names = tuple(filter(None, (args.ops or ",".join(DEFAULT_WIDTH_OPS)).split(",")))
         declared = [name for name in names if "::" in name]  # kbuild.Op's of user modules
         ops = tuple(name for name in names if "::" not in name)
         try:
@@ -268,10 +270,9 @@ def _add_warmup_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weight-dtype", choices=("bf16", "f16", "f32"))
     p.add_argument(
         "--ops",
-        default=",".join(DEFAULT_WIDTH_OPS),
         help=f"comma-separated, among {', '.join(WIDTH_OPS)} (encoder: GPT-2's "
         "embedding; linear: a GPT-2 block's bias gradients), or an op a --module declares "
-        "(kbuild.Op: namespace::name)",
+        f"(kbuild.Op: namespace::name); with --hidden (default {','.join(DEFAULT_WIDTH_OPS)})",
     )
     p.add_argument("--residual-fp32", action="store_true")
     p.add_argument(

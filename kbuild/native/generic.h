@@ -164,7 +164,7 @@ const Record& record(const Program& p, int index, const Key& key) {
   return g_generic_records.emplace(key, std::move(rec)).first->second;
 }
 
-at::ScalarType output_dtype(const OutputRule& o, const std::vector<c10::IValue>& args) {
+at::ScalarType output_dtype(const OutputRule& o, const c10::IValue* args) {
   if (o.rows || o.dtype == -2) return at::kFloat;
   // A dtype argument of None (an optional one): the source's dtype, as opdef.py's Out has it.
   if (o.dtype >= 0 && !args[o.dtype].isNone()) return args[o.dtype].toScalarType();
@@ -173,8 +173,7 @@ at::ScalarType output_dtype(const OutputRule& o, const std::vector<c10::IValue>&
 
 // The op's CUDA kernel: arguments from the stack, outputs onto it.
 void run(const Program& p, torch::jit::Stack* stack) {
-  std::vector<c10::IValue> args(stack->end() - p.nargs, stack->end());
-  torch::jit::drop(*stack, p.nargs);
+  c10::IValue* args = stack->data() + (stack->size() - p.nargs);  // read in place
   for (int i : p.dense)
     if (args[i].isTensor() && !args[i].toTensor().is_contiguous())
       args[i] = args[i].toTensor().contiguous();
@@ -188,8 +187,7 @@ void run(const Program& p, torch::jit::Stack* stack) {
   auto [M, N] = rows_of(rows);
   c10::OptionalDeviceGuard guard(cuda_device(rows));
   uint64_t slots[kMaxSlots] = {};
-  std::vector<Tensor> outs;
-  outs.reserve(p.outputs.size());
+  c10::SmallVector<Tensor, 8> outs;
   for (size_t k = 0; k < p.outputs.size(); ++k) {
     const OutputRule& o = p.outputs[k];
     bool wanted = true;
@@ -259,6 +257,7 @@ void run(const Program& p, torch::jit::Stack* stack) {
     else if (M == 0)
       outs[k].zero_();  // nothing launched: a (N,) output (a dw) is a sum over no rows
   }
+  torch::jit::drop(*stack, p.nargs);
   for (auto& t : outs) stack->emplace_back(std::move(t));
 }
 
@@ -270,9 +269,14 @@ const Program& program_of(const c10::OperatorHandle& op) {
   return *it->second;  // never erased: the reference outlives the lock
 }
 
-void boxed(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
-  run(program_of(op), stack);
-}
+// The kernel registered for an op's CUDA key: it holds its program (no lookup per call).
+struct Boxed final : c10::OperatorKernel {
+  explicit Boxed(const Program* program) : program(program) {}
+  void operator()(const c10::OperatorHandle&, c10::DispatchKeySet, torch::jit::Stack* stack) {
+    run(*program, stack);
+  }
+  const Program* program;  // never freed (g_programs)
+};
 
 // Registered from Python (opdef.py) as each eligible Op is declared: the Program, and the
 // boxed kernel for its CUDA key.
@@ -302,6 +306,7 @@ void define(const std::string& ns, const std::string& name, py::dict spec) {
   }
   TORCH_CHECK(p->nargs + static_cast<int>(p->outputs.size()) + 1 <= kMaxSlots, "kbuild native: ",
               p->name, " has too many arguments and outputs");
+  const Program* program = p.get();
   {
     std::lock_guard<std::mutex> lock(g_programs_mutex);
     p->id = g_next_launch;
@@ -312,7 +317,8 @@ void define(const std::string& ns, const std::string& name, py::dict spec) {
   // Never freed: a Library unregisters its kernels when destroyed.
   auto* lib = new torch::Library(torch::Library::IMPL, ns, c10::DispatchKey::CUDA, __FILE__,
                                  __LINE__);
-  lib->impl(name.c_str(), torch::CppFunction::makeFromBoxedFunction<&boxed>());
+  lib->impl(name.c_str(),
+            torch::CppFunction::makeFromBoxedFunctor(std::make_unique<Boxed>(program)));
 }
 
 // Tests: the kernel run on CPU tensors (with the launch hook set), arguments from Python.
