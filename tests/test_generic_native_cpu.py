@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from kbuild.kernels.table import Arg, KernelDef, Param
-from kbuild.ops import custom_ops, opdef
+from kbuild.ops import custom_ops, op_launch, opdef
 from kbuild.ops.common import DTYPE_NAMES
 from kbuild.ops.opdef import Feature, Ids, Launch, Op, Out, Rows, Scalar, eps
 
@@ -105,8 +105,8 @@ def paths(monkeypatch):
         resolved.append(spec.short())
         return FakeLauncher(log, spec, kernel.arg_names(spec), persistent["on"])
 
-    monkeypatch.setattr(opdef, "launcher_for", launcher_for)
-    monkeypatch.setattr(opdef, "stream_of", lambda device: 0)
+    monkeypatch.setattr(op_launch, "launcher_for", launcher_for)
+    monkeypatch.setattr(op_launch, "stream_of", lambda device: 0)
     monkeypatch.setattr(opdef, "device_guard", lambda t: torch.no_grad())
     NATIVE.clear_records()
     NATIVE.set_launch_hook(lambda name, grid, args: log.append(("cpp", name, grid, list(args))))

@@ -32,7 +32,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from kbuild.kernels.table import KERNELS, Arg, KernelDef, Param
-from kbuild.ops import custom_ops, opdef  # custom_ops: the kbuild::* operators
+from kbuild.ops import custom_ops, op_launch, opdef  # custom_ops: the kbuild::* operators
 from kbuild.ops.opdef import Feature, Launch, Like, Op, Out, Rows, Scalar, Tensors, eps
 from kbuild.spec import KernelSpec
 
@@ -174,9 +174,9 @@ def device(monkeypatch) -> FakeDevice:
 
     EXTENTS.clear()
     monkeypatch.setattr(torch.Tensor, "data_ptr", data_ptr)
-    monkeypatch.setattr(opdef, "launcher_for", fake.launcher_for)
+    monkeypatch.setattr(op_launch, "launcher_for", fake.launcher_for)
     monkeypatch.setattr(opdef, "device_guard", fake.guard)
-    monkeypatch.setattr(opdef, "stream_of", lambda index: STREAM)
+    monkeypatch.setattr(op_launch, "stream_of", lambda index: STREAM)
     return fake
 
 

@@ -35,471 +35,65 @@ From the declaration come:
   so exactly what a call of aligned tensors asks for), which `kbuild warmup --ops` lists.
 
 kbuild's own norm operators are declared so too (ops/custom_ops.py); their CUDA kernels and
-autograd come from the C++ extension where it loads (`native=True`).
+autograd come from the C++ extension where it loads (`native=True`). Declaring the same op
+again (a script run as __main__, then imported by name) reuses the first registration.
+
+The pieces: ops/op_args.py (arguments and outputs), ops/op_launch.py (a Launch bound to the
+op's call, in Python and as the C++ generic kernel's program), this module (the Op).
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from ..kernels.table import KernelDef
 from ..spec import KernelSpec
-from .common import (
-    DTYPE_NAMES,
-    check_eps,
-    check_input,
-    check_like,
-    check_param,
-    device_guard,
-    row_count,
-    stream_of,
+from .common import DTYPE_NAMES, device_guard, row_count
+from .op_args import (
+    _DENSE,
+    _REQUIRED,
+    INDEX_NAMES,
+    Argument,
+    Feature,
+    Ids,
+    Like,
+    Out,
+    Rows,
+    Scalar,
+    Tensors,
+    _has_data,
+    _Tensor,
+    dtype_name,
+    eps,
 )
-from .launch import launcher_for, record_fields
+from .op_launch import Launch, NativeRecord, _Binding, rows_grid
 
-_REQUIRED = object()
+__all__ = [
+    "DEFINED",
+    "INDEX_NAMES",
+    "Feature",
+    "Ids",
+    "Launch",
+    "Like",
+    "NativeRecord",
+    "Op",
+    "Out",
+    "Rows",
+    "Scalar",
+    "Tensors",
+    "dtype_name",
+    "eps",
+    "rows_grid",
+]
+
 _LIBRARIES: dict[str, torch.library.Library] = {}  # kept alive: a dropped Library unregisters
 DEFINED: dict[str, Op] = {}  # qualified name -> its description, as declared
 # The C++ extension, once ops/custom_ops.py has loaded it (None: unavailable), whose generic
 # kernel runs the CUDA kernel of ops declared later.
 NATIVE: list = [None]
-
-
-# ----------------------------------------------------------------------------- arguments
-
-
-class _Tensor:
-    """What the tensor arguments share: their schema type."""
-
-    optional: bool
-
-    @property
-    def schema_type(self) -> str:
-        return "Tensor?" if self.optional else "Tensor"
-
-
-@dataclass(frozen=True)
-class Rows(_Tensor):
-    """A float tensor (float32, float16 or bfloat16) of shape (..., N), seen as (M, N) rows.
-    The first Rows argument gives the kernels' N and dtype."""
-
-    name: str
-    optional: bool = False
-
-    def check(self, value: Any, bound: Mapping[str, Any]) -> Any:
-        if value is None and self.optional:
-            return None
-        return check_input(self.name, value)
-
-
-@dataclass(frozen=True)
-class Like(_Tensor):
-    """A tensor of `of`'s shape, dtype (or float32, with `or_fp32`) and device."""
-
-    name: str
-    of: str
-    or_fp32: bool = False
-    optional: bool = False
-
-    def check(self, value: Any, bound: Mapping[str, Any]) -> Any:
-        if value is None and self.optional:
-            return None
-        return check_like(self.name, value, bound[self.of], self.of, self.or_fp32)
-
-
-@dataclass(frozen=True)
-class Feature(_Tensor):
-    """A per-feature parameter (weight, bias): None, or (N,) of `of`'s dtype or float32 on
-    its device."""
-
-    name: str
-    of: str = "x"
-    optional: bool = True
-
-    def check(self, value: Any, bound: Mapping[str, Any]) -> Any:
-        if value is None and not self.optional:
-            raise TypeError(f"{self.name} must be a torch.Tensor, got None")
-        return check_param(self.name, value, bound[self.of], self.of)
-
-
-@dataclass(frozen=True)
-class Tensors(_Tensor):
-    """Any tensor the op's own code interprets (saved statistics): checked to be a tensor (or
-    None where optional), nothing more."""
-
-    name: str
-    optional: bool = False
-
-    def check(self, value: Any, bound: Mapping[str, Any]) -> Any:
-        if value is None and self.optional:
-            return None
-        if not isinstance(value, torch.Tensor):
-            raise TypeError(f"{self.name} must be a torch.Tensor, got {type(value).__name__}")
-        return value
-
-
-# Integer ids as the kernel table names them (an "index" parameter: token ids, targets).
-INDEX_NAMES = {torch.int32: "i32", torch.int64: "i64"}
-
-
-def dtype_name(t: torch.Tensor | None) -> str | None:
-    """A tensor's dtype as the kernel table names it: a float or an index dtype; None."""
-    if t is None:
-        return None
-    name = DTYPE_NAMES.get(t.dtype) or INDEX_NAMES.get(t.dtype)
-    if name is None:
-        raise TypeError(f"kbuild kernels take float or int32/int64 tensors, got {t.dtype}")
-    return name
-
-
-@dataclass(frozen=True)
-class Ids(_Tensor):
-    """Integer ids (int32 or int64): with `rows_of`, one per row of that tensor (its shape
-    without the last dimension: a cross-entropy's targets); its `<name>_dtype` binds to an
-    "index" parameter of the kernel table ("i32" / "i64")."""
-
-    name: str
-    rows_of: str | None = None
-    optional: bool = False
-
-    def check(self, value: Any, bound: Mapping[str, Any]) -> Any:
-        if value is None and self.optional:
-            return None
-        if not isinstance(value, torch.Tensor):
-            raise TypeError(f"{self.name} must be a torch.Tensor, got {type(value).__name__}")
-        if value.dtype not in INDEX_NAMES:
-            raise TypeError(
-                f"{self.name} must be torch.int32 or torch.int64 ids; got {value.dtype}"
-            )
-        if self.rows_of is not None:
-            of = bound[self.rows_of]
-            if value.shape != of.shape[:-1]:
-                raise ValueError(
-                    f"{self.name} must have {self.rows_of}'s shape without its last dimension "
-                    f"{tuple(of.shape[:-1])}; got {tuple(value.shape)}"
-                )
-            if value.device != of.device:
-                where = f"{self.rows_of}'s device {of.device}"
-                raise ValueError(f"{self.name} must be on {where}; got {value.device}")
-        return value
-
-
-_SCALAR_SCHEMA = {
-    "float": "float",
-    "bool": "bool",
-    "int": "int",
-    "SymInt": "SymInt",  # a size, symbolic under torch.compile(dynamic=True)
-    "dtype": "ScalarType",
-}
-
-
-@dataclass(frozen=True)
-class Scalar:
-    """A compile-time scalar: `kind` float, bool, int, SymInt or dtype (a torch float dtype), None
-    allowed where `optional`; `check(value, bound)` validates further (and may normalise)."""
-
-    name: str
-    kind: str
-    default: Any = _REQUIRED
-    optional: bool = False
-    check_value: Callable[[Any, Mapping[str, Any]], Any] | None = None
-    # In a backward op: the forward input whose "needs a gradient" this bool is (autograd
-    # sets it); by default X for a name need_dX.
-    need_grad_of: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.kind not in _SCALAR_SCHEMA:
-            raise ValueError(f"{self.name}: kind must be one of {sorted(_SCALAR_SCHEMA)}")
-
-    @property
-    def schema_type(self) -> str:
-        return _SCALAR_SCHEMA[self.kind] + ("?" if self.optional else "")
-
-    def check(self, value: Any, bound: Mapping[str, Any]) -> Any:
-        if self.check_value is not None:
-            return self.check_value(value, bound)
-        if value is None and self.optional:
-            return None
-        ok = {
-            "float": isinstance(value, (int, float, torch.SymFloat))
-            and not isinstance(value, bool),
-            "bool": isinstance(value, bool),
-            "int": isinstance(value, int) and not isinstance(value, bool),
-            "SymInt": isinstance(value, (int, torch.SymInt)) and not isinstance(value, bool),
-            "dtype": isinstance(value, torch.dtype) and value in DTYPE_NAMES,
-        }[self.kind] and (self.kind == "bool" or not isinstance(value, bool))
-        if not ok:
-            want = {"dtype": "a torch float dtype", "int": "an int", "SymInt": "an int"}
-            want = want.get(self.kind, f"a {self.kind}")
-            raise TypeError(f"{self.name} must be {want}, got {value!r}")
-        if self.kind == "float" and not isinstance(value, torch.SymFloat):
-            if not math.isfinite(value):
-                raise ValueError(f"{self.name} must be a finite number; got {value}")
-            return float(value)
-        return value
-
-
-def eps(default: Any = _REQUIRED) -> Scalar:
-    """A norm's eps, declared once: its schema type, its check, the kernels' `eps`."""
-    return Scalar("eps", "float", default, check_value=lambda value, bound: check_eps(value))
-
-
-Argument = Rows | Like | Feature | Tensors | Ids | Scalar
-# Tensors the kernels read as dense arrays (copied when they are not).
-_DENSE = (Rows, Like, Feature, Ids)
-
-
-def _has_data(t: Any) -> bool:
-    return isinstance(t, torch.Tensor) and t.numel() > 0
-
-
-# ----------------------------------------------------------------------------- outputs
-
-
-@dataclass(frozen=True)
-class Out:
-    """An output: of `like`'s shape (and its dtype, or `dtype`: "float32" or the name of a
-    dtype scalar), or with `rows`, one float32 value per row of that tensor (a statistic,
-    flattened to (M,)). `when`: the names that must all hold (a bool scalar true, a dtype
-    scalar or a tensor not None) for it to be computed; otherwise it is an empty tensor
-    (float32 for a statistic, else of the op's first tensor's dtype), as the kernels return.
-    In a backward op, `grad_of` names the forward input it is the gradient of (by default X
-    for an output dX). `shape(bound)`: a shape of its own (an embedding's (B, T, C) from the
-    ids and the table), `like` then giving its dtype and device."""
-
-    name: str
-    like: str | None = None
-    rows: str | None = None
-    dtype: str | None = None
-    when: tuple[str, ...] | str = ()
-    # In a backward op: the forward input this is the gradient of; by default X for dX.
-    grad_of: str | None = None
-    # A shape of its own, from the call (`like` then gives the dtype and device only).
-    shape: Callable[[Mapping[str, Any]], tuple] | None = field(default=None, compare=False)
-
-    def __post_init__(self) -> None:
-        if (self.like is None) == (self.rows is None):
-            raise ValueError(f"output {self.name}: give one of like= and rows=")
-        if isinstance(self.when, str):
-            object.__setattr__(self, "when", (self.when,))
-
-    def wanted(self, bound: Mapping[str, Any]) -> bool:
-        return all(bound[name] is not None and bound[name] is not False for name in self.when)
-
-    def dtype_for(self, bound: Mapping[str, Any]) -> torch.dtype:
-        if self.rows is not None or self.dtype == "float32":
-            return torch.float32
-        if self.dtype is not None:
-            return bound[self.dtype]
-        return bound[self.like].dtype
-
-    def empty(self, first: torch.Tensor) -> torch.Tensor:
-        return first.new_empty(0, dtype=torch.float32 if self.rows is not None else None)
-
-    def allocate(self, bound: Mapping[str, Any], first: torch.Tensor) -> torch.Tensor:
-        """A dense tensor for this output (the kernels write dense outputs), or an empty one."""
-        if not self.wanted(bound):
-            return self.empty(first)
-        if self.rows is not None:
-            return first.new_empty(row_count(bound[self.rows]), dtype=torch.float32)
-        like = bound[self.like]
-        shape = like.shape if self.shape is None else self.shape(bound)
-        return like.new_empty(shape, dtype=self.dtype_for(bound))
-
-
-# ----------------------------------------------------------------------------- launches
-
-
-def rows_grid(launcher, M: int) -> int:
-    """One block (or cluster) per row group, or the persistent grid the builder asks for."""
-    if launcher.meta.get("grid") == "persistent":
-        return min(-(-M // launcher.rows_per_block), launcher.resident_clusters) * launcher.cluster
-    return -(-M // launcher.rows_per_block) * launcher.cluster
-
-
-# The C++ generic kernel's value sources (kbuild/native/generic.h `Source`).
-_ROWS_N, _DTYPE_OF, _ALIGNED = 0, 1, 6
-_SCALAR_CODES = {"float": 2, "bool": 3, "int": 4, "SymInt": 4, "dtype": 5}
-
-
-@dataclass(frozen=True)
-class NativeRecord:
-    """What the C++ generic kernel keeps of a loaded kernel (generic.h `Record`): the launch
-    and, per kernel argument, the call slot it reads (an argument's position, nargs + an
-    output's index, or the slot after them for M)."""
-
-    function_handle: int
-    block: int
-    shared: int
-    cluster: int
-    rows_per_block: int
-    resident_clusters: int
-    persistent: bool
-    name: str
-    slots: list[int]
-    pointers: list[int]
-    arg_names: list[str]
-
-
-@dataclass(frozen=True)
-class Launch:
-    """One kernel launch of an op's CUDA kernel, bound by names (see the module docstring).
-    `values`: table parameters computed from the call, {name: f(bound) -> value};
-    `ints`: i64 arguments other than M, {name: f(bound) -> int}; `grid(launcher, M)`: the
-    block count, by default one block (or cluster) per row group."""
-
-    kernel: KernelDef
-    values: Mapping[str, Callable[[Mapping[str, Any]], Any]] = field(default_factory=dict)
-    ints: Mapping[str, Callable[[Mapping[str, Any]], int]] = field(default_factory=dict)
-    grid: Callable[[Any, int], int | tuple[int, ...]] = rows_grid
-
-
-class _Binding:
-    """A Launch compiled against its op: one getter per table parameter, in table order."""
-
-    def __init__(self, launch: Launch, op: Op) -> None:
-        self.launch, self.kernel, self.op = launch, launch.kernel, op.name
-        rows = [a.name for a in op.args if isinstance(a, Rows)]
-        if not rows:
-            raise ValueError(f"{op.name}: a Launch needs a Rows argument (its N and dtype)")
-        self.rows = rows[0]
-        tensors = set(op.tensor_names) | {o.name for o in op.outputs}
-        scalars = {a.name: a for a in op.args if isinstance(a, Scalar)}
-        self.getters: list[Callable[[Mapping[str, Any], bool], Any]] = []
-        # Where each value comes from, for the C++ generic kernel: ("N",), ("dtype_of", t),
-        # ("scalar", name), ("aligned",), ("const",) or ("call",) (a Python function: none).
-        self.sources: list[tuple[str, ...]] = []
-        for p in self.kernel.params:
-            source, getter = self._getter(p, op, tensors, scalars)
-            self.sources.append(source)
-            self.getters.append(getter)
-        for a in self.kernel.args:
-            if a.name not in tensors and a.name != "M" and a.name not in launch.ints:
-                if a.name == "trace":
-                    continue  # diagnostic builds only (never asked for by an op)
-                raise ValueError(
-                    f"{op.name}: kernel {self.kernel.name}'s argument {a.name!r} is none of "
-                    f"the op's tensors {sorted(tensors)}, M or the launch's ints"
-                )
-
-    def _getter(self, p, op: Op, tensors: set[str], scalars: Mapping[str, Scalar]):
-        name, rows = p.name, self.rows
-        if name in self.launch.values:
-            f = self.launch.values[name]
-            return ("call",), lambda bound, aligned: f(bound)
-        derived = name in ("N", "dtype", "vectorize") or (
-            name.endswith("_dtype") and name[: -len("_dtype")] in tensors
-        )
-        if derived and name in scalars:  # the scalar would be ignored without a word
-            raise ValueError(
-                f"{op.name}: kernel {self.kernel.name}'s parameter {name!r} is derived from the "
-                f"call and is also the op's scalar {name}: rename the scalar, or give the "
-                "parameter in Launch(values=...)"
-            )
-        if name == "N":
-            return ("N",), lambda bound, aligned: bound[rows].shape[-1]
-        if name == "dtype":
-            return ("dtype_of", rows), lambda bound, aligned: DTYPE_NAMES[bound[rows].dtype]
-        if name.endswith("_dtype") and name[: -len("_dtype")] in tensors:
-            t = name[: -len("_dtype")]
-            return ("dtype_of", t), lambda bound, aligned: dtype_name(bound[t])
-        if name in scalars:
-            if scalars[name].kind == "dtype":
-                return ("scalar", name), lambda bound, aligned: DTYPE_NAMES.get(bound[name])
-            return ("scalar", name), lambda bound, aligned: bound[name]
-        if name == "vectorize":
-            return ("aligned",), lambda bound, aligned: aligned
-        if not p.required:
-            default = p.default
-            return ("const",), lambda bound, aligned: default
-        raise ValueError(
-            f"{op.name}: kernel {self.kernel.name}'s parameter {name!r} has no source: name "
-            "a scalar of the op so, or give it in Launch(values=...)"
-        )
-
-    def native(self, op: Op) -> tuple[list[tuple[int, int]], Callable] | None:
-        """The launch as the C++ generic kernel runs it: the varying values' sources (kind
-        code and argument position, generic.h `Source`) and its resolver; None where a value
-        or an argument is computed by a Python function, a value is an optional scalar other
-        than a dtype, or the grid is not the rows grid."""
-        if self.launch.ints or self.launch.grid is not rows_grid:
-            return None
-        if any(source[0] == "call" for source in self.sources):
-            return None
-        position = {name: i for i, name in enumerate(op.arg_names)}
-        position.update((o.name, len(op.arg_names) + k) for k, o in enumerate(op.outputs))
-        codes = []
-        for source in self.sources:
-            kind = source[0]
-            if kind == "N":
-                codes.append((_ROWS_N, position[self.rows]))
-            elif kind == "dtype_of":
-                codes.append((_DTYPE_OF, position[source[1]]))
-            elif kind == "scalar":
-                scalar = op.scalars[source[1]]
-                if scalar.optional and scalar.kind != "dtype":
-                    # None has no bits in the C++ key (only a dtype has a None code): the
-                    # Python path hands it to the table, whose check names the parameter.
-                    return None
-                codes.append((_SCALAR_CODES[scalar.kind], position[source[1]]))
-            elif kind == "aligned":
-                codes.append((_ALIGNED, 0))
-        m_slot = len(op.arg_names) + len(op.outputs)
-
-        def resolve(device: int, varying: tuple):
-            """A C++ key's values -> the table's, the loaded kernel, the slots it reads."""
-            given = iter(varying)
-            values = tuple(
-                get(None, False) if source[0] == "const" else next(given)
-                for source, get in zip(self.sources, self.getters, strict=True)
-            )
-            launcher = launcher_for(self.kernel, device, values)
-            slots = [m_slot if name == "M" else position[name] for name in launcher.names]
-            named = [(name, position[name]) for name in launcher.names if name != "M"]
-            return NativeRecord(
-                **record_fields(launcher),
-                name=self.kernel.spec(*values).short(),
-                slots=slots,
-                pointers=[slot for _, slot in named],
-                arg_names=[name for name, _ in named],
-            )
-
-        return codes, resolve
-
-    def values(self, bound: Mapping[str, Any], aligned: bool) -> tuple:
-        return tuple(get(bound, aligned) for get in self.getters)
-
-    def run(self, bound: Mapping[str, Any]) -> None:
-        x = bound[self.rows]
-        N = x.shape[-1]
-        M = row_count(x)
-        if M == 0 or N == 0:
-            return  # nothing to launch (a grid of no blocks is a driver error)
-        tensors = [t for t in bound.values() if isinstance(t, torch.Tensor) and t.numel()]
-        combined = 0
-        for t in tensors:
-            combined |= t.data_ptr()
-        values = self.values(bound, combined & 15 == 0)
-        device = x.get_device()
-        launcher = launcher_for(self.kernel, device, values)
-        ints = self.launch.ints
-        args = []
-        for name in launcher.names:
-            if name == "M":
-                args.append(M)
-            elif name in ints:
-                args.append(int(ints[name](bound)))
-            else:
-                t = bound[name]
-                if t is None or not t.numel():
-                    spec = self.kernel.spec(*values).short()
-                    raise ValueError(f"{self.op}: kernel {spec}'s argument {name} has no tensor")
-                args.append(t.data_ptr())
-        launcher(self.launch.grid(launcher, M), stream_of(device), *args)
 
 
 # ----------------------------------------------------------------------------- the op

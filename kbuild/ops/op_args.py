@@ -1,0 +1,258 @@
+"""What an op takes and gives (kbuild/ops/opdef.py declares ops with them): its arguments,
+each with the check that names it in an error and its schema type, and its outputs, each
+with the rule that shapes it, for the fake, the CPU kernel and the launches alike."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .common import DTYPE_NAMES, check_eps, check_input, check_like, check_param, row_count
+
+_REQUIRED = object()  # an argument without a default
+
+
+# ----------------------------------------------------------------------------- arguments
+
+
+class _Tensor:
+    """What the tensor arguments share: their schema type."""
+
+    optional: bool
+
+    @property
+    def schema_type(self) -> str:
+        return "Tensor?" if self.optional else "Tensor"
+
+
+@dataclass(frozen=True)
+class Rows(_Tensor):
+    """A float tensor (float32, float16 or bfloat16) of shape (..., N), seen as (M, N) rows.
+    The first Rows argument gives the kernels' N and dtype."""
+
+    name: str
+    optional: bool = False
+
+    def check(self, value: Any, bound: Mapping[str, Any]) -> Any:
+        if value is None and self.optional:
+            return None
+        return check_input(self.name, value)
+
+
+@dataclass(frozen=True)
+class Like(_Tensor):
+    """A tensor of `of`'s shape, dtype (or float32, with `or_fp32`) and device."""
+
+    name: str
+    of: str
+    or_fp32: bool = False
+    optional: bool = False
+
+    def check(self, value: Any, bound: Mapping[str, Any]) -> Any:
+        if value is None and self.optional:
+            return None
+        return check_like(self.name, value, bound[self.of], self.of, self.or_fp32)
+
+
+@dataclass(frozen=True)
+class Feature(_Tensor):
+    """A per-feature parameter (weight, bias): None, or (N,) of `of`'s dtype or float32 on
+    its device."""
+
+    name: str
+    of: str = "x"
+    optional: bool = True
+
+    def check(self, value: Any, bound: Mapping[str, Any]) -> Any:
+        if value is None and not self.optional:
+            raise TypeError(f"{self.name} must be a torch.Tensor, got None")
+        return check_param(self.name, value, bound[self.of], self.of)
+
+
+@dataclass(frozen=True)
+class Tensors(_Tensor):
+    """Any tensor the op's own code interprets (saved statistics): checked to be a tensor (or
+    None where optional), nothing more."""
+
+    name: str
+    optional: bool = False
+
+    def check(self, value: Any, bound: Mapping[str, Any]) -> Any:
+        if value is None and self.optional:
+            return None
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"{self.name} must be a torch.Tensor, got {type(value).__name__}")
+        return value
+
+
+# Integer ids as the kernel table names them (an "index" parameter: token ids, targets).
+INDEX_NAMES = {torch.int32: "i32", torch.int64: "i64"}
+
+
+def dtype_name(t: torch.Tensor | None) -> str | None:
+    """A tensor's dtype as the kernel table names it: a float or an index dtype; None."""
+    if t is None:
+        return None
+    name = DTYPE_NAMES.get(t.dtype) or INDEX_NAMES.get(t.dtype)
+    if name is None:
+        raise TypeError(f"kbuild kernels take float or int32/int64 tensors, got {t.dtype}")
+    return name
+
+
+@dataclass(frozen=True)
+class Ids(_Tensor):
+    """Integer ids (int32 or int64): with `rows_of`, one per row of that tensor (its shape
+    without the last dimension: a cross-entropy's targets); its `<name>_dtype` binds to an
+    "index" parameter of the kernel table ("i32" / "i64")."""
+
+    name: str
+    rows_of: str | None = None
+    optional: bool = False
+
+    def check(self, value: Any, bound: Mapping[str, Any]) -> Any:
+        if value is None and self.optional:
+            return None
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"{self.name} must be a torch.Tensor, got {type(value).__name__}")
+        if value.dtype not in INDEX_NAMES:
+            raise TypeError(
+                f"{self.name} must be torch.int32 or torch.int64 ids; got {value.dtype}"
+            )
+        if self.rows_of is not None:
+            of = bound[self.rows_of]
+            if value.shape != of.shape[:-1]:
+                raise ValueError(
+                    f"{self.name} must have {self.rows_of}'s shape without its last dimension "
+                    f"{tuple(of.shape[:-1])}; got {tuple(value.shape)}"
+                )
+            if value.device != of.device:
+                where = f"{self.rows_of}'s device {of.device}"
+                raise ValueError(f"{self.name} must be on {where}; got {value.device}")
+        return value
+
+
+_SCALAR_SCHEMA = {
+    "float": "float",
+    "bool": "bool",
+    "int": "int",
+    "SymInt": "SymInt",  # a size, symbolic under torch.compile(dynamic=True)
+    "dtype": "ScalarType",
+}
+
+
+@dataclass(frozen=True)
+class Scalar:
+    """A compile-time scalar: `kind` float, bool, int, SymInt or dtype (a torch float dtype), None
+    allowed where `optional`; `check(value, bound)` validates further (and may normalise)."""
+
+    name: str
+    kind: str
+    default: Any = _REQUIRED
+    optional: bool = False
+    check_value: Callable[[Any, Mapping[str, Any]], Any] | None = None
+    # In a backward op: the forward input whose "needs a gradient" this bool is (autograd
+    # sets it); by default X for a name need_dX.
+    need_grad_of: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in _SCALAR_SCHEMA:
+            raise ValueError(f"{self.name}: kind must be one of {sorted(_SCALAR_SCHEMA)}")
+
+    @property
+    def schema_type(self) -> str:
+        return _SCALAR_SCHEMA[self.kind] + ("?" if self.optional else "")
+
+    def check(self, value: Any, bound: Mapping[str, Any]) -> Any:
+        if self.check_value is not None:
+            return self.check_value(value, bound)
+        if value is None and self.optional:
+            return None
+        ok = {
+            "float": isinstance(value, (int, float, torch.SymFloat))
+            and not isinstance(value, bool),
+            "bool": isinstance(value, bool),
+            "int": isinstance(value, int) and not isinstance(value, bool),
+            "SymInt": isinstance(value, (int, torch.SymInt)) and not isinstance(value, bool),
+            "dtype": isinstance(value, torch.dtype) and value in DTYPE_NAMES,
+        }[self.kind] and (self.kind == "bool" or not isinstance(value, bool))
+        if not ok:
+            want = {"dtype": "a torch float dtype", "int": "an int", "SymInt": "an int"}
+            want = want.get(self.kind, f"a {self.kind}")
+            raise TypeError(f"{self.name} must be {want}, got {value!r}")
+        if self.kind == "float" and not isinstance(value, torch.SymFloat):
+            if not math.isfinite(value):
+                raise ValueError(f"{self.name} must be a finite number; got {value}")
+            return float(value)
+        return value
+
+
+def eps(default: Any = _REQUIRED) -> Scalar:
+    """A norm's eps, declared once: its schema type, its check, the kernels' `eps`."""
+    return Scalar("eps", "float", default, check_value=lambda value, bound: check_eps(value))
+
+
+Argument = Rows | Like | Feature | Tensors | Ids | Scalar
+# Tensors the kernels read as dense arrays (copied when they are not).
+_DENSE = (Rows, Like, Feature, Ids)
+
+
+def _has_data(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and t.numel() > 0
+
+
+# ----------------------------------------------------------------------------- outputs
+
+
+@dataclass(frozen=True)
+class Out:
+    """An output: of `like`'s shape (and its dtype, or `dtype`: "float32" or the name of a
+    dtype scalar), or with `rows`, one float32 value per row of that tensor (a statistic,
+    flattened to (M,)). `when`: the names that must all hold (a bool scalar true, a dtype
+    scalar or a tensor not None) for it to be computed; otherwise it is an empty tensor
+    (float32 for a statistic, else of the op's first tensor's dtype), as the kernels return.
+    In a backward op, `grad_of` names the forward input it is the gradient of (by default X
+    for an output dX). `shape(bound)`: a shape of its own (an embedding's (B, T, C) from the
+    ids and the table), `like` then giving its dtype and device."""
+
+    name: str
+    like: str | None = None
+    rows: str | None = None
+    dtype: str | None = None
+    when: tuple[str, ...] | str = ()
+    # In a backward op: the forward input this is the gradient of; by default X for dX.
+    grad_of: str | None = None
+    # A shape of its own, from the call (`like` then gives the dtype and device only).
+    shape: Callable[[Mapping[str, Any]], tuple] | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        if (self.like is None) == (self.rows is None):
+            raise ValueError(f"output {self.name}: give one of like= and rows=")
+        if isinstance(self.when, str):
+            object.__setattr__(self, "when", (self.when,))
+
+    def wanted(self, bound: Mapping[str, Any]) -> bool:
+        return all(bound[name] is not None and bound[name] is not False for name in self.when)
+
+    def dtype_for(self, bound: Mapping[str, Any]) -> torch.dtype:
+        if self.rows is not None or self.dtype == "float32":
+            return torch.float32
+        if self.dtype is not None:
+            return bound[self.dtype]
+        return bound[self.like].dtype
+
+    def empty(self, first: torch.Tensor) -> torch.Tensor:
+        return first.new_empty(0, dtype=torch.float32 if self.rows is not None else None)
+
+    def allocate(self, bound: Mapping[str, Any], first: torch.Tensor) -> torch.Tensor:
+        """A dense tensor for this output (the kernels write dense outputs), or an empty one."""
+        if not self.wanted(bound):
+            return self.empty(first)
+        if self.rows is not None:
+            return first.new_empty(row_count(bound[self.rows]), dtype=torch.float32)
+        like = bound[self.like]
+        shape = like.shape if self.shape is None else self.shape(bound)
+        return like.new_empty(shape, dtype=self.dtype_for(bound))
