@@ -104,20 +104,17 @@ def dtype_name(t: torch.Tensor | None) -> str | None:
 
 
 @dataclass(frozen=True)
-class Ids(_Tensor):
+class Ids(Tensors):
     """Integer ids (int32 or int64): with `rows_of`, one per row of that tensor (its shape
     without the last dimension: a cross-entropy's targets); its `<name>_dtype` binds to an
     "index" parameter of the kernel table ("i32" / "i64")."""
 
-    name: str
     rows_of: str | None = None
-    optional: bool = False
 
     def check(self, value: Any, bound: Mapping[str, Any]) -> Any:
-        if value is None and self.optional:
+        value = super().check(value, bound)
+        if value is None:
             return None
-        if not isinstance(value, torch.Tensor):
-            raise TypeError(f"{self.name} must be a torch.Tensor, got {type(value).__name__}")
         if value.dtype not in INDEX_NAMES:
             raise TypeError(
                 f"{self.name} must be torch.int32 or torch.int64 ids; got {value.dtype}"
