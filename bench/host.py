@@ -90,12 +90,22 @@ def calls(M: int, N: int):
             [x, r, w],
         ),
     }
-    if softmax is not None:
-        ops["softmax (kbuild.Op)"] = (lambda: softmax(x), lambda: torch.softmax(x, -1), [x])
-    return {
+    routes = {
         op: {"kbuild": (k, grad(k, inputs)), "torch": (t, grad(t, inputs))}
         for op, (k, t, inputs) in ops.items()
     }
+    if softmax is not None:
+        # kbuild_python: the op's Python launch path (what runs without the C++ extension),
+        # its backward op launched the same way
+        routes["softmax (kbuild.Op)"] = {
+            "kbuild": (lambda: softmax(x), grad(lambda: softmax(x), [x])),
+            "kbuild_python": (
+                lambda: softmax._launch_cuda(x),
+                lambda: softmax.backward._launch_cuda(softmax._launch_cuda(x), dy),
+            ),
+            "torch": (lambda: torch.softmax(x, -1), grad(lambda: torch.softmax(x, -1), [x])),
+        }
+    return routes
 
 
 def _example_softmax():
@@ -158,7 +168,7 @@ def main() -> None:
         for op, by_route in calls(M, N).items():
             entries = {}
             for route, entry in (("kbuild", native), ("kbuild_python", None), ("torch", None)):
-                fwd, fwd_bwd = by_route["torch" if route == "torch" else "kbuild"]
+                fwd, fwd_bwd = by_route.get(route, by_route["kbuild"])
                 entries[f"{route} fwd"] = no_grad(fwd, route, entry)
                 entries[f"{route} fwd+bwd"] = on_route(fwd_bwd, route, entry)
                 if route != "kbuild_python":
