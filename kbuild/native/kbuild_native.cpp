@@ -137,9 +137,16 @@ PYBIND11_MODULE(KBUILD_EXTENSION_NAME, m) {
     g_launch_hook = fn.is_none() ? nullptr : new py::object(std::move(fn));
     g_hooked = g_launch_hook != nullptr;
   });
+  // Forget every record (the memory tier forgot its kernels). A thread may be launching from
+  // a record it looked up just before: the records are moved aside, never freed (the nodes
+  // keep their addresses), so its reference stays good. Clears are rare (jit.forget).
   m.def("clear_records", [] {
+    static auto& retired = *new std::vector<decltype(g_records)>();
+    static auto& retired_generic = *new std::vector<decltype(generic::g_generic_records)>();
     std::lock_guard<std::mutex> lock(g_mutex);
-    g_records.clear();
+    retired.push_back(std::move(g_records));
+    retired_generic.push_back(std::move(generic::g_generic_records));
+    g_records.clear();  // moved-from: valid, emptied to be sure
     generic::g_generic_records.clear();
   });
   // Ops declared with kbuild.Op (generic.h): their programs and CUDA kernel; a test entry.
