@@ -285,6 +285,32 @@ MUL = Op(
 )
 
 
+def _declared_without_the_extension(op: Op, name: str) -> Op:
+    """`op` declared again under `name` as where the C++ extension does not load: its autograd
+    the Python formula (torch.library's), not the C++ generic autograd kernel."""
+    saved, opdef.NATIVE[0] = opdef.NATIVE[0], None
+    try:
+        return opdef.DEFINED.get(name) or Op(
+            name, args=op.args, outputs=op.outputs, launch=op.launches,
+            reference=op.reference, backward=op.backward,
+        )  # fmt: skip
+    finally:
+        opdef.NATIVE[0] = saved
+
+
+MUL_PY = _declared_without_the_extension(MUL, f"{NS}::mul_python_autograd")
+
+
+def _formula(grad_fn, *grads):
+    """What an op's autograd formula returns, input by input, called outside the engine: a
+    Python formula's `apply`, or the C++ node called."""
+    apply = getattr(grad_fn, "apply", None)
+    return apply(*grads) if apply is not None else grad_fn(*grads)
+
+
+AUTOGRAD_ROUTES = pytest.mark.parametrize("mul", [MUL, MUL_PY], ids=["cpp", "python"])
+
+
 # CHECKED: every kind of argument and output, for the checks and the fake kernel (CPU only).
 def checked_reference(x, r, w, eps, store, out_dtype, alpha, k):
     xf = x.float() if r is None else x.float() + r.float()
@@ -710,7 +736,8 @@ def _mul_truth(x, w, gy, gms):
     "x_grad, w_grad", [(True, False), (False, True), (True, True), (True, None)]
 )
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_gradients_go_by_name_to_the_inputs_that_want_them(dtype, x_grad, w_grad):
+@AUTOGRAD_ROUTES
+def test_gradients_go_by_name_to_the_inputs_that_want_them(mul, dtype, x_grad, w_grad):
     """The derived autograd: need_dx / need_dw reach the backward op as the inputs' own
     requires_grad (a flag taken from the wrong input, or always True, computes a gradient no
     one wants, or none that is wanted); a gradient handed to the wrong output's d<output>
@@ -718,7 +745,7 @@ def test_gradients_go_by_name_to_the_inputs_that_want_them(dtype, x_grad, w_grad
     wants no gradient gets None from the formula."""
     x = randn((2, 3, N), dtype, seed=3).requires_grad_(x_grad)
     w = None if w_grad is None else randn(N, F32, seed=4, offset=0.5).requires_grad_(w_grad)
-    y, ms = MUL(x, w, ALPHA, True)
+    y, ms = mul(x, w, ALPHA, True)
     gy, gms = randn(y.shape, dtype, seed=6), randn(ms.shape, F32, seed=7)
     wanted = [t for t in (x, w) if t is not None and t.requires_grad]
     BACKWARD_FLAGS.clear()
@@ -734,7 +761,7 @@ def test_gradients_go_by_name_to_the_inputs_that_want_them(dtype, x_grad, w_grad
     if w_grad:
         assert_close_rel(by_input[id(w)], dw_ref, GRAD_TOL[F32], "dw")
     with torch.no_grad():
-        dx, dw = y.grad_fn.apply(gy, gms)[:2]  # what the formula returns, input by input
+        dx, dw = _formula(y.grad_fn, gy, gms)[:2]  # what the formula returns, input by input
     assert (dx is None) == (not x_grad) and (dw is None) == (not w_grad)
 
 
@@ -751,7 +778,7 @@ def test_an_input_that_wants_no_gradient_gets_none_even_if_computed():
     y = add(x, u)
     gy = randn(y.shape, seed=3)
     with torch.no_grad():
-        dx, du = y.grad_fn.apply(gy)[:2]
+        dx, du = _formula(y.grad_fn, gy)[:2]
     assert dx is None and torch.equal(du, 2 * gy)
 
 
@@ -1040,3 +1067,36 @@ def test_a_script_declaring_an_op_imports_itself_by_name(tmp_path, subprocess_en
     )
     assert run.returncode == 0, run.stderr[-2000:]
     assert "refused: twice::scale is declared already" in run.stdout
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_cpp_autograd_is_the_python_formula(dtype):
+    """Where the extension loads, the derived formula runs as the C++ generic autograd kernel
+    (no Python per call): its gradients are the Python formula's bit for bit (both call the
+    same backward op), its node is the C++ one, and an unused output's gradient is zeros
+    as torch.library materializes it (a missing zeros would hand the backward None)."""
+    assert MUL.native_autograd and not MUL_PY.native_autograd
+    x = randn((2, 3, N), dtype, seed=3).requires_grad_()
+    w = randn(N, F32, seed=4, offset=0.5).requires_grad_()
+    gy = randn((2, 3, N), dtype, seed=6)
+    got = {}
+    for op in (MUL, MUL_PY):
+        y, ms = op(x, w, ALPHA, True)
+        got[op.name] = torch.autograd.grad(y, [x, w], gy)  # ms unused: its gradient is zeros
+        assert ("CppFunction" in type(y.grad_fn).__name__) == (op is MUL)
+    for a, b in zip(*got.values(), strict=True):
+        assert torch.equal(a, b)
+
+
+@AUTOGRAD_ROUTES
+def test_an_input_changed_in_place_after_the_forward_fails_the_backward(mul):
+    """A saved input modified in place before the backward would give a wrong gradient: both
+    routes refuse it (the saved tensor's version counter)."""
+    x = randn((3, N), F32, seed=1).requires_grad_()
+    w = randn(N, F32, seed=2)
+    h = x * 1  # a non-leaf the op saves
+    y, _ = mul(h, w, ALPHA, True)
+    with torch.no_grad():
+        h.add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        torch.autograd.grad(y.sum(), x)

@@ -321,6 +321,179 @@ void define(const std::string& ns, const std::string& name, py::dict spec) {
             torch::CppFunction::makeFromBoxedFunctor(std::make_unique<Boxed>(program)));
 }
 
+// ------------------------------------------------------------------------------- autograd
+// The autograd of an op declared with a backward op (opdef.py: by the backward's argument
+// names), for every device: one boxed kernel on the Autograd key runs the forward below
+// autograd, saves what the backward takes and hands the gradients to the backward op; no
+// Python per call. Its spec is derived from the declaration (`Op.autograd_program`).
+enum BackwardSource : int8_t {
+  SAVED_INPUT,   // a forward argument (a tensor, saved)
+  SAVED_OUTPUT,  // a forward output (saved)
+  GRAD,          // the gradient of a forward output (zeros where it has none)
+  NEED,          // whether a forward tensor argument wants a gradient
+  SCALAR,        // a forward scalar argument
+};
+
+struct AutogradSpec {
+  std::string name;            // the forward op's
+  std::optional<c10::OperatorHandle> backward;
+  int nargs = 0, nouts = 0;
+  std::vector<int> inputs;     // forward tensor arguments, in edge order
+  std::vector<int> grad_outputs;  // forward outputs whose gradient the backward takes
+  std::vector<std::pair<BackwardSource, int>> args;  // the backward op's, in order
+  std::vector<int> targets;    // per backward output: the forward argument it is the grad of
+};
+
+int edge_of(const AutogradSpec& s, int position) {
+  for (size_t e = 0; e < s.inputs.size(); ++e)
+    if (s.inputs[e] == position) return static_cast<int>(e);
+  return -1;
+}
+
+struct GenericBackward final : torch::autograd::Node {
+  explicit GenericBackward(const AutogradSpec* spec) : spec(spec) {}
+  std::string name() const override { return spec->name + "Backward"; }
+
+  variable_list apply(variable_list&& grads) override {
+    torch::jit::Stack stack;
+    stack.reserve(spec->args.size());
+    for (size_t i = 0; i < spec->args.size(); ++i) {
+      auto [source, index] = spec->args[i];
+      switch (source) {
+        case SAVED_INPUT:
+        case SAVED_OUTPUT: {
+          Tensor t = saved[i].unpack(getptr());
+          if (t.defined()) stack.emplace_back(std::move(t));
+          else stack.emplace_back();
+          break;
+        }
+        case GRAD: {
+          int j = input_nr[index];
+          Tensor g = j >= 0 ? grads[j] : Tensor();
+          if (!g.defined()) g = at::zeros(sizes[index], options[index]);
+          stack.emplace_back(std::move(g));
+          break;
+        }
+        case NEED: {
+          int e = edge_of(*spec, index);
+          stack.emplace_back(e >= 0 && task_should_compute_output(static_cast<size_t>(e)));
+          break;
+        }
+        case SCALAR: stack.push_back(scalars[i]); break;
+      }
+    }
+    spec->backward->callBoxed(&stack);
+    variable_list out(num_outputs());
+    for (size_t k = 0; k < spec->targets.size(); ++k) {
+      int e = edge_of(*spec, spec->targets[k]);
+      const Tensor& g = stack[k].toTensor();
+      // an empty gradient is one not computed (or of an empty input): none, read as zeros
+      if (e >= 0 && task_should_compute_output(static_cast<size_t>(e)) && g.numel()) out[e] = g;
+    }
+    return out;
+  }
+
+  void release_variables() override {
+    for (auto& s : saved) s.reset_data();
+  }
+
+  const AutogradSpec* spec;
+  std::vector<torch::autograd::SavedVariable> saved;  // by backward argument (SAVED_*)
+  std::vector<c10::IValue> scalars;                   // by backward argument (SCALAR)
+  std::vector<int> input_nr;                          // by forward output: -1 or its grad's
+  std::vector<std::vector<int64_t>> sizes;            // by forward output: for zeros
+  std::vector<at::TensorOptions> options;
+};
+
+// Nodes are held by std::shared_ptr in older torch, by c10::intrusive_ptr in newer: made as
+// this torch holds them.
+using NodePtr = decltype(std::declval<torch::autograd::Node&>().getptr());
+template <typename T, typename... A>
+auto make_node(A&&... a) {
+  if constexpr (std::is_same_v<NodePtr, std::shared_ptr<torch::autograd::Node>>)
+    return std::make_shared<T>(std::forward<A>(a)...);
+  else
+    return c10::make_intrusive<T>(std::forward<A>(a)...);
+}
+
+struct BoxedAutograd final : c10::OperatorKernel {
+  explicit BoxedAutograd(const AutogradSpec* spec) : spec(spec) {}
+
+  void operator()(const c10::OperatorHandle& op, c10::DispatchKeySet keys,
+                  torch::jit::Stack* stack) {
+    const AutogradSpec& s = *spec;
+    c10::IValue* args = stack->data() + (stack->size() - s.nargs);
+    std::vector<Tensor> inputs(s.inputs.size());
+    bool wanted = false;
+    for (size_t e = 0; e < s.inputs.size(); ++e)
+      if (args[s.inputs[e]].isTensor()) {
+        inputs[e] = args[s.inputs[e]].toTensor();
+        wanted = wanted || inputs[e].requires_grad();
+      }
+    wanted = wanted && at::GradMode::is_enabled();
+    decltype(make_node<GenericBackward>(spec)) node;
+    if (wanted) {  // what the backward takes of the arguments, before the call consumes them
+      node = make_node<GenericBackward>(spec);
+      node->saved.resize(s.args.size());
+      node->scalars.resize(s.args.size());
+      for (size_t i = 0; i < s.args.size(); ++i) {
+        auto [source, index] = s.args[i];
+        if (source == SAVED_INPUT && args[index].isTensor())
+          node->saved[i] = torch::autograd::SavedVariable(args[index].toTensor(), false);
+        else if (source == SCALAR)
+          node->scalars[i] = args[index];
+      }
+    }
+    {
+      at::AutoDispatchBelowADInplaceOrView guard;
+      op.redispatchBoxed(keys & c10::after_ADInplaceOrView_keyset, stack);
+    }
+    if (!wanted) return;
+    c10::IValue* outs = stack->data() + (stack->size() - s.nouts);
+    node->set_next_edges(torch::autograd::collect_next_edges(inputs));
+    node->input_nr.assign(s.nouts, -1);
+    node->sizes.resize(s.nouts);
+    node->options.resize(s.nouts);
+    int next = 0;
+    for (int k : s.grad_outputs) {  // the outputs whose gradient the backward takes
+      Tensor& t = outs[k].toTensor();
+      node->sizes[k] = t.sizes().vec();
+      node->options[k] = t.options();
+      if (!at::isFloatingType(t.scalar_type())) continue;
+      torch::autograd::set_history(t, node);  // the node's input `next`
+      node->input_nr[k] = next++;
+    }
+    for (size_t i = 0; i < s.args.size(); ++i) {
+      auto [source, index] = s.args[i];
+      if (source == SAVED_OUTPUT)
+        node->saved[i] =
+            torch::autograd::SavedVariable(outs[index].toTensor(), node->input_nr[index] >= 0);
+    }
+  }
+
+  const AutogradSpec* spec;  // never freed
+};
+
+void define_autograd(const std::string& ns, const std::string& name, py::dict spec) {
+  auto* s = new AutogradSpec();  // never freed: the kernel below points at it
+  s->name = ns + "::" + name;
+  s->backward = c10::Dispatcher::singleton().findSchemaOrThrow(
+      spec["backward"].cast<std::string>().c_str(), "");
+  s->nargs = spec["nargs"].cast<int>();
+  s->nouts = spec["nouts"].cast<int>();
+  s->inputs = spec["inputs"].cast<std::vector<int>>();
+  s->grad_outputs = spec["grad_outputs"].cast<std::vector<int>>();
+  for (auto a : spec["args"]) {
+    auto pair = a.cast<std::pair<int, int>>();
+    s->args.emplace_back(static_cast<BackwardSource>(pair.first), pair.second);
+  }
+  s->targets = spec["targets"].cast<std::vector<int>>();
+  auto* lib = new torch::Library(torch::Library::IMPL, ns, c10::DispatchKey::Autograd,
+                                 __FILE__, __LINE__);  // never freed: it would unregister
+  lib->impl(name.c_str(),
+            torch::CppFunction::makeFromBoxedFunctor(std::make_unique<BoxedAutograd>(s)));
+}
+
 // Tests: the kernel run on CPU tensors (with the launch hook set), arguments from Python.
 py::object run_on(const std::string& name, py::list args) {
   const auto& op = c10::Dispatcher::singleton().findSchemaOrThrow(name.c_str(), "");

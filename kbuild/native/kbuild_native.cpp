@@ -39,6 +39,7 @@
 #include <dlfcn.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/utils/pybind.h>
 #include <torch/library.h>
@@ -151,6 +152,7 @@ PYBIND11_MODULE(KBUILD_EXTENSION_NAME, m) {
   });
   // Ops declared with kbuild.Op (generic.h): their programs and CUDA kernel; a test entry.
   m.def("define_generic", &generic::define);
+  m.def("define_generic_autograd", &generic::define_autograd);
   m.def("run_generic", &generic::run_on);
   m.def("generic_record_count", [] {
     std::lock_guard<std::mutex> lock(g_mutex);

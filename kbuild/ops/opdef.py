@@ -94,6 +94,8 @@ DEFINED: dict[str, Op] = {}  # qualified name -> its description, as declared
 # The C++ extension, once ops/custom_ops.py has loaded it (None: unavailable), whose generic
 # kernel runs the CUDA kernel of ops declared later.
 NATIVE: list = [None]
+# Where a backward argument comes from (kbuild/native/generic.h `BackwardSource`).
+_SAVED_INPUT, _SAVED_OUTPUT, _GRAD, _NEED, _SCALAR = range(5)
 
 
 # ----------------------------------------------------------------------------- the op
@@ -406,6 +408,37 @@ class Op:
             for n in given
         )
 
+    def autograd_program(self) -> dict:
+        """The autograd formula as the C++ generic autograd kernel runs it (kbuild/native/
+        generic.h `define_autograd`): each backward argument's source, as `_backward` reads
+        it (a forward scalar, a saved forward tensor or output, need_d<input>, d<output>),
+        and the forward argument each backward output is the gradient of."""
+        position = {name: i for i, name in enumerate(self.arg_names)}
+        output = {o.name: k for k, o in enumerate(self.outputs)}
+        args, grad_outputs = [], set()
+        for name in self.backward.arg_names:
+            if name in self.scalars:
+                args.append((_SCALAR, position[name]))
+            elif name in position:
+                args.append((_SAVED_INPUT, position[name]))
+            elif name in output:
+                args.append((_SAVED_OUTPUT, output[name]))
+            elif name in self._need_sources:
+                args.append((_NEED, position[self._need_sources[name]]))
+            else:
+                k = output[self._grad_sources[name]]
+                args.append((_GRAD, k))
+                grad_outputs.add(k)
+        return {
+            "backward": self.backward.name,
+            "nargs": len(self.arg_names),
+            "nouts": len(self.outputs),
+            "inputs": [position[name] for name in self.tensor_names],
+            "grad_outputs": sorted(grad_outputs),
+            "args": args,
+            "targets": [position[self._grad_targets[o.name]] for o in self.backward.outputs],
+        }
+
     # -- registration ------------------------------------------------------------------
 
     def _register(self) -> None:
@@ -481,7 +514,10 @@ class Op:
             NATIVE[0].define_generic(self.namespace, self.op_name, program)
         else:
             lib.impl(self.op_name, self._cuda or self._launch_cuda, "CUDA")
-        if self.backward is not None:
+        self.native_autograd = self.backward is not None and NATIVE[0] is not None
+        if self.native_autograd:  # one C++ kernel on the Autograd key: no Python per call
+            NATIVE[0].define_generic_autograd(self.namespace, self.op_name, self.autograd_program())
+        elif self.backward is not None:
             torch.library.register_autograd(
                 self.name, self._backward, setup_context=self._setup_context, lib=lib
             )
