@@ -26,11 +26,13 @@ From the declaration come:
   first Rows tensor's, `<t>_dtype` tensor t's dtype or None, `vectorize` whether every
   pointer is 16-byte aligned, any other parameter the op's scalar of that name, or a function
   of the call given in `values`), one block per row group (or the persistent grid the
-  builder asks for); or a hand-written `cuda` function;
+  builder asks for), run by the C++ extension's generic kernel where it loads and nothing of
+  it is Python (`native_program`), else from Python; or a hand-written `cuda` function;
 - the autograd formula, by names: the backward op's arguments are the forward's tensors
   (saved), `d<output>` (the gradient of that output), `need_d<input>` (whether that input
   wants a gradient) and the forward's scalars; its outputs `d<input>` are the inputs'
-  gradients (an empty tensor: none). Or a hand-written `autograd=(setup, backward)`;
+  gradients (an empty tensor: none); run by the extension's generic C++ autograd kernel
+  (`autograd_program`), else torch.library's. Or a hand-written `autograd=(setup, backward)`;
 - the kernels to warm for a row width (`Op.warm_specs`: the launches' specs on meta tensors,
   so exactly what a call of aligned tensors asks for), which `kbuild warmup --ops` lists.
 
