@@ -226,6 +226,8 @@ class Op:
 
     def bind(self, args: tuple, kwargs: Mapping[str, Any]) -> dict[str, Any]:
         """The call's arguments by name, defaults filled in (TypeError as Python's own)."""
+        if not kwargs and len(args) == len(self.arg_names):  # all given, in order
+            return dict(zip(self.arg_names, args, strict=True))
         if len(args) > len(self.args):
             raise TypeError(f"{self.name} takes {len(self.args)} arguments, got {len(args)}")
         bound = dict(zip(self.arg_names, args, strict=False))
