@@ -1100,3 +1100,45 @@ def test_an_input_changed_in_place_after_the_forward_fails_the_backward(mul):
         h.add_(1)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         torch.autograd.grad(y.sum(), x)
+
+
+@AUTOGRAD_ROUTES
+def test_dynamic_compile_traces_the_backward_once_for_every_row_count(mul):
+    """torch.compile(dynamic=True) of a forward + backward: the zeros materialized for an
+    unused output's gradient take the output's symbolic sizes (concrete sizes() would
+    specialise the row count: one recompile per shape), so one graph serves every M."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+
+    @torch.compile(backend=counter, dynamic=True, fullgraph=True)
+    def loss(x, w):
+        y, _ = mul.overload(x, w, ALPHA, True)  # ms unused: its gradient is zeros
+        return y.sin().sum()
+
+    try:
+        compiled = []  # frames compiled so far, after each call
+        for M in (3, 5, 7):
+            x = randn((M, N), F32, seed=M).requires_grad_()
+            w = randn(N, F32, seed=4)
+            (dx,) = torch.autograd.grad(loss(x, w), x)
+            expected = ALPHA * torch.cos(ALPHA * x.detach() * w) * w
+            torch.testing.assert_close(dx, expected)
+            compiled.append(counter.frame_count)
+        assert compiled[1:] == compiled[:1] * 2, compiled
+    finally:
+        torch._dynamo.reset()
+
+
+def test_forward_mode_ad_is_refused_not_silently_zero():
+    """The C++ autograd kernel has no forward-mode formula: a dual input (forward_ad,
+    torch.func.jvp) is refused, as torch's own kernels without one refuse it, instead of an
+    output whose tangent is silently missing (zeros)."""
+    import torch.autograd.forward_ad as fwAD
+
+    x, w = randn((3, N), F32, seed=1), randn(N, F32, seed=2)
+    with fwAD.dual_level(), pytest.raises(NotImplementedError, match="forward AD"):
+        MUL(fwAD.make_dual(x, torch.ones_like(x)), w, ALPHA, True)
+    with pytest.raises(NotImplementedError, match="forward AD"):
+        torch.func.jvp(lambda x: MUL(x, w, ALPHA, True)[0], (x,), (torch.ones_like(x),))

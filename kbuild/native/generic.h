@@ -370,7 +370,7 @@ struct GenericBackward final : torch::autograd::Node {
         case GRAD: {
           int j = input_nr[index];
           Tensor g = j >= 0 ? grads[j] : Tensor();
-          if (!g.defined()) g = at::zeros(sizes[index], options[index]);
+          if (!g.defined()) g = at::zeros_symint(sizes[index], options[index]);
           stack.emplace_back(std::move(g));
           break;
         }
@@ -388,7 +388,8 @@ struct GenericBackward final : torch::autograd::Node {
       int e = edge_of(*spec, spec->targets[k]);
       const Tensor& g = stack[k].toTensor();
       // an empty gradient is one not computed (or of an empty input): none, read as zeros
-      if (e >= 0 && task_should_compute_output(static_cast<size_t>(e)) && g.numel()) out[e] = g;
+      if (e >= 0 && task_should_compute_output(static_cast<size_t>(e)) && g.sym_numel() != 0)
+        out[e] = g;
     }
     return out;
   }
@@ -401,7 +402,9 @@ struct GenericBackward final : torch::autograd::Node {
   std::vector<torch::autograd::SavedVariable> saved;  // by backward argument (SAVED_*)
   std::vector<c10::IValue> scalars;                   // by backward argument (SCALAR)
   std::vector<int> input_nr;                          // by forward output: -1 or its grad's
-  std::vector<std::vector<int64_t>> sizes;            // by forward output: for zeros
+  // by forward output, for zeros: symbolic under tracing (sizes() would specialise them,
+  // a recompile per shape under torch.compile(dynamic=True))
+  std::vector<std::vector<c10::SymInt>> sizes;
   std::vector<at::TensorOptions> options;
 };
 
@@ -429,6 +432,12 @@ struct BoxedAutograd final : c10::OperatorKernel {
       if (args[s.inputs[e]].isTensor()) {
         inputs[e] = args[s.inputs[e]].toTensor();
         wanted = wanted || inputs[e].requires_grad();
+        // forward-mode AD (dual tensors, torch.func.jvp): no formula here; its tangents
+        // would be dropped silently (zeros), as the generated kernels refuse
+        TORCH_CHECK_NOT_IMPLEMENTED(!inputs[e]._fw_grad(/*level=*/0).defined(),
+                                    "Trying to use forward AD with ", s.name,
+                                    " that does not support it (kbuild ops have reverse-mode "
+                                    "autograd only)");
       }
     wanted = wanted && at::GradMode::is_enabled();
     decltype(make_node<GenericBackward>(spec)) node;
@@ -457,7 +466,7 @@ struct BoxedAutograd final : c10::OperatorKernel {
     int next = 0;
     for (int k : s.grad_outputs) {  // the outputs whose gradient the backward takes
       Tensor& t = outs[k].toTensor();
-      node->sizes[k] = t.sizes().vec();
+      node->sizes[k] = t.sym_sizes().vec();
       node->options[k] = t.options();
       if (!at::isFloatingType(t.scalar_type())) continue;
       torch::autograd::set_history(t, node);  // the node's input `next`
