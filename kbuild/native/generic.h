@@ -139,13 +139,7 @@ const Record& record(const Program& p, int index, const Key& key) {
         values[i] = value_object(sources[i].source, key.values[i]);
       py::object out = p.launches[index].resolve(key.device, values);
       auto& k = rec.launch;
-      k.function = reinterpret_cast<void*>(out.attr("function_handle").cast<uintptr_t>());
-      k.block = out.attr("block").cast<unsigned>();
-      k.shared = out.attr("shared").cast<unsigned>();
-      k.cluster = out.attr("cluster").cast<int64_t>();
-      k.rows_per_block = out.attr("rows_per_block").cast<int64_t>();
-      k.resident_clusters = out.attr("resident_clusters").cast<int64_t>();
-      k.persistent = out.attr("persistent").cast<bool>();
+      read_launch_fields(out, k);
       k.name = out.attr("name").cast<std::string>();
       for (auto s : out.attr("slots").cast<std::vector<int>>()) {
         TORCH_CHECK(0 <= s && s < kMaxSlots, "kbuild native: bad argument slot ", s);

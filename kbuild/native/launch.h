@@ -240,6 +240,18 @@ py::object value_object(int i, uint64_t bits) {
   throw err;
 }
 
+// What both C++ launch paths read of a resolved kernel (kbuild/ops/launch.py record_fields):
+// the driver's function, block, shared memory and the grid's shape.
+void read_launch_fields(const py::object& out, Record& rec) {
+  rec.function = reinterpret_cast<void*>(out.attr("function_handle").cast<uintptr_t>());
+  rec.block = out.attr("block").cast<unsigned>();
+  rec.shared = out.attr("shared").cast<unsigned>();
+  rec.cluster = out.attr("cluster").cast<int64_t>();
+  rec.rows_per_block = out.attr("rows_per_block").cast<int64_t>();
+  rec.resident_clusters = out.attr("resident_clusters").cast<int64_t>();
+  rec.persistent = out.attr("persistent").cast<bool>();
+}
+
 const Record& record(const Key& key) {
   {
     std::lock_guard<std::mutex> lock(g_mutex);
@@ -256,13 +268,7 @@ const Record& record(const Key& key) {
         if (key.given >> i & 1) values[kValues[i].name] = value_object(i, key.values[i]);
       py::object out = (*g_resolver)(kKernelNames[key.kernel], key.device, values);
       // The launch record's fields by name (kbuild/ops/resolve.py Record).
-      rec.function = reinterpret_cast<void*>(out.attr("function_handle").cast<uintptr_t>());
-      rec.block = out.attr("block").cast<unsigned>();
-      rec.shared = out.attr("shared").cast<unsigned>();
-      rec.cluster = out.attr("cluster").cast<int64_t>();
-      rec.rows_per_block = out.attr("rows_per_block").cast<int64_t>();
-      rec.resident_clusters = out.attr("resident_clusters").cast<int64_t>();
-      rec.persistent = out.attr("persistent").cast<bool>();
+      read_launch_fields(out, rec);
       rec.columns_per_block = out.attr("columns_per_block").cast<int64_t>();
       for (auto s : out.attr("slots").cast<std::vector<int>>()) {
         TORCH_CHECK(0 <= s && s < NUM_SLOTS, "kbuild native: bad argument slot ", s);
