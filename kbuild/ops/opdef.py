@@ -129,6 +129,9 @@ class Op:
         self.reference = reference
         self.backward = backward
         self.native = native
+        # Whether its CUDA kernel / its autograd run in the extension's generic C++ kernels
+        # (set when they are registered).
+        self.generic_native = self.native_autograd = False
         self._check_more = check
         names = [a.name for a in self.args]
         if len(set(names)) != len(names):
@@ -463,6 +466,7 @@ class Op:
             # back the same way, kernels/table.py register). The operator registered first
             # runs the same code: this Op calls it.
             self.generic_native = getattr(existing, "generic_native", False)
+            self.native_autograd = getattr(existing, "native_autograd", False)
             return
         lib = _LIBRARIES.get(self.namespace)
         if lib is None:
