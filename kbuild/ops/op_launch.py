@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -14,10 +14,6 @@ from ..kernels.table import KernelDef
 from .common import DTYPE_NAMES, row_count, stream_of
 from .launch import launcher_for, record_fields
 from .op_args import Rows, Scalar, dtype_name
-
-if TYPE_CHECKING:
-    from .opdef import Op
-
 
 # ----------------------------------------------------------------------------- launches
 
@@ -69,7 +65,7 @@ class Launch:
 class _Binding:
     """A Launch compiled against its op: one getter per table parameter, in table order."""
 
-    def __init__(self, launch: Launch, op: Op) -> None:
+    def __init__(self, launch: Launch, op: Any) -> None:  # op: the opdef.Op it binds to
         self.launch, self.kernel, self.op = launch, launch.kernel, op.name
         rows = [a.name for a in op.args if isinstance(a, Rows)]
         if not rows:
@@ -94,7 +90,7 @@ class _Binding:
                     f"the op's tensors {sorted(tensors)}, M or the launch's ints"
                 )
 
-    def _getter(self, p, op: Op, tensors: set[str], scalars: Mapping[str, Scalar]):
+    def _getter(self, p, op: Any, tensors: set[str], scalars: Mapping[str, Scalar]):
         name, rows = p.name, self.rows
         if name in self.launch.values:
             f = self.launch.values[name]
@@ -129,7 +125,7 @@ class _Binding:
             "a scalar of the op so, or give it in Launch(values=...)"
         )
 
-    def native(self, op: Op) -> tuple[list[tuple[int, int]], Callable] | None:
+    def native(self, op: Any) -> tuple[list[tuple[int, int]], Callable] | None:
         """The launch as the C++ generic kernel runs it: the varying values' sources (kind
         code and argument position, generic.h `Source`) and its resolver; None where a value
         or an argument is computed by a Python function, a value is an optional scalar other
