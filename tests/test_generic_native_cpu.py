@@ -443,3 +443,13 @@ def test_ids_are_checked_by_name(targets, error, words):
     with pytest.raises(error) as caught:
         op(torch.zeros(2, 3, 32), targets)
     assert str(caught.value) == words
+
+
+def test_warm_specs_cover_both_index_dtypes():
+    """`kbuild warmup --ops` of an op taking ids warms the kernel for int32 and for int64 ids
+    (a cache warmed for one misses on a model passing the other)."""
+    specs = [s.short() for s in _ce_op().warm_specs(512, "bf16")]
+    assert specs == [
+        "generic_test_ce(N=512, dtype=bf16, targets_dtype=i32, vectorize=True)",
+        "generic_test_ce(N=512, dtype=bf16, targets_dtype=i64, vectorize=True)",
+    ]

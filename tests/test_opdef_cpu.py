@@ -1142,3 +1142,14 @@ def test_forward_mode_ad_is_refused_not_silently_zero():
         MUL(fwAD.make_dual(x, torch.ones_like(x)), w, ALPHA, True)
     with pytest.raises(NotImplementedError, match="forward AD"):
         torch.func.jvp(lambda x: MUL(x, w, ALPHA, True)[0], (x,), (torch.ones_like(x),))
+
+
+def test_warm_specs_cover_the_backwards_need_flags():
+    """A backward's need flags have no default: warm_specs compiles the kernel for each
+    combination a training step can ask for (it once refused to warm such an op at all)."""
+    specs = MUL.warm_specs(64, "f16")
+    bwd = [s for s in specs if s.kernel == MUL_BWD_KERNEL.name]
+    flags = sorted((s.kwargs["need_dx"], s.kwargs["need_dw"]) for s in bwd)
+    assert flags == [(False, False), (False, True), (True, False), (True, True)]
+    assert all(s.kwargs["alpha"] == 1.0 for s in bwd)  # the forward's default, forwarded
+    assert [s.kernel for s in specs if s not in bwd] == [MUL_FWD_KERNEL.name]

@@ -46,6 +46,7 @@ op's call, in Python and as the C++ generic kernel's program), this module (the 
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -536,9 +537,10 @@ class Op:
     # -- warming -----------------------------------------------------------------------
 
     def warm_specs(self, N: int, dtype: torch.dtype | str = torch.bfloat16) -> list[KernelSpec]:
-        """The specs this op and its backward launch on aligned rows of width N in `dtype`
-        (every optional tensor given, scalars at their defaults): what `kbuild warmup --ops`
-        compiles. Computed on meta tensors, by the launches' own bindings."""
+        """The specs this op and its backward launch on aligned rows of width N in `dtype`:
+        what `kbuild warmup --ops` compiles. Every optional tensor given; scalars at their
+        defaults, and both values of a bool without one (a backward's need flags); ids of
+        both index dtypes. Computed on meta tensors, by the launches' own bindings."""
         if not self.launches:
             raise ValueError(
                 f"{self.name} launches its kernels from its own code (cuda=), not by Launch: "
@@ -552,25 +554,39 @@ class Op:
                 )
             dtype = by_name[dtype]
         specs: list[KernelSpec] = []
-        for op in (self, self.backward):
+        # the backward takes the forward's scalars as the forward was called: by default
+        forwarded = {n: a.default for n, a in self.scalars.items() if a.default is not _REQUIRED}
+        for op, given in ((self, {}), (self.backward, forwarded)):
             if op is None:
                 continue
-            args = op._example_args(N, dtype)
-            specs += [k.spec(*values) for k, values in op.kernel_values(*args)]
+            for args in op._example_calls(N, dtype, given):
+                specs += [k.spec(*values) for k, values in op.kernel_values(*args)]
         return list(dict.fromkeys(specs))
 
-    def _example_args(self, N: int, dtype: torch.dtype) -> list[Any]:
-        bound: dict[str, Any] = {}
+    def _example_calls(
+        self, N: int, dtype: torch.dtype, given: Mapping[str, Any]
+    ) -> list[list[Any]]:
+        """Calls on meta tensors of one row of width N, one per combination of what picks a
+        kernel without a default: a bool scalar's two values, an ids tensor's two dtypes;
+        `given`: scalars' values (a backward's, from its forward)."""
+        choices: list[list[Any]] = []
         for a in self.args:
             if isinstance(a, Scalar):
-                if a.default is _REQUIRED:
+                if a.name in given:
+                    choices.append([given[a.name]])
+                elif a.default is not _REQUIRED:
+                    choices.append([a.default])
+                elif a.kind == "bool":
+                    choices.append([True, False])
+                else:
                     raise ValueError(f"{self.name}: {a.name} has no default to warm with")
-                bound[a.name] = a.default
+            elif isinstance(a, Ids):
+                choices.append([torch.empty(1, dtype=t, device="meta") for t in INDEX_NAMES])
             elif isinstance(a, Feature):
-                bound[a.name] = torch.empty(N, dtype=dtype, device="meta")
+                choices.append([torch.empty(N, dtype=dtype, device="meta")])
             else:
-                bound[a.name] = torch.empty(1, N, dtype=dtype, device="meta")
-        return list(bound.values())
+                choices.append([torch.empty(1, N, dtype=dtype, device="meta")])
+        return [list(call) for call in itertools.product(*choices)]
 
 
 def _where(function: Callable) -> tuple | None:
