@@ -1,0 +1,106 @@
+"""An op declared with kbuild.Op on the GPU: the example's softmax (examples/custom_softmax.py)
+through the C++ generic kernel and the C++ generic autograd kernel (kbuild/native/generic.h),
+against fp64 torch, against its own Python launch path, and captured in a CUDA graph.
+
+What this catches that the CPU tests cannot: a launch the C++ generic kernel makes wrongly on
+a real device (a grid or slot the launch hook's recording hid, the wrong stream, a stale
+record), gradients the C++ autograd node hands the backward op wrongly on CUDA tensors, and
+a generic launch that breaks graph capture (a record resolved, or an output allocated, outside
+the graph's pool). Shapes: the example's `warmup_specs()` (warm with
+`kbuild warmup --module examples/custom_softmax.py`), aligned rows.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from .gpu_utils import BWD_TOL, FWD_TOL, capture, rand
+
+pytestmark = pytest.mark.gpu
+
+# (rows, N, dtype): rows held in registers (4096; f32 at 1000), split over a cluster
+# (32768), walked chunk by chunk (151936, a vocabulary's width)
+SHAPES = [
+    ((64, 4096), torch.bfloat16),
+    ((3, 5, 4096), torch.bfloat16),
+    ((16, 32768), torch.bfloat16),
+    ((4, 151936), torch.bfloat16),
+    ((33, 1000), torch.float32),
+]
+
+
+@pytest.fixture(scope="module")
+def example():
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    try:
+        import custom_softmax
+    finally:
+        sys.path.pop(0)
+    return custom_softmax
+
+
+def test_the_example_runs_on_the_generic_cpp_kernels(example):
+    """Where the extension loads (a CUDA torch), the example's op runs its CUDA kernel and its
+    autograd in C++: the routes the benchmarks and users take."""
+    from kbuild.ops import custom_ops
+
+    if custom_ops.NATIVE is None:
+        pytest.skip("the C++ extension is unavailable here")
+    assert example.softmax.generic_native and example.softmax.backward.generic_native
+    assert example.softmax.native_autograd
+
+
+@pytest.mark.parametrize("shape, dtype", SHAPES, ids=lambda v: str(v))
+def test_values_and_gradients_against_fp64(example, shape, dtype):
+    x = rand(shape, dtype, seed=1, scale=4.0).requires_grad_()
+    dy = rand(shape, dtype, seed=2)
+    y = example.softmax(x)
+    (dx,) = torch.autograd.grad(y, x, dy)
+    x64 = x.detach().double().requires_grad_()
+    y64 = torch.softmax(x64, -1)
+    (dx64,) = torch.autograd.grad(y64, x64, dy.double())
+    torch.testing.assert_close(y.double(), y64, **FWD_TOL[dtype])
+    # dx is a difference of products of values near 1/N: tolerances relative to its scale
+    scale = dx64.abs().max().item()
+    tol = BWD_TOL[dtype]
+    torch.testing.assert_close(dx.double(), dx64, rtol=tol["rtol"], atol=tol["atol"] * scale)
+    assert y.dtype == dtype and dx.dtype == dtype and y.is_contiguous()
+
+
+def test_the_cpp_and_python_launch_paths_agree_bit_for_bit(example):
+    """The same kernels by two routes: the C++ generic kernel and the Python launch path
+    (what runs without the extension) give the same bits, forward and backward."""
+    x = rand((64, 4096), torch.bfloat16, seed=3, scale=4.0)
+    dy = rand((64, 4096), torch.bfloat16, seed=4)
+    y = example.softmax.overload(x)
+    assert torch.equal(y, example.softmax._launch_cuda(x))
+    dx = example.softmax.backward.overload(y, dy)
+    assert torch.equal(dx, example.softmax.backward._launch_cuda(y, dy))
+
+
+def test_bitwise_deterministic_and_captured_in_a_graph(example):
+    """Two eager calls give the same bits, and forward + backward captured in a CUDA graph and
+    replayed on new inputs gives the eager bits (a launch outside the capture's stream, or a
+    record resolved inside it, would break this)."""
+    shape, dtype = (64, 4096), torch.bfloat16
+    x = rand(shape, dtype, seed=5, scale=4.0).requires_grad_()
+    dy = rand(shape, dtype, seed=6)
+
+    def step():
+        y = example.softmax(x)
+        return (y.detach(), *torch.autograd.grad(y, x, dy))
+
+    first, second = step(), step()
+    assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
+    graph, static = capture(step)
+    with torch.no_grad():
+        x.copy_(rand(shape, dtype, seed=7, scale=4.0))
+        dy.copy_(rand(shape, dtype, seed=8))
+    graph.replay()
+    torch.cuda.synchronize()
+    eager = step()
+    assert all(torch.equal(a, b) for a, b in zip(static, eager, strict=True))
