@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from .gpu_utils import BWD_TOL, FWD_TOL, capture, rand
+from .gpu_utils import GRAD_TOL, capture, rand
 
 pytestmark = pytest.mark.gpu
 
@@ -60,14 +60,18 @@ def test_values_and_gradients_against_fp64(example, shape, dtype):
     dy = rand(shape, dtype, seed=2)
     y = example.softmax(x)
     (dx,) = torch.autograd.grad(y, x, dy)
-    x64 = x.detach().double().requires_grad_()
-    y64 = torch.softmax(x64, -1)
-    (dx64,) = torch.autograd.grad(y64, x64, dy.double())
-    torch.testing.assert_close(y.double(), y64, **FWD_TOL[dtype])
-    # dx is a difference of products of values near 1/N: tolerances relative to its scale
-    scale = dx64.abs().max().item()
-    tol = BWD_TOL[dtype]
-    torch.testing.assert_close(dx.double(), dx64, rtol=tol["rtol"], atol=tol["atol"] * scale)
+    y64 = torch.softmax(x.detach().double(), -1)
+    # the backward's contract: dx from the y the forward stored (as torch's softmax backward
+    # does): from the exact y instead, a row dominated by one y near 1 loses (1 - y) to y's
+    # rounding (2.5e-2 relative in bf16), the kernel's error hidden under the input's
+    yd, dyd = y.detach().double(), dy.double()
+    dx64 = yd * (dyd - (yd * dyd).sum(-1, keepdim=True))
+    # y and dx hold values near 1/N (6.6e-6 at N = 151936): elementwise tolerances of the
+    # dtype would pass a row of zeros, so the error is taken relative, by norm, per row
+    for got, want, name in ((y, y64, "y"), (dx, dx64, "dx")):
+        rows = want.reshape(-1, want.shape[-1])
+        error = (got.double().reshape(rows.shape) - rows).norm(dim=-1) / rows.norm(dim=-1)
+        assert error.max().item() < GRAD_TOL[dtype], (name, error.max().item())
     assert y.dtype == dtype and dx.dtype == dtype and y.is_contiguous()
 
 
