@@ -12,17 +12,10 @@ import torch
 
 from ..kernels.table import KernelDef
 from .common import DTYPE_NAMES, row_count, stream_of
-from .launch import launcher_for, record_fields
+from .launch import launcher_for, record_fields, rows_grid
 from .op_args import Rows, Scalar, dtype_name
 
 # ----------------------------------------------------------------------------- launches
-
-
-def rows_grid(launcher, M: int) -> int:
-    """One block (or cluster) per row group, or the persistent grid the builder asks for."""
-    if launcher.meta.get("grid") == "persistent":
-        return min(-(-M // launcher.rows_per_block), launcher.resident_clusters) * launcher.cluster
-    return -(-M // launcher.rows_per_block) * launcher.cluster
 
 
 # The C++ generic kernel's value sources (kbuild/native/generic.h `Source`).

@@ -145,7 +145,7 @@ class Op:
             raise ValueError(f"{name}: give launch= or cuda=, not both")
         launches = () if launch is None else (launch,) if isinstance(launch, Launch) else launch
         self.launches = tuple(launches)
-        if not native and cuda is None and not self.launches:
+        if cuda is None and not self.launches:  # native too: its Python kernel is the fallback
             raise ValueError(f"{name}: give launch= or cuda= (its CUDA kernel)")
         self._bindings = [_Binding(x, self) for x in self.launches]
         self._cuda = cuda
@@ -269,24 +269,26 @@ class Op:
 
     def _named(self, args: tuple) -> dict[str, Any]:
         """A kernel's arguments by name: the dispatcher leaves trailing defaults out."""
-        if len(args) == len(self.arg_names):
-            return dict(zip(self.arg_names, args, strict=True))
         return self.bind(args, {})
+
+    def _kernel_args(self, args: tuple) -> dict[str, Any]:
+        """What the fake, CPU and CUDA kernels take: the arguments by name, through the op's
+        own check (torch.ops calls reach the kernels without Op.__call__)."""
+        bound = self._named(args)
+        if self._check_more is not None:
+            self._check_more(bound)
+        return bound
 
     def _first(self, bound: Mapping[str, Any]) -> torch.Tensor:
         return next(bound[n] for n in self.tensor_names if bound[n] is not None)
 
     def _fake(self, *args: Any) -> Any:
-        bound = self._named(args)
-        if self._check_more is not None:
-            self._check_more(bound)
+        bound = self._kernel_args(args)
         first = self._first(bound)
         return self._result([o.allocate(bound, first) for o in self.outputs])
 
     def _cpu(self, *args: Any) -> Any:
-        bound = self._named(args)
-        if self._check_more is not None:
-            self._check_more(bound)
+        bound = self._kernel_args(args)
         got = self.reference(*bound.values())
         got = (got,) if isinstance(got, torch.Tensor) else tuple(got)
         first = self._first(bound)
@@ -307,9 +309,7 @@ class Op:
         return self._result(outs)
 
     def _launch_cuda(self, *args: Any) -> Any:
-        bound = self._named(args)
-        if self._check_more is not None:
-            self._check_more(bound)
+        bound = self._kernel_args(args)
         for a in self.args:  # the kernels read dense rows
             if isinstance(a, _DENSE) and bound[a.name] is not None:
                 t = bound[a.name]
@@ -345,19 +345,24 @@ class Op:
         the forward's tensors and scalars, d<output>, need_d<input> (or need_grad_of), and
         outputs d<input> (or grad_of)."""
         outputs = [o.name for o in self.outputs]
-        self._grad_sources: dict[str, str] = {}  # backward argument -> forward output
-        self._need_sources: dict[str, str] = {}  # backward argument -> forward input
+        # per backward argument: where it comes from and the forward name it reads (what the
+        # Python formula and the C++ autograd kernel's spec both follow)
+        self._backward_sources: list[tuple[int, str]] = []
         for a in bwd.args:
             name = a.name
-            if name in self.arg_names or name in outputs:
-                continue
             need = getattr(a, "need_grad_of", None) or (
                 name[len("need_d") :] if name.startswith("need_d") else None
             )
-            if need in self.tensor_names:
-                self._need_sources[name] = need
+            if name in self.scalars:
+                self._backward_sources.append((_SCALAR, name))
+            elif name in self.arg_names:
+                self._backward_sources.append((_SAVED_INPUT, name))
+            elif name in outputs:
+                self._backward_sources.append((_SAVED_OUTPUT, name))
+            elif need in self.tensor_names:
+                self._backward_sources.append((_NEED, need))
             elif name.startswith("d") and name[1:] in outputs:
-                self._grad_sources[name] = name[1:]
+                self._backward_sources.append((_GRAD, name[1:]))
             else:
                 raise ValueError(
                     f"{bwd.name}: argument {name!r} is none of {self.name}'s tensors, scalars, "
@@ -383,29 +388,27 @@ class Op:
         bound = self._named(tuple(inputs))
         outs = (output,) if isinstance(output, torch.Tensor) else output
         named = {**bound, **{o.name: t for o, t in zip(self.outputs, outs, strict=True)}}
-        bwd = self.backward
-        saved = [n for n in bwd.arg_names if n in named and n not in self.scalars]
-        ctx.kbuild_saved = saved
-        ctx.save_for_backward(*(named[n] for n in saved))
-        ctx.kbuild_scalars = {n: bound[n] for n in bwd.arg_names if n in self.scalars}
+        sources = self._backward_sources
+        ctx.save_for_backward(*(named[n] for s, n in sources if s in (_SAVED_INPUT, _SAVED_OUTPUT)))
+        ctx.kbuild_scalars = [bound[n] for s, n in sources if s == _SCALAR]
 
     def _backward(self, ctx, *grads):
-        bwd = self.backward
-        saved = dict(zip(ctx.kbuild_saved, ctx.saved_tensors, strict=True))
+        saved, scalars = iter(ctx.saved_tensors), iter(ctx.kbuild_scalars)
         outputs = [o.name for o in self.outputs]
         # (arguments left at their defaults are not among the inputs: they need nothing)
         given = self.arg_names[: len(ctx.needs_input_grad)]
         needs = dict(zip(self.arg_names, ctx.needs_input_grad, strict=False))
         args = []
-        for name in bwd.arg_names:
-            if name in saved:
-                args.append(saved[name])
-            elif name in ctx.kbuild_scalars:
-                args.append(ctx.kbuild_scalars[name])
-            elif name in self._need_sources:
-                args.append(bool(needs.get(self._need_sources[name])))
+        for source, name in self._backward_sources:
+            if source in (_SAVED_INPUT, _SAVED_OUTPUT):
+                args.append(next(saved))
+            elif source == _SCALAR:
+                args.append(next(scalars))
+            elif source == _NEED:
+                args.append(bool(needs.get(name)))
             else:
-                args.append(grads[outputs.index(self._grad_sources[name])])
+                args.append(grads[outputs.index(name)])
+        bwd = self.backward
         got = bwd.overload(*args)
         got = (got,) if isinstance(got, torch.Tensor) else got
         # An empty gradient is one not computed (or of an empty input): None, which autograd
@@ -423,20 +426,12 @@ class Op:
         and the forward argument each backward output is the gradient of."""
         position = {name: i for i, name in enumerate(self.arg_names)}
         output = {o.name: k for k, o in enumerate(self.outputs)}
-        args, grad_outputs = [], set()
-        for name in self.backward.arg_names:
-            if name in self.scalars:
-                args.append((_SCALAR, position[name]))
-            elif name in position:
-                args.append((_SAVED_INPUT, position[name]))
-            elif name in output:
-                args.append((_SAVED_OUTPUT, output[name]))
-            elif name in self._need_sources:
-                args.append((_NEED, position[self._need_sources[name]]))
-            else:
-                k = output[self._grad_sources[name]]
-                args.append((_GRAD, k))
-                grad_outputs.add(k)
+        # forward outputs are indexed among the outputs, everything else among the arguments
+        args = [
+            (source, output[name] if source in (_SAVED_OUTPUT, _GRAD) else position[name])
+            for source, name in self._backward_sources
+        ]
+        grad_outputs = {index for source, index in args if source == _GRAD}
         return {
             "backward": self.backward.name,
             "nargs": len(self.arg_names),
@@ -515,8 +510,6 @@ class Op:
         the extension loads and the op is all declarations (`native_program`), else the
         launches from Python (or `cuda`)."""
         lib = _LIBRARIES[self.namespace]
-        if self._cuda is None and not self.launches:
-            raise ValueError(f"{self.name}: give launch= or cuda= (its CUDA kernel)")
         program = self.native_program() if NATIVE[0] is not None else None
         self.generic_native = program is not None
         if program is not None:
