@@ -1069,6 +1069,12 @@ def test_a_script_declaring_an_op_imports_itself_by_name(tmp_path, subprocess_en
     assert "refused: twice::scale is declared already" in run.stdout
 
 
+NEEDS_NATIVE = pytest.mark.skipif(
+    custom_ops.NATIVE is None, reason="the C++ extension is unavailable (its autograd kernel)"
+)
+
+
+@NEEDS_NATIVE
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_the_cpp_autograd_is_the_python_formula(dtype):
     """Where the extension loads, the derived formula runs as the C++ generic autograd kernel
@@ -1131,6 +1137,7 @@ def test_dynamic_compile_traces_the_backward_once_for_every_row_count(mul):
         torch._dynamo.reset()
 
 
+@NEEDS_NATIVE
 def test_forward_mode_ad_is_refused_not_silently_zero():
     """The C++ autograd kernel has no forward-mode formula: a dual input (forward_ad,
     torch.func.jvp) is refused, as torch's own kernels without one refuse it, instead of an
