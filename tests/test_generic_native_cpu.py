@@ -13,9 +13,6 @@ every call, a Python-computed binding sent to C++ (which cannot compute it).
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -23,6 +20,8 @@ from kbuild.kernels.table import Arg, KernelDef, Param
 from kbuild.ops import custom_ops, op_launch, opdef
 from kbuild.ops.common import DTYPE_NAMES
 from kbuild.ops.opdef import Feature, Ids, Launch, Op, Out, Rows, Scalar, eps
+
+from .examples import import_example
 
 NATIVE = custom_ops.NATIVE
 pytestmark = pytest.mark.skipif(NATIVE is None, reason="the C++ extension is unavailable")
@@ -252,20 +251,11 @@ def test_each_key_resolves_once_and_every_value_splits_it(paths):
     assert len(set(resolved)) == len(resolved) == 1 + len(variants)
 
 
-def _example():
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-    try:
-        import custom_softmax
-    finally:
-        sys.path.pop(0)
-    return custom_softmax
-
-
 def test_the_example_softmax_runs_on_the_generic_kernel(paths):
     """The example's two ops are all declarations: their CUDA kernel is the C++ one (no
     Python per call), and it launches what the Python path launches."""
     log, _, _ = paths
-    ex = _example()
+    ex = import_example(keep_kernels=False)
     assert ex.softmax.generic_native and ex.softmax.backward.generic_native
     x = _aligned((6, 256), torch.bfloat16)
     cpp, py, (y,), _ = _both(ex.softmax, (x,), log)

@@ -25,17 +25,17 @@ import math
 import re
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from kbuild.kernels.table import KERNELS, Arg, KernelDef, Param
+from kbuild.kernels.table import Arg, KernelDef, Param
 from kbuild.ops import custom_ops, op_launch, opdef  # custom_ops: the kbuild::* operators
 from kbuild.ops.opdef import Feature, Launch, Like, Op, Out, Rows, Scalar, Tensors, eps
 from kbuild.spec import KernelSpec
 
+from .examples import import_example
 from .gpu_utils import GRAD_TOL
 from .reference import assert_close_rel
 from .value_checks import assert_forward
@@ -46,7 +46,6 @@ DTYPES = (F32, F16, BF16)
 TORCH = {"f32": F32, "f16": F16, "bf16": BF16}
 N = 8
 STREAM = 7  # what the fake stream_of returns: the launches must pass it on
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "custom_softmax.py"
 _unique = itertools.count()
 
 
@@ -796,17 +795,8 @@ def test_an_unused_statistic_gets_no_gradient_term():
 
 @pytest.fixture(scope="module")
 def softmax_example():
-    """examples/custom_softmax.py imported as test_user_kernels_cpu.py does (one module name,
-    so one declaration of its ops per process), its kernels dropped from the registry again
-    at once: later modules (the fingerprint tests) read kbuild's own kernels only."""
-    sys.path.insert(0, str(EXAMPLE.parent))
-    try:
-        import custom_softmax
-    finally:
-        sys.path.remove(str(EXAMPLE.parent))
-        for name in ("user_softmax_fwd", "user_softmax_bwd"):
-            KERNELS.pop(name, None)
-    return custom_softmax
+    """The example, its kernels dropped from the registry again at once (tests/examples.py)."""
+    return import_example(keep_kernels=False)
 
 
 # Rows of spread-out logits (some y near 1) and upstream gradients of nonzero mean: sum(y * dy)

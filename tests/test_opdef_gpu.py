@@ -12,12 +12,10 @@ the graph's pool). Shapes: the example's `warmup_specs()` (warm with
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
+from .examples import import_example
 from .gpu_utils import GRAD_TOL, capture, rand
 
 pytestmark = pytest.mark.gpu
@@ -35,12 +33,7 @@ SHAPES = [
 
 @pytest.fixture(scope="module")
 def example():
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-    try:
-        import custom_softmax
-    finally:
-        sys.path.pop(0)
-    return custom_softmax
+    return import_example()  # its kernels stay registered: the cache finds their builders
 
 
 def test_the_example_runs_on_the_generic_cpp_kernels(example):

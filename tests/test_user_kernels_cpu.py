@@ -11,7 +11,6 @@ import importlib
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 
@@ -19,6 +18,8 @@ from kbuild.cache.keys import entry_key, source_fingerprint
 from kbuild.cache.sources import builder_files
 from kbuild.kernels.table import KERNELS, kernel_def, register
 from kbuild.targets import target_for_arch
+
+from .examples import EXAMPLE, import_example
 
 SM90 = target_for_arch("sm_90")
 
@@ -178,9 +179,6 @@ def test_prune_keeps_entries_of_kernels_it_does_not_know(tmp_path):
     cache.put("ab" * 16, "cd" * 8, Artifact(b"x", "cubin", "k", meta), {"mlir": "22"})
     assert prune(cache, stale=True) == []
     assert len(list(cache.entries())) == 1
-
-
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "custom_softmax.py"
 
 
 def test_the_softmax_example_runs_on_a_machine_without_a_gpu(subprocess_env, tmp_path):
@@ -359,13 +357,7 @@ def test_the_examples_passes_cover_every_column_once(arch):
     every column of its block's slice exactly once, and the slices cover the row, on every
     warmed shape: the rows long enough to be chunked (N = 32768 on gfx942, 151936 on both)
     included, which a single load at start 0 once left mostly unread."""
-    sys.path.insert(0, str(EXAMPLE.parent))
-    try:
-        import custom_softmax as example
-    finally:
-        sys.path.remove(str(EXAMPLE.parent))
-        for name in ("user_softmax_fwd", "user_softmax_bwd"):  # later modules see kbuild's own
-            KERNELS.pop(name, None)
+    example = import_example(keep_kernels=False)  # later modules see kbuild's own kernels
     from kbuild.kernels.config import RowBudget
     from kbuild.kernels.row_plan import plan_rows
 
