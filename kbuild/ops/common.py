@@ -10,12 +10,22 @@ import torch
 from ..kernels.table import MAX_GROUPED_ROWS, group_magic
 
 DTYPE_NAMES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
+# Integer ids as the kernel table names them (an "index" parameter: token ids, targets).
+INDEX_NAMES = {torch.int32: "i32", torch.int64: "i64"}
 _ACCEPTED = "torch.float32, torch.float16 or torch.bfloat16"
 
 
 def dtype_name(t: torch.Tensor | None) -> str | None:
-    """A tensor's dtype as kernels name it ("bf16", ...); None for no tensor."""
-    return None if t is None else DTYPE_NAMES[t.dtype]
+    """A tensor's dtype as kernels name it ("bf16", ...; ids "i32" / "i64"); None for no
+    tensor."""
+    if t is None:
+        return None
+    name = DTYPE_NAMES.get(t.dtype)
+    if name is None:
+        name = INDEX_NAMES.get(t.dtype)
+        if name is None:
+            raise TypeError(f"kbuild kernels take float or int32/int64 tensors, got {t.dtype}")
+    return name
 
 
 def check_input(name: str, x: object) -> torch.Tensor:

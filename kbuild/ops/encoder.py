@@ -21,10 +21,8 @@ from ..kernels.table import (
     ENCODER_BWD_WTE_MERGE,
     ENCODER_FWD,
 )
-from .common import DTYPE_NAMES, aligned, stream_of
+from .common import DTYPE_NAMES, INDEX_NAMES, aligned, stream_of
 from .launch import column_sum, launcher_for
-
-INDEX_NAMES = {torch.int32: "i32", torch.int64: "i64"}
 
 encoder_fwd_spec = ENCODER_FWD.spec
 encoder_bwd_wpe_spec = ENCODER_BWD_WPE.spec

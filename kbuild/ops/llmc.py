@@ -20,17 +20,16 @@ from __future__ import annotations
 import torch
 
 from . import api
-from .common import check_input, contiguous, device_guard
+from .common import INDEX_NAMES, check_input, contiguous, device_guard
 from .custom_ops import NATIVE
+from .encoder import bias_grad as _bias_grad_launch
 from .encoder import (
-    INDEX_NAMES,
     bias_grad_reference,
     encoder_bwd,
     encoder_bwd_reference,
     encoder_fwd,
     encoder_reference,
 )
-from .encoder import bias_grad as _bias_grad_launch
 from .opdef import Op, Out, Rows, Scalar, Tensors
 
 # ----------------------------------------------------------------------------- kernels

@@ -11,7 +11,15 @@ from typing import Any
 
 import torch
 
-from .common import DTYPE_NAMES, check_eps, check_input, check_like, check_param, row_count
+from .common import (
+    DTYPE_NAMES,
+    INDEX_NAMES,
+    check_eps,
+    check_input,
+    check_like,
+    check_param,
+    row_count,
+)
 
 _REQUIRED = object()  # an argument without a default
 
@@ -87,20 +95,6 @@ class Tensors(_Tensor):
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"{self.name} must be a torch.Tensor, got {type(value).__name__}")
         return value
-
-
-# Integer ids as the kernel table names them (an "index" parameter: token ids, targets).
-INDEX_NAMES = {torch.int32: "i32", torch.int64: "i64"}
-
-
-def dtype_name(t: torch.Tensor | None) -> str | None:
-    """A tensor's dtype as the kernel table names it: a float or an index dtype; None."""
-    if t is None:
-        return None
-    name = DTYPE_NAMES.get(t.dtype) or INDEX_NAMES.get(t.dtype)
-    if name is None:
-        raise TypeError(f"kbuild kernels take float or int32/int64 tensors, got {t.dtype}")
-    return name
 
 
 @dataclass(frozen=True)

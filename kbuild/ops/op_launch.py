@@ -11,9 +11,9 @@ from typing import Any
 import torch
 
 from ..kernels.table import KernelDef
-from .common import DTYPE_NAMES, row_count, stream_of
+from .common import DTYPE_NAMES, dtype_name, row_count, stream_of
 from .launch import launcher_for, record_fields, rows_grid
-from .op_args import Rows, Scalar, dtype_name
+from .op_args import Rows, Scalar
 
 # ----------------------------------------------------------------------------- launches
 

@@ -54,11 +54,10 @@ import torch
 
 from ..kernels.table import KernelDef
 from ..spec import KernelSpec
-from .common import DTYPE_NAMES, device_guard, row_count
+from .common import DTYPE_NAMES, INDEX_NAMES, device_guard, dtype_name, row_count
 from .op_args import (
     _DENSE,
     _REQUIRED,
-    INDEX_NAMES,
     Argument,
     Feature,
     Ids,
@@ -69,7 +68,6 @@ from .op_args import (
     Tensors,
     _has_data,
     _Tensor,
-    dtype_name,
     eps,
 )
 from .op_launch import Launch, NativeRecord, _Binding, rows_grid
@@ -600,10 +598,3 @@ def _schema_default(value: Any) -> str:
     if isinstance(value, float):
         return repr(value)
     return str(value)
-
-
-def declared(names: Iterable[str] | None = None) -> dict[str, Op]:
-    """The ops declared so far (kbuild's and those of imported user modules), by name."""
-    if names is None:
-        return dict(DEFINED)
-    return {n: DEFINED[n] for n in names}
