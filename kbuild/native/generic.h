@@ -94,13 +94,10 @@ bool holds(const c10::IValue& v) {
   return true;  // a tensor given, a dtype given
 }
 
-// A dtype as a key holds it: the float codes (Dtype), NONE, then the index dtypes (ids).
-constexpr uint64_t kI32 = 4, kI64 = 5;
-const char* const kAnyDtypeNames[6] = {"f32", "f16", "bf16", nullptr, "i32", "i64"};
-
+// A dtype as a key holds it (Dtype): a float's, or an index dtype's (ids).
 uint64_t dtype_bits(at::ScalarType t) {
-  if (t == at::kInt) return kI32;
-  if (t == at::kLong) return kI64;
+  if (t == at::kInt) return static_cast<uint64_t>(Dtype::I32);
+  if (t == at::kLong) return static_cast<uint64_t>(Dtype::I64);
   return static_cast<uint64_t>(dtype_code(t));
 }
 
@@ -117,9 +114,7 @@ py::object value_object(Source source, uint64_t bits) {
     case SCALAR_FLOAT: return py::float_(std::bit_cast<double>(bits));
     case SCALAR_BOOL:
     case ALIGNED: return py::bool_(bits != 0);
-    default:
-      return bits < 6 && kAnyDtypeNames[bits] != nullptr ? py::object(py::str(kAnyDtypeNames[bits]))
-                                                         : py::object(py::none());
+    default: return dtype_object(bits);
   }
 }
 

@@ -77,8 +77,15 @@ constexpr ValueInfo kValues[NUM_VALUES] = {
 static_assert(NUM_VALUES <= 32, "Key::given has a bit per value");
 
 // A dtype value's code; NONE is a "dtype?" parameter's None (no weight, no bias, ...).
-enum class Dtype : uint8_t { F32, F16, BF16, NONE };
-const char* const kDtypeNames[3] = {"f32", "f16", "bf16"};
+// I32 / I64: ids (an "index" parameter), in the generic kernel's keys only.
+enum class Dtype : uint8_t { F32, F16, BF16, NONE, I32, I64 };
+const char* const kDtypeNames[6] = {"f32", "f16", "bf16", nullptr, "i32", "i64"};
+
+// A dtype value as the resolver takes it: its table name, or None.
+py::object dtype_object(uint64_t bits) {
+  return bits < 6 && kDtypeNames[bits] != nullptr ? py::object(py::str(kDtypeNames[bits]))
+                                                  : py::object(py::none());
+}
 
 // ----------------------------------------------------------------------------------- driver
 using CUresult = int;
@@ -226,8 +233,7 @@ py::object value_object(int i, uint64_t bits) {
     case ValueKind::INT: return py::int_(static_cast<int64_t>(bits));
     case ValueKind::FLOAT: return py::float_(std::bit_cast<double>(bits));
     case ValueKind::BOOL: return py::bool_(bits != 0);
-    default:
-      return bits < 3 ? py::object(py::str(kDtypeNames[bits])) : py::object(py::none());
+    default: return dtype_object(bits);
   }
 }
 
