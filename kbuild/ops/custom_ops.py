@@ -264,4 +264,4 @@ if NATIVE is not None:
     opdef.NATIVE[0] = NATIVE  # ops declared from now on run its generic CUDA kernel
 else:  # the Python launch path, registered as the same operators
     for _op in NORM_OPS:
-        _op.register_python_cuda()
+        _op.register_cuda_and_autograd()

@@ -445,7 +445,7 @@ class Op:
     def _register(self) -> None:
         """Define the operator with its CPU and fake kernels; its CUDA kernel and autograd
         too unless they come from elsewhere (`native`: the C++ extension's, where it loads;
-        `register_python_cuda` registers these when it does not)."""
+        `register_cuda_and_autograd` registers these when it does not)."""
         existing = DEFINED.get(self.name)
         if existing is not None:
             where = _where(self.reference)
@@ -470,7 +470,7 @@ class Op:
         torch.library.register_fake(self.name, self._fake, lib=lib)
         DEFINED[self.name] = self
         if not self.native:
-            self.register_python_cuda()
+            self.register_cuda_and_autograd()
 
     def native_program(self) -> dict | None:
         """The op as the C++ generic kernel runs it (kbuild/native/generic.h `define`), or
@@ -503,7 +503,7 @@ class Op:
             "launches": launches,
         }
 
-    def register_python_cuda(self) -> None:
+    def register_cuda_and_autograd(self) -> None:
         """Register the CUDA kernel and the autograd formula: the C++ generic kernel where
         the extension loads and the op is all declarations (`native_program`), else the
         launches from Python (or `cuda`)."""
