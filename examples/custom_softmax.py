@@ -18,17 +18,20 @@ from kbuild import Arg, Launch, Like, Op, Out, Param, Rows
 from kbuild.kernels.config import RowBudget
 from kbuild.kernels.row_plan import plan_rows
 
-ROW = (Param("N", "int"), Param("dtype", "dtype"),
-       Param("vectorize", "bool", True, vectors_of=("dtype",)))  # fmt: skip
+# vectorize: 16-byte accesses (the op passes True where its tensors start 16-byte aligned);
+# rows of any width take them, a row that is not a whole number of vectors is peeled.
+ROW = (Param("N", "int"), Param("dtype", "dtype"), Param("vectorize", "bool", True))
 
 
-def row_kernel(name: str, N: int, dtype: str, vectorize: bool, target, rows_held: int):
+def row_kernel(name, N, dtype, vectorize, target, rows_held, overrides):
     """A kernel of one row group per block (or cluster) as the shared row plan chooses, for
-    `rows_held` fp32 rows kept in registers; returns it and the row's shape."""
+    `rows_held` fp32 rows kept in registers; returns it and the row's shape. `overrides`:
+    plan fields forced for tuning (threads_per_row, cluster: bench/bench_custom_softmax.py)."""
     from kbuild.dsl import Kernel
 
     budget = RowBudget(words_per_elem=float(rows_held))
-    plan = plan_rows(N, dtype, target, vectorize=vectorize, budget=budget, persistent=False)
+    plan = plan_rows(N, dtype, target, vectorize=vectorize, budget=budget, persistent=False,
+                     **overrides)  # fmt: skip
     k = Kernel(name, target, plan.row.block, cluster=plan.row.cluster,
                exchange=plan.exchange or "barrier")  # fmt: skip
     k.meta.update(rows_per_block=plan.row.rows_per_block, cluster=plan.row.cluster)
@@ -44,35 +47,64 @@ def rows_of(t, base, dtype: str, **pad):
     return lambda start: held if held is not None else widen(t.load(base, dtype, start, **pad))
 
 
-@kbuild.kernel("user_softmax_fwd", params=ROW, args=(Arg("x"), Arg("y"), Arg("M", "i64")))
-def build_softmax_fwd(N: int, dtype: str, target, vectorize: bool = True):
-    """y = exp(x - max(x)) / sum(exp(x - max(x))) along rows of N; reads x once (three
-    times for rows too long for registers), writes y."""
-    from kbuild.dsl import NEG_INF, RowTile, const, exp, largest, maximum, thread_max, thread_sum
+@kbuild.kernel("user_softmax_fwd", params=ROW, args=(Arg("x"), Arg("y"), Arg("M", "i64")),
+               tunable=True)  # fmt: skip
+def build_softmax_fwd(N: int, dtype: str, target, vectorize: bool = True, **overrides):
+    """y = exp(x - max(x)) / sum(exp(x - max(x))) along rows of N; reads x once (twice for
+    rows too long for registers), writes y. One reduction: each thread's (max, sum of exp(x -
+    max)) over its own columns, merged over the row as an online softmax (softmax_pair)."""
+    from kbuild.dsl import (
+        NEG_INF,
+        RowTile,
+        const,
+        eq,
+        exp,
+        maximum,
+        select,
+        softmax_pair,
+        thread_max,
+        thread_sum,
+    )
 
-    k, row = row_kernel("user_softmax_fwd", N, dtype, vectorize, target, rows_held=1)
+    k, row = row_kernel("user_softmax_fwd", N, dtype, vectorize, target, 1, overrides)
     with k:
         x, y, M = k.ptr("x"), k.ptr("y"), k.i64("M")
         t = RowTile(k, row, M)
         v = rows_of(t, x, dtype, pad=NEG_INF)  # columns past N: -inf, which exp makes 0
-        top = t.over_chunks(lambda c, m: [maximum(m[0], thread_max(v(c)))], [const(NEG_INF)])
-        (m,) = t.reduce(top, largest)
-        held = None if row.chunked else [exp(a - m) for a in v(0)]
-        e = lambda c: held if held is not None else [exp(a - m) for a in v(c)]  # noqa: E731
-        (s,) = t.sum(*t.over_chunks(lambda c, s: [s[0] + thread_sum(e(c))], [const(-0.0)]))
-        t.over_chunks(lambda c, _: t.store(y, [a * (1.0 / s) for a in e(c)], dtype, c) or [])
+
+        if row.chunked:  # each chunk read twice: its exp(x - m) is taken again to write y
+
+            def own(c, state):  # this thread's (max, sum) with a chunk's columns added
+                m = maximum(state[0], thread_max(v(c)))
+                safe = select(eq(m, NEG_INF), 0.0, m)  # a thread that holds only padding
+                e = thread_sum([exp(a - safe) for a in v(c)])
+                return [m, state[1] * exp(state[0] - safe) + e]
+
+            m, s = t.reduce(t.over_chunks(own, [const(NEG_INF), const(0.0)]), softmax_pair)
+            write = lambda c: [exp(a - m) * (1.0 / s) for a in v(c)]  # noqa: E731
+        else:  # exp(x - own max) held, rescaled once to the row's max
+            m_own = thread_max(v(0))
+            safe = select(eq(m_own, NEG_INF), 0.0, m_own)  # a thread that holds only padding
+            e = [exp(a - safe) for a in v(0)]
+            m, s = t.reduce([m_own, thread_sum(e)], softmax_pair)
+            scale = exp(safe - m) * (1.0 / s)
+            write = lambda c: [a * scale for a in e]  # noqa: E731
+        t.over_chunks(lambda c, _: t.store(y, write(c), dtype, c) or [])
     return k
 
 
 @kbuild.kernel(
-    "user_softmax_bwd", params=ROW, args=(Arg("y"), Arg("dy"), Arg("dx"), Arg("M", "i64"))
+    "user_softmax_bwd",
+    params=ROW,
+    args=(Arg("y"), Arg("dy"), Arg("dx"), Arg("M", "i64")),
+    tunable=True,
 )
-def build_softmax_bwd(N: int, dtype: str, target, vectorize: bool = True):
+def build_softmax_bwd(N: int, dtype: str, target, vectorize: bool = True, **overrides):
     """dx = y * (dy - sum(y * dy)) along rows; reads y and dy once (twice for rows too long
     for registers), writes dx."""
     from kbuild.dsl import RowTile, const, thread_sum
 
-    k, row = row_kernel("user_softmax_bwd", N, dtype, vectorize, target, rows_held=2)
+    k, row = row_kernel("user_softmax_bwd", N, dtype, vectorize, target, 2, overrides)
     with k:
         yp, dyp, dxp, M = k.ptr("y"), k.ptr("dy"), k.ptr("dx"), k.i64("M")
         t = RowTile(k, row, M)
@@ -117,7 +149,7 @@ softmax = Op(
 def warmup_specs():
     """What `kbuild warmup --module examples/custom_softmax.py` compiles (one width:
     `--ops user_softmax::softmax --hidden N`)."""
-    shapes = [(4096, "bf16"), (32768, "bf16"), (151936, "bf16"), (1000, "f32")]
+    shapes = [(4096, "bf16"), (32768, "bf16"), (50257, "bf16"), (151936, "bf16"), (1000, "f32")]
     return [spec for N, dtype in shapes for spec in softmax.warm_specs(N, dtype)]
 
 

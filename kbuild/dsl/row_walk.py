@@ -4,24 +4,49 @@ rows a step ahead into L2."""
 
 from __future__ import annotations
 
+import math
+
 from ..dtypes import ELEMENT_BYTES
 from .control import if_then, loop
 from .kernel import Kernel
 from .memory import get_llvm_ptr, prefetch_l2
 from .rows import RowShape
-from .values import V, const, minimum
+from .values import V, const, maximum, minimum, select
+
+
+def phase_classes(cfg: RowShape) -> int:
+    """Row phases a peeled row shape cycles through (1: every row starts aligned)."""
+    if not cfg.peel:
+        return 1
+    if cfg.rows_per_block != 1:
+        raise ValueError("peeled rows take one row per block (each row has its own phase)")
+    return cfg.vec // math.gcd(cfg.N, cfg.vec)
 
 
 class RowGroups:
     """A persistent grid's walk over the row groups: cluster c (block c, without clusters)
-    takes groups c, c + clusters, ...; its blocks each cover their slice of those rows."""
+    takes groups c, c + clusters, ... (`first`, `stride`; peeled rows: see below); its
+    blocks each cover their slice of those rows. `index`: the cluster's own number (c)."""
 
     def __init__(self, k: Kernel, cfg: RowShape, rows: V):
         C = cfg.cluster
         self.k, self.cfg, self.rows = k, cfg, rows
-        self.first = k.block_id() / C if C > 1 else k.block_id()
-        self.stride = k.grid_size() / C if C > 1 else k.grid_size()
+        first = k.block_id() / C if C > 1 else k.block_id()
+        stride = k.grid_size() / C if C > 1 else k.grid_size()
+        self.index = first  # this block's (cluster's) own number: its workspace row
         self.count = (rows + (cfg.rows_per_block - 1)) / cfg.rows_per_block
+        classes = phase_classes(cfg)
+        if classes > 1:
+            # Peeled rows (one per group): row r's phase is (r * N) % vec, which repeats every
+            # `classes` rows. Block b walks only the rows of class b % classes, so a thread
+            # holds the same columns in all its rows (its partials and held parameters stay
+            # put); blocks past a whole number of classes get no rows. The grid must hold at
+            # least `classes` blocks or one per group (it holds min(groups, resident)).
+            per_class = maximum(stride / classes, const(1, "i64"))
+            cls, index = first % classes, first / classes
+            first = select(index < per_class, cls + index * classes, self.count)
+            stride = per_class * classes
+        self.first, self.stride = first, stride
 
     def loop(
         self, init: list[V], body, ahead: list[tuple[V, str]] = (), distance: int = 1
@@ -70,6 +95,8 @@ class RowGroups:
 
         if cfg.cluster > 1 and cfg.rows_per_block > 1:
             raise ValueError("L2 prefetch needs a group's slice to be contiguous (one row)")
+        if cfg.peel:
+            raise ValueError("L2 prefetch needs rows of whole 16-byte vectors (not peeled)")
 
         def issue() -> None:
             for base, dtype in arrays:

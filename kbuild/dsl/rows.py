@@ -7,6 +7,17 @@ Loads of columns past the row's end (rows that are not a whole number of the thr
 vectors) return a pad value instead of reading: 0.0 by default, the identity of a sum; pass
 `pad=float("-inf")` to rows that feed a max (a softmax's or cross-entropy's), or any value
 that leaves the reduction it feeds unchanged. Stores never write past the row.
+
+Rows of any width take 16-byte vectors. Where N is not a whole number of vectors
+(`RowConfig.peel`: GPT-2's 50257, a norm of 4097), row r starts (r * N) % vec elements into
+an aligned vector: each row's columns are shifted back by that `phase`, so every vector access
+stays aligned, and the slice's first and last vectors, which hold columns of the neighbouring
+rows, are read and written element by element (a branch the rest of the row does not take).
+The row arrays must then start 16-byte aligned (what the `vectorize` parameter promises);
+length-N parameters (a weight) are read at the shifted columns element by element, from L1.
+Values stay positional: vector i of every row array holds the same columns, so kernels
+combine them as before; only state kept across rows (a backward's dw partials, parameters
+held in registers) needs every row of a thread at one phase, which `RowGroups` arranges.
 """
 
 from __future__ import annotations
@@ -14,13 +25,53 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
+from mlir import ir
+from mlir.dialects import scf, vector
+
 from .control import if_else, if_then, loop
 from .exchange import LaggedExchange
 from .kernel import Kernel
 from .memory import get_llvm_ptr, load, store
 from .reduce import add, row_reduce
 from .shared import shared_array
-from .values import V, cast, const, minimum, rewiden, scalar_type, to_f32, vector_type
+from .values import (
+    V,
+    cast,
+    const,
+    hsum,
+    minimum,
+    rewiden,
+    scalar_type,
+    select,
+    to_f32,
+    vector_type,
+)
+
+
+def lanes(v: V) -> list[V]:
+    """The elements of a vector (a scalar: [v])."""
+    if v.width == 1:
+        return [v]
+    return [V(vector.extract(v.value, [], [i])) for i in range(v.width)]
+
+
+def _branch(cond: V, then, otherwise) -> None:
+    """then() where `cond` holds, else otherwise(); nothing is produced."""
+    op = scf.IfOp(cond.value, [], has_else=True)
+    with ir.InsertionPoint(op.then_block):
+        then()
+        scf.YieldOp([])
+    with ir.InsertionPoint(op.else_block):
+        otherwise()
+        scf.YieldOp([])
+
+
+def from_lanes(elements: list[V]) -> V:
+    """One vector of these scalars (one scalar: itself)."""
+    if len(elements) == 1:
+        return elements[0]
+    t = ir.VectorType.get([len(elements)], elements[0].type)
+    return V(vector.from_elements(t, [e.value for e in elements]))
 
 
 class RowShape(Protocol):
@@ -50,6 +101,12 @@ class RowShape(Protocol):
 
     @property
     def exact(self) -> bool: ...
+
+    @property
+    def peel(self) -> bool: ...
+
+    @property
+    def cover(self) -> int: ...
 
 
 def thread_columns(shape: RowShape, lane: V, start: V | int = 0) -> list[V]:
@@ -112,6 +169,10 @@ class RowTile:
         # First column of this block's slice (0 without a cluster).
         self.first = k.cluster_rank() * cfg.slice if cfg.cluster > 1 else 0
         self.offset = self.row * cfg.N + self.first
+        # Peeled rows: how far the slice starts into an aligned vector (its columns are
+        # shifted back by that much), and where it ends (the last block's slice is short).
+        self.phase = self.offset & (cfg.vec - 1) if cfg.peel else None
+        self.end = cfg.slice if cfg.cluster == 1 else minimum(cfg.N - self.first, cfg.slice)
 
     def offset_in(self, rows: GroupedRows | None) -> V:
         """Where this thread's slice of its row starts in an array laid out as `rows` says
@@ -128,20 +189,47 @@ class RowTile:
         if not self.cfg.chunked:
             return list(body(0, list(carried)))
         c = self.cfg
-        bounds = (const(0, "i64"), const(c.slice, "i64"), const(c.span, "i64"))
+        bounds = (const(0, "i64"), const(c.cover, "i64"), const(c.span, "i64"))
         return loop(*bounds, list(carried), body)
 
     def columns(self, start: V | int = 0) -> list[V]:
         """Column of each of this thread's vectors within the block's slice of the row (the
-        row without a cluster), from chunk `start`."""
-        return thread_columns(self.cfg, self.lane, start)
+        row without a cluster), from chunk `start`: of its first element, which in a peeled
+        row may lie before the slice (a negative column) or past it."""
+        cols = thread_columns(self.cfg, self.lane, start)
+        return cols if self.phase is None else [c - self.phase for c in cols]
 
     def inside(self, start: V | int = 0) -> list[V | None]:
-        """Per vector: whether its columns lie inside the slice (None: always, no test)."""
-        return [self._guarded(col) for col in self.columns(start)]
+        """Per vector: whether its columns lie inside the slice (None: always, no test); in a
+        peeled row, a vector of flags, one per element."""
+        if self.phase is None:
+            return [self._guarded(col) for col in self.columns(start)]
+        return [self._element_flags(col) for col in self.columns(start)]
+
+    def count_inside(self, start: V | int = 0) -> list[V | float]:
+        """Per vector: how many of its elements lie inside the slice (f32; a number where
+        that is known when the kernel is built)."""
+        out: list[V | float] = []
+        for g in self.inside(start):
+            if g is None:
+                out.append(float(self.cfg.vec))
+            elif g.width == 1:
+                out.append(select(g, const(float(self.cfg.vec)), 0.0))
+            else:
+                out.append(hsum(select(g, const(1.0), 0.0)))
+        return out
 
     def _guarded(self, col: V) -> V | None:
         return None if self.cfg.exact else col < self.cfg.slice
+
+    def _whole(self, col: V) -> V:
+        """A peeled vector lies wholly inside the slice."""
+        return (col >= 0) & (col + self.cfg.vec <= self.end)
+
+    def _element_flags(self, col: V) -> V:
+        """Per element of a peeled vector: inside the slice."""
+        flags = [(c >= 0) & (c < self.end) for c in (col + j for j in range(self.cfg.vec))]
+        return from_lanes(flags)
 
     # ------------------------------------------------------------------ loads and stores
 
@@ -157,19 +245,49 @@ class RowTile:
         """This thread's vectors of its row of `base`, raw (in `dtype`); `pad` past N (0.0
         for a sum; -inf for a max: see the module docstring). `rows`: the array's rows are
         grouped at a stride (GroupedRows), not dense."""
+        if rows is not None and self.phase is not None:
+            raise ValueError("RowTile.load: grouped rows (rows=) need rows of whole vectors")
         return self._load(base, self.offset_in(rows), dtype, start, pad)
+
+    def _peeled_load(self, base: V, offset: V, col: V, dtype: str, pad: float, aligned: bool) -> V:
+        """One vector of a peeled row: one access where it lies wholly inside the slice,
+        else element by element (`pad` outside)."""
+        vec = self.cfg.vec
+
+        def element(j: int) -> V:
+            c = col + j
+            return if_else(
+                (c >= 0) & (c < self.end),
+                lambda: load(get_llvm_ptr(base, offset + c, dtype), dtype),
+                lambda: const(pad, scalar_type(dtype)),
+            )
+
+        return if_else(
+            self._whole(col),
+            lambda: load(get_llvm_ptr(base, offset + col, dtype), dtype, vec, aligned),
+            lambda: from_lanes([element(j) for j in range(vec)]),
+        )
 
     def load_row(
         self, base: V, row: V, dtype: str, start: V | int = 0, *, pad: float = 0.0
     ) -> list[V]:
         """Like `load`, from row `row` of an (R, N) array (a workspace) instead of this row."""
-        return self._load(base, row * self.cfg.N + self.first, dtype, start, pad)
+        offset = row * self.cfg.N + self.first
+        return self._load(base, offset, dtype, start, pad, aligned=self.phase is None)
 
     def load_param(self, base: V, dtype: str, start: V | int = 0, *, pad: float = 0.0) -> list[V]:
         """This thread's vectors of a length-N parameter (weight, bias), raw."""
-        return self._load(base, const(0, "i64") + self.first, dtype, start, pad)
+        offset = const(0, "i64") + self.first
+        return self._load(base, offset, dtype, start, pad, aligned=self.phase is None)
 
-    def _load(self, base: V, offset: V, dtype: str, start: V | int, pad: float) -> list[V]:
+    def _load(
+        self, base: V, offset: V, dtype: str, start: V | int, pad: float, aligned: bool = True
+    ) -> list[V]:
+        if self.phase is not None:
+            return [
+                self._peeled_load(base, offset, col, dtype, pad, aligned)
+                for col in self.columns(start)
+            ]
         out = []
         for col in self.columns(start):
             ptr = get_llvm_ptr(base, offset + col, dtype)
@@ -193,9 +311,14 @@ class RowTile:
 
     def store_row(self, base: V, row: V, values: list[V], dtype: str, start: V | int = 0) -> None:
         """Store into row `row` of an (R, N) array (a workspace), whatever this row's validity."""
-        self._store(base, row * self.cfg.N + self.first, values, dtype, start, None)
+        offset = row * self.cfg.N + self.first
+        self._store(base, offset, values, dtype, start, None, aligned=self.phase is None)
 
-    def _store(self, base, offset, values, dtype, start, valid: V | None) -> None:
+    def _store(self, base, offset, values, dtype, start, valid: V | None, aligned=True) -> None:
+        if self.phase is not None:
+            for col, v in zip(self.columns(start), values, strict=True):
+                self._peeled_store(base, offset, col, cast(v, dtype), dtype, valid, aligned)
+            return
         for col, v in zip(self.columns(start), values, strict=True):
             ptr = get_llvm_ptr(base, offset + col, dtype)
             value = cast(v, dtype)
@@ -206,6 +329,29 @@ class RowTile:
                 store(value, ptr)
             else:
                 if_then(guard, lambda p=ptr, v=value: store(v, p))
+
+    def _peeled_store(
+        self, base: V, offset: V, col: V, value: V, dtype: str, valid: V | None, aligned: bool
+    ) -> None:
+        """One vector of a peeled row: one access where it lies wholly inside the slice,
+        else the elements inside it one by one."""
+
+        def by_element() -> None:
+            for j, e in enumerate(lanes(value)):
+                c = col + j
+                if_then(
+                    (c >= 0) & (c < self.end),
+                    lambda c=c, e=e: store(e, get_llvm_ptr(base, offset + c, dtype)),
+                )
+
+        def write() -> None:
+            ptr = get_llvm_ptr(base, offset + col, dtype)
+            _branch(self._whole(col), lambda: store(value, ptr, aligned), by_element)
+
+        if valid is None:
+            write()
+        else:
+            if_then(valid, write)
 
     def store_block_partials(self, bases: list[V], slot: V, per_base: list[list[V]]) -> None:
         """Store each thread's fp32 partials (per_base[j]: one vector per column vector) into
@@ -226,7 +372,8 @@ class RowTile:
             per_base = self._sum_block_rows(per_base)
             storing = self.row_in_block < 1  # the block's first row stores the sums
         for base, values in zip(bases, per_base, strict=True):
-            self._store(base, slot * cfg.N + self.first, values, "f32", 0, storing)
+            offset = slot * cfg.N + self.first
+            self._store(base, offset, values, "f32", 0, storing, aligned=self.phase is None)
 
     def _sum_block_rows(self, per_base: list[list[V]]) -> list[list[V]]:
         """per_base summed over the block's rows (ascending), as the first row sees it."""

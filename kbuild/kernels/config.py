@@ -31,7 +31,7 @@ Rows that fit one block stay in one: splitting them costs a cluster exchange per
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..dtypes import ELEMENT_BYTES
 
@@ -92,8 +92,25 @@ class RowConfig:
 
     @property
     def slice(self) -> int:
-        """Elements of the row one block covers (the whole row without a cluster)."""
-        return self.N // self.cluster
+        """Elements of the row one block covers (the whole row without a cluster): N / cluster,
+        rounded up to whole vectors where that does not divide (the last block's is short)."""
+        if self.cluster == 1:
+            return self.N
+        return -(-self.N // (self.cluster * self.vec)) * self.vec
+
+    @property
+    def peel(self) -> bool:
+        """Rows that are not a whole number of vectors: row r starts (r * N) % vec elements
+        into a 16-byte vector, so each row's vectors are shifted back by that much (its
+        `phase`) to stay aligned, and the first and last vector of a slice are partial,
+        read and written element by element (dsl.RowTile)."""
+        return self.vec > 1 and self.N % self.vec != 0
+
+    @property
+    def cover(self) -> int:
+        """Columns the block's threads must cover: its slice, plus the vector a peeled row's
+        phase may shift into view."""
+        return self.slice + (self.vec - 1 if self.peel else 0)
 
     @property
     def span(self) -> int:
@@ -101,9 +118,14 @@ class RowConfig:
         return self.iters * self.threads_per_row * self.vec
 
     @property
+    def chunks(self) -> int:
+        """Passes over the slice (1 for a row held in registers)."""
+        return -(-self.cover // self.span)
+
+    @property
     def exact(self) -> bool:
         """No column predicates needed: the threads cover the slice exactly."""
-        return not self.chunked and self.span == self.slice
+        return not self.chunked and not self.peel and self.span == self.slice
 
 
 def _pow2_ceil(n: int) -> int:
@@ -111,9 +133,9 @@ def _pow2_ceil(n: int) -> int:
 
 
 def vector_width(N: int, dtype: str, vectorize: bool = True) -> int:
-    """Elements per access: 16 bytes when allowed and rows are a whole number of vectors."""
-    vec = 16 // ELEMENT_BYTES[dtype]
-    return vec if vectorize and N % vec == 0 else 1
+    """Elements per access: 16 bytes when allowed (the arrays 16-byte aligned); rows that are
+    not a whole number of vectors are peeled (RowConfig.peel)."""
+    return 16 // ELEMENT_BYTES[dtype] if vectorize and N > 1 else 1
 
 
 def choose_row_config(
@@ -136,7 +158,36 @@ def choose_row_config(
     not fit are chunked). Rows that would be chunked are split over a cluster of up to
     `max_cluster` blocks instead (see `cluster_size`); `cluster` forces the number of blocks
     per row (a tuning override, 1 = none). A cluster's blocks hold one row each.
+
+    Rows that are not a whole number of vectors are peeled (RowConfig.peel) where the
+    row takes a block (or a cluster) of its own; shorter ones take scalar accesses: the rows
+    sharing a block would each have their own phase, and a block's rows share its partials
+    column by column.
     """
+    keywords = dict(max_cluster=max_cluster, threads_per_row=threads_per_row, cluster=cluster,
+                    register_scale=register_scale)  # fmt: skip
+    cfg = _choose(N, dtype, warp_size, vectorize, budget, **keywords)
+    if cfg.peel and cfg.rows_per_block > 1:
+        return _choose(N, dtype, warp_size, False, budget, **keywords)
+    return cfg
+
+
+def _choose(
+    N: int,
+    dtype: str,
+    warp_size: int,
+    vectorize: bool = True,
+    budget: RowBudget = FORWARD_BUDGET,
+    *,
+    max_cluster: int = 1,
+    threads_per_row: int | None = None,
+    cluster: int | None = None,
+    register_scale: float = 1.0,
+) -> RowConfig:
+    """choose_row_config, before its rule for short peeled rows."""
+    peel = vectorize and N % vector_width(N, dtype) != 0
+    if peel and threads_per_row is None and cluster is None:
+        return _peeled(N, dtype, warp_size, budget, max_cluster, register_scale)
     if cluster is None:
         one = _single_block(N, dtype, warp_size, vectorize, budget, threads_per_row, register_scale)
         if not one.chunked or max_cluster == 1:
@@ -146,16 +197,19 @@ def choose_row_config(
         return _single_block(
             N, dtype, warp_size, vectorize, budget, threads_per_row, register_scale
         )
-    if N % (cluster * vector_width(N, dtype, vectorize)):
+    vec = vector_width(N, dtype, vectorize)
+    whole = RowConfig(N, vec, 1, 1, 1, False, cluster)
+    if vec == 1 or not whole.peel and N % (cluster * vec) or whole.slice * (cluster - 1) >= N:
         raise ValueError(f"a cluster of {cluster} cannot split rows of {N} into vectors")
     one = _single_block(
-        N // cluster,
+        N,
         dtype,
         warp_size,
         vectorize,
         budget,
         threads_per_row,
         register_scale,
+        columns=whole.slice,
     )
     if one.threads_per_row < cluster:  # a block's first `cluster` threads share its sums
         raise ValueError(
@@ -173,17 +227,15 @@ def _single_block(
     budget: RowBudget,
     threads_per_row: int | None,
     register_scale: float = 1.0,
+    columns: int | None = None,
 ) -> RowConfig:
-    """choose_row_config for one block per row."""
+    """choose_row_config for one block per row (per slice of `columns` of it, in a cluster)."""
     vec = vector_width(N, dtype, vectorize)
-    nv = -(-N // vec)
-    max_elems, words_per_elem = budget.max_elems, budget.words_per_elem
-    if words_per_elem is None:
-        words_per_elem = 0.5 if dtype == "bf16" else 1.0
+    cover = (N if columns is None else columns) + (vec - 1 if N % vec else 0)
+    nv = -(-cover // vec)
 
     def fits(tpr: int, iters: int) -> bool:
-        limit = (max_elems if tpr <= MAX_THREADS // 2 else max_elems // 2) * register_scale
-        return tpr <= MAX_THREADS and iters * vec * words_per_elem <= limit
+        return _fits(tpr, iters, vec, dtype, budget, register_scale)
 
     if threads_per_row is not None:
         if threads_per_row % warp_size and threads_per_row > warp_size or threads_per_row < 1:
@@ -222,6 +274,48 @@ def _single_block(
     return _pack(N, vec, MAX_THREADS // 2, CHUNK_ITERS, True)
 
 
+def _fits(
+    tpr: int, iters: int, vec: int, dtype: str, budget: RowBudget, register_scale: float
+) -> bool:
+    """Whether a thread of `tpr` per row holds `iters` vectors of the row within `budget`."""
+    words_per_elem = budget.words_per_elem
+    if words_per_elem is None:
+        words_per_elem = 0.5 if dtype == "bf16" else 1.0
+    limit = budget.max_elems if tpr <= MAX_THREADS // 2 else budget.max_elems // 2
+    return tpr <= MAX_THREADS and iters * vec * words_per_elem <= limit * register_scale
+
+
+def _peeled(
+    N: int, dtype: str, warp_size: int, budget: RowBudget, max_cluster: int, register_scale: float
+) -> RowConfig:
+    """Rows not a whole number of vectors (RowConfig.peel): the shape of the aligned width
+    below N (the same vectors per thread, cluster and chunking, so what was measured there
+    holds), with threads added to cover the extra vector a row's phase brings into view."""
+    vec = vector_width(N, dtype)
+    same = dict(max_cluster=max_cluster, register_scale=register_scale)
+    if N < 2 * vec:
+        return choose_row_config(N, dtype, warp_size, False, budget, **same)
+    aligned = choose_row_config(N - N % vec, dtype, warp_size, True, budget, **same)
+    if aligned.rows_per_block > 1:  # rows sharing a block: choose_row_config's rule
+        return replace(aligned, N=N)
+    tpr, iters, chunked = aligned.threads_per_row, aligned.iters, aligned.chunked
+    cfg = RowConfig(N, vec, tpr, 1, iters, chunked, aligned.cluster)
+    if chunked:
+        return cfg  # the chunk loop covers the extra vector
+    vectors = -(-cfg.cover // vec)
+    while True:
+        tpr = -(-vectors // iters // warp_size) * warp_size
+        if tpr <= MAX_THREADS:
+            break
+        iters += 1
+    if _fits(tpr, iters, vec, dtype, budget, register_scale):
+        return RowConfig(N, vec, tpr, 1, iters, chunked, aligned.cluster)
+    if aligned.cluster == 1 and max_cluster > 1:  # split the row rather than walk it twice
+        c = cluster_size(N, dtype, True, max_cluster)
+        return choose_row_config(N, dtype, warp_size, True, budget, cluster=c, **same)
+    return RowConfig(N, vec, MAX_THREADS // 2, 1, CHUNK_ITERS, True, aligned.cluster)
+
+
 def cluster_size(N: int, dtype: str, vectorize: bool, max_cluster: int) -> int:
     """Blocks per row: the most (a power of two up to `max_cluster`) whose slices are a
     whole number of vectors; 1 where none are. More, smaller blocks hide the per-row cluster
@@ -229,6 +323,10 @@ def cluster_size(N: int, dtype: str, vectorize: bool, max_cluster: int) -> int:
     2, 4, 8 blocks)."""
     vec = vector_width(N, dtype, vectorize)
     c = max_cluster
+    if vec > 1 and N % vec:  # peeled rows: slices are rounded up to whole vectors
+        while c > 1 and RowConfig(N, vec, 1, 1, 1, False, c).slice * (c - 1) >= N:
+            c //= 2
+        return c
     while c > 1 and (vec == 1 or N % (c * vec)):
         c //= 2
     return max(1, c)

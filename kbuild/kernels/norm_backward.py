@@ -99,7 +99,7 @@ def build_norm_backward(
         walk = RowGroups(k, cfg, rows)
         first_group, stride = walk.first, walk.stride
         home = RowTile(k, cfg, rows, row_group=first_group)  # this thread's columns
-        slot = first_group  # its workspace row: one per cluster (block)
+        slot = walk.index  # its workspace row: one per cluster (block)
         zero_vec = const(0.0, vector_type("f32", cfg.vec) if cfg.vec > 1 else "f32")
         inv_n = 1.0 / p.N
         # LayerNorm's row math in fused multiply-adds where they round less, never more
@@ -359,7 +359,7 @@ def build_norm_backward(
             # A chunked row adds into its workspace row as it goes: one row a block (the plan
             # sees to it), or the block's rows would race on the slot they share.
             assert cfg.rows_per_block == 1, "chunked backward rows take one row a block"
-            chunks = const(-(-cfg.slice // cfg.span), "i64")  # over this block's slice
+            chunks = const(cfg.chunks, "i64")  # over this block's slice
             one, zero = const(1, "i64"), const(0, "i64")
 
             def chunked(fn) -> None:

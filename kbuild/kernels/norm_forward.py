@@ -168,10 +168,8 @@ def build_norm_forward(
                     count = float(len(x) * cfg.vec)  # the same in every thread (dsl.reduce)
                 else:
                     count = const(0.0)
-                    for g in inside:
-                        count = count + (
-                            float(cfg.vec) if g is None else select(g, const(float(cfg.vec)), 0.0)
-                        )
+                    for n in t.count_inside(start):
+                        count = count + n
                 local_mean = _sum(shifted(widen(x))) * _reciprocal(count)
                 # M2 is insensitive to where exactly it is centred (second order): one
                 # rounded centre, one subtraction per element.
@@ -211,7 +209,7 @@ def build_norm_forward(
                 rstd = rsqrt(m2 * inv_n + p.eps)
                 normalize(x, mean, rstd)
             else:
-                chunks = const(-(-cfg.slice // cfg.span), "i64")  # over this block's slice
+                chunks = const(cfg.chunks, "i64")  # over this block's slice
                 step, zero = const(1, "i64"), const(0, "i64")
                 # The first pass makes residual_out; the second reads it back.
                 source, source_dtype = (res_out_ptr, row_dtype) if fused else (x_ptr, p.dtype)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from ..dtypes import ELEMENT_BYTES
 from ..targets import Target
 from .config import BACKWARD_ELEMS, BACKWARD_SHAPES, RMS_BACKWARD_SHAPES, RowBudget, RowConfig
 from .row_plan import (
@@ -126,6 +127,7 @@ def plan_forward(
     """The forward's launch plan (None: the chooser's pick)."""
     fused = p.residual_dtype is not None
     row_dtype = p.residual_dtype if fused else p.dtype  # what the statistics are taken over
+    vectorize = vectorize and not _peeled_grouped(p, wider(p.dtype, row_dtype))
     # Register words per row element at the peak: the row (packed when bf16; the fused form
     # has x and residual in flight) plus fp32 parameters, whose loads are issued together.
     # LayerNorm widens its packed row at each use too, but its moments cost more: at 0.5 a
@@ -238,6 +240,7 @@ def plan_backward(
 ) -> BackwardPlan:
     """The backward's launch plan (None: the chooser's pick). Its grid is persistent."""
     io = wider(p.dtype, p.x_dtype)
+    vectorize = vectorize and not _peeled_grouped(p, io)
     n_partials = int(p.compute_dw) + int(p.compute_db)
     plain_rms = not p.center and not p.has_dres
     _check_resident(resident_params)
@@ -420,3 +423,9 @@ def _check_resident(resident_params: str | bool | None) -> None:
         raise ValueError(
             f"resident_params must be None, False or 'registers', not {resident_params!r}"
         )
+
+
+def _peeled_grouped(p: NormForward | NormBackward, dtype: str) -> bool:
+    """Grouped rows (a strided x) not a whole number of vectors long: x's rows and the dense
+    ones would start at different phases (RowConfig.peel), so they take scalar accesses."""
+    return getattr(p, "strided", False) and p.N % (16 // ELEMENT_BYTES[dtype]) != 0

@@ -29,6 +29,16 @@ from ..spec import KernelSpec, Scalar
 _REQUIRED = object()
 _KINDS = {"int", "float", "bool", "dtype", "dtype?", "index"}
 INDEX_DTYPES = ("i32", "i64")
+# A launch argument's kinds: a pointer, an i64 or an f32 scalar (dsl.Kernel's ptr / i64 /
+# f32 arguments, runtime/prepared.py FORMATS).
+ARG_KINDS = ("ptr", "i64", "f32")
+
+
+def _unique(kernel: str, what: str, names: list[str]) -> None:
+    """Refuse a name declared twice among a kernel's parameters or its arguments."""
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ValueError(f"{kernel}: {what} {', '.join(map(repr, twice))} declared twice")
 
 
 @dataclass(frozen=True)
@@ -48,6 +58,13 @@ class Param:
     needs: str | None = None
     vectors_of: tuple[str, ...] = ()
     keyed: bool = True
+
+    def __post_init__(self) -> None:
+        if self.kind not in _KINDS:
+            raise ValueError(
+                f"parameter {self.name!r}: unknown kind {self.kind!r}; the kinds are "
+                f"{', '.join(sorted(_KINDS))}"
+            )
 
     @property
     def required(self) -> bool:
@@ -85,6 +102,13 @@ class Arg:
     kind: str = "ptr"
     when: str | Callable[[Mapping[str, Scalar]], bool] | None = None
 
+    def __post_init__(self) -> None:
+        if self.kind not in ARG_KINDS:
+            raise ValueError(
+                f"argument {self.name!r}: unknown kind {self.kind!r}; the kinds are "
+                f"{', '.join(ARG_KINDS)} (a tensor is a ptr)"
+            )
+
     def present(self, params: Mapping[str, Scalar]) -> bool:
         if self.when is None:
             return True
@@ -108,9 +132,12 @@ class KernelDef:
     source: str | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        names = [p.name for p in self.params]
-        if len(set(names)) != len(names) or any(p.kind not in _KINDS for p in self.params):
-            raise ValueError(f"{self.name}: parameters must be unique and of kinds {_KINDS}")
+        for what, items, kind in (("params", self.params, Param), ("args", self.args, Arg)):
+            wrong = [x for x in items if not isinstance(x, kind)]
+            if wrong:
+                raise TypeError(f"{self.name}: {what} must be {kind.__name__}s, got {wrong[0]!r}")
+        _unique(self.name, "parameter", [p.name for p in self.params])
+        _unique(self.name, "argument", [a.name for a in self.args])
 
     def spec(self, *values: Scalar, **named: Scalar) -> KernelSpec:
         """The KernelSpec for these parameter values (positional in table order, or by
@@ -188,6 +215,11 @@ def _vectorize(*dtypes: str) -> Param:
     return Param("vectorize", "bool", True, vectors_of=dtypes)
 
 
+# A row kernel's 16-byte accesses: its arrays start 16-byte aligned. Rows of any width take
+# them (a row not a whole number of vectors is peeled: dsl.rows), so N does not turn it off.
+_ROW_VECTORIZE = Param("vectorize", "bool", True)
+
+
 RMSNORM_FWD = KernelDef(
     "rmsnorm_fwd",
     "kbuild.kernels.rmsnorm:build_rmsnorm_module",
@@ -197,7 +229,7 @@ RMSNORM_FWD = KernelDef(
         _WEIGHT,
         Param("store_rstd", "bool"),
         _EPS,
-        _vectorize("dtype"),
+        _ROW_VECTORIZE,
         _OFFSET,
         _STRIDED,
     ),
@@ -222,7 +254,7 @@ FUSED_ADD_RMSNORM_FWD = KernelDef(
         Param("residual_dtype", "dtype"),
         Param("store_rstd", "bool"),
         _EPS,
-        _vectorize("dtype", "residual_dtype"),
+        _ROW_VECTORIZE,
         _OFFSET,
         # The residual's dtype when it is not x's (an fp32 stream); keyed only when set.
         Param("residual_in_dtype", "dtype?", None, keyed=False),
@@ -249,7 +281,7 @@ LAYERNORM_FWD = KernelDef(
         Param("bias_dtype", "dtype?"),
         Param("store_stats", "bool"),
         _EPS,
-        _vectorize("dtype"),
+        _ROW_VECTORIZE,
     ),
     (
         _TRACE,
@@ -268,7 +300,7 @@ _PARTIALS = (Arg("dw_partial", when="compute_dw"), Arg("db_partial", when="compu
 RMSNORM_BWD = KernelDef(
     "rmsnorm_bwd",
     "kbuild.kernels.rmsnorm_bwd:build_rmsnorm_bwd_module",
-    (_N, _DTYPE, _WEIGHT, _COMPUTE_DW, _vectorize("dtype"), _OFFSET, _STRIDED),
+    (_N, _DTYPE, _WEIGHT, _COMPUTE_DW, _ROW_VECTORIZE, _OFFSET, _STRIDED),
     (
         _TRACE,
         Arg("x"),
@@ -292,7 +324,7 @@ FUSED_ADD_RMSNORM_BWD = KernelDef(
         Param("residual_dtype", "dtype"),
         Param("has_dresidual_out", "bool"),
         _COMPUTE_DW,
-        _vectorize("dtype", "residual_dtype"),
+        _ROW_VECTORIZE,
         _OFFSET,
         # d(residual) written apart from dx, in this dtype (an fp32 stream); keyed when set.
         Param("dresidual_dtype", "dtype?", None, keyed=False),
@@ -314,7 +346,7 @@ FUSED_ADD_RMSNORM_BWD = KernelDef(
 LAYERNORM_BWD = KernelDef(
     "layernorm_bwd",
     "kbuild.kernels.layernorm:build_layernorm_bwd_module",
-    (_N, _DTYPE, _WEIGHT, _COMPUTE_DW, Param("compute_db", "bool"), _vectorize("dtype")),
+    (_N, _DTYPE, _WEIGHT, _COMPUTE_DW, Param("compute_db", "bool"), _ROW_VECTORIZE),
     (
         _TRACE,
         Arg("x"),
