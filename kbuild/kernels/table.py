@@ -20,6 +20,7 @@ no MLIR, no torch.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -50,7 +51,9 @@ class Param:
     `vectors_of`: this bool asks for 128-bit accesses of those dtype parameters' arrays,
     legal only for rows a whole number of vectors long, so it is False for other N. `keyed`:
     False for a parameter left out of the spec at its default (a parameter added after caches
-    were warmed)."""
+    were warmed). `bounds`: (low, high), the closed interval of values the kernel takes, None
+    on a side without a bound (an int or float parameter: a row width (1, None)); every int
+    is a 64-bit one (launch keys hold it so) and every float finite, bounds or not."""
 
     name: str
     kind: str
@@ -58,6 +61,28 @@ class Param:
     needs: str | None = None
     vectors_of: tuple[str, ...] = ()
     keyed: bool = True
+    bounds: tuple[int | float | None, int | float | None] | None = None
+
+    def _check_bounds(self) -> None:
+        if self.bounds is None:
+            return
+        where = f"parameter {self.name!r}"
+        if self.kind not in ("int", "float"):
+            raise ValueError(f"{where}: bounds are for int and float parameters, not {self.kind}")
+        pair = isinstance(self.bounds, tuple) and len(self.bounds) == 2
+        numbers = pair and all(
+            b is None or isinstance(b, (int, float)) and not isinstance(b, bool)
+            for b in self.bounds
+        )
+        if not numbers:
+            raise TypeError(
+                f"{where}: bounds must be (low, high), numbers or None, not {self.bounds!r}"
+            )
+        low, high = self.bounds
+        if low is not None and high is not None and low > high:
+            raise ValueError(f"{where}: bounds {self.bounds} hold no value (low > high)")
+        if self.default is not _REQUIRED and not _within(self.default, self.bounds):
+            raise ValueError(f"{where}: its default {self.default!r} is not {_range(self.bounds)}")
 
     def __post_init__(self) -> None:
         if self.kind not in _KINDS:
@@ -65,6 +90,7 @@ class Param:
                 f"parameter {self.name!r}: unknown kind {self.kind!r}; the kinds are "
                 f"{', '.join(sorted(_KINDS))}"
             )
+        self._check_bounds()
 
     @property
     def required(self) -> bool:
@@ -89,7 +115,33 @@ class Param:
             raise TypeError(
                 f"{kernel}: {self.name} must be {expected.get(self.kind, self.kind)}, got {value!r}"
             )
-        return float(value) if self.kind == "float" else value
+        if self.kind not in ("int", "float"):
+            return value
+        if self.kind == "float":
+            try:
+                value = float(value)
+            except OverflowError:
+                value = math.inf
+        kept = math.isfinite(value) if self.kind == "float" else -(1 << 63) <= value < 1 << 63
+        if not kept or self.bounds is not None and not _within(value, self.bounds):
+            what = ("finite" if self.kind == "float" else "a 64-bit int") if not kept else ""
+            if self.bounds is not None:
+                what += (" and " if what else "") + _range(self.bounds)
+            raise ValueError(f"{kernel}: {self.name} must be {what}, got {value!r}")
+        return value
+
+
+def _within(value: int | float, bounds: tuple[int | float | None, int | float | None]) -> bool:
+    low, high = bounds
+    return (low is None or value >= low) and (high is None or value <= high)
+
+
+def _range(bounds: tuple[int | float | None, int | float | None]) -> str:
+    """Bounds in words: ">= 1", "<= 8", "in [1, 2]"."""
+    low, high = bounds
+    if low is not None and high is not None:
+        return f"in [{low}, {high}]"
+    return f">= {low}" if low is not None else f"<= {high}"
 
 
 @dataclass(frozen=True)
@@ -183,9 +235,12 @@ class KernelDef:
             )
 
 
-_N, _DTYPE = Param("N", "int"), Param("dtype", "dtype")
+# A row width: any positive one (rows too long for registers are split over a cluster or
+# walked in chunks, kernels/config.py); eps: any finite value >= 0, as the ops accept it.
+_WIDE = (1, None)
+_N, _DTYPE = Param("N", "int", bounds=_WIDE), Param("dtype", "dtype")
 _WEIGHT = Param("weight_dtype", "dtype?")
-_EPS = Param("eps", "float")
+_EPS = Param("eps", "float", bounds=(0.0, None))
 # RMSNorm's weight offset (y = x_hat * (offset + w), Gemma: 1). Last, and out of the spec at
 # 0: the specs (and warmed caches) of plain RMSNorm stay what they were.
 _OFFSET = Param("offset", "float", 0.0, needs="weight_dtype", keyed=False)
@@ -364,7 +419,7 @@ COLUMN_SUM = KernelDef(
     "column_sum",
     "kbuild.kernels.reduce:build_column_sum_module",
     # One-plane specs predate `planes`: keyed without it, so warmed caches keep hitting.
-    (_N, Param("out_dtype", "dtype"), Param("planes", "int", 1, keyed=False)),
+    (_N, Param("out_dtype", "dtype"), Param("planes", "int", 1, keyed=False, bounds=(1, 2))),
     (
         Arg("partial"),
         Arg("out"),
@@ -376,10 +431,10 @@ COLUMN_SUM = KernelDef(
 BIAS_GRAD = KernelDef(
     "bias_grad",
     "kbuild.kernels.reduce:build_bias_grad_module",
-    (Param("OC", "int"), _DTYPE, _vectorize("dtype")),
+    (Param("OC", "int", bounds=_WIDE), _DTYPE, _vectorize("dtype")),
     (Arg("dout"), Arg("partial"), _M, Arg("rows_per_chunk", "i64")),
 )
-_C, _INDEX = Param("C", "int"), Param("index_dtype", "index")
+_C, _INDEX = Param("C", "int", bounds=_WIDE), Param("index_dtype", "index")
 ENCODER_FWD = KernelDef(
     "encoder_fwd",
     "kbuild.kernels.encoder:build_encoder_fwd_module",
