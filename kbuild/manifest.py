@@ -38,7 +38,9 @@ encoder_bwd_wte_spec, encoder_bwd_wpe_spec = ENCODER_BWD_WTE.spec, ENCODER_BWD_W
 encoder_bwd_wte_merge_spec = ENCODER_BWD_WTE_MERGE.spec
 
 DTYPES = ("f32", "f16", "bf16")
-TEST_N = (1, 7, 127, 768, 1000, 4096, 5120, 8192, 12288, 16384, 65536)
+# 4097 and 65537: rows not a whole number of vectors, peeled (dsl.rows), in one block and
+# split over a cluster.
+TEST_N = (1, 7, 127, 768, 1000, 4096, 4097, 5120, 8192, 12288, 16384, 65536, 65537)
 TEST_M = (0, 1, 3, 4096)
 TEST_EPS = (1e-6, 1e-2)
 BENCH_N = (1024, 2048, 4096, 8192, 16384, 65536)

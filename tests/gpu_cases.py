@@ -10,7 +10,7 @@ from kbuild.manifest import TEST_M, affine_dtypes, residual_dtypes, weight_dtype
 
 RSTD_N = (7, 4096, 65536)  # test_rmsnorm_gpu.test_rstd_matches
 LARGE_MEAN_N = (768, 4096, 65536)  # test_layernorm_gpu.test_large_mean_keeps_fp32_accuracy
-DETERMINISTIC_N = (1000, 4096, 16384, 65536)  # the bitwise dw (and db) tests of the norms
+DETERMINISTIC_N = (1000, 4096, 4097, 16384, 65536)  # the bitwise dw (and db) tests of the norms
 
 
 def rmsnorm_cases(dtype: str) -> list[tuple[int, str | None]]:

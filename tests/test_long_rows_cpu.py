@@ -58,10 +58,13 @@ def test_targets_know_their_cluster_limit():
         (16384, "bf16", 8),
         (12288, "f32", 8),
         (40, "bf16", 1),
-        (65537, "bf16", 1),
+        (65537, "bf16", 8),  # peeled: slices rounded up to whole vectors
+        (65537, "f32", 8),
     ],
 )
 def test_cluster_size_is_the_most_blocks_that_split_rows_into_vectors(N, dtype, expected):
+    """Peeled rows split over any cluster (each slice a whole number of vectors, the last
+    one short); aligned rows over the most blocks that divide them into vectors."""
     assert cluster_size(N, dtype, True, 8) == expected
     assert cluster_size(N, dtype, True, 1) == 1
 

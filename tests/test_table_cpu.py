@@ -51,19 +51,19 @@ def test_positional_and_named_specs_agree_with_the_hand_written_form():
     assert by_position == by_name == by_hand
 
 
-def test_vectorize_only_for_rows_of_whole_vectors():
-    """128-bit accesses need rows a whole number of vectors of the widest dtype: an unaligned
-    or odd row gets the scalar kernel, and the two spellings of it are one spec."""
+def test_vectorize_is_alignment_for_rows_and_whole_vectors_for_columns():
+    """A row kernel's vectorize says its arrays start 16-byte aligned: rows of any width take
+    16-byte vectors (an odd row is peeled, dsl.rows), so it stays on at N = 4100. The column
+    kernels (bias gradient, encoder) read whole vectors of C columns: odd C is their scalar
+    kernel, and its two spellings are one spec (a lost rule compiles a kernel that misreads)."""
     assert RMSNORM_FWD.spec(4096, "bf16", None, False, 1e-6)["vectorize"] is True
-    assert RMSNORM_FWD.spec(4100, "bf16", None, False, 1e-6)["vectorize"] is False  # 4100 % 8
-    assert RMSNORM_FWD.spec(4100, "f32", None, False, 1e-6)["vectorize"] is True  # 4100 % 4
+    assert RMSNORM_FWD.spec(4100, "bf16", None, False, 1e-6)["vectorize"] is True
     assert RMSNORM_FWD.spec(4096, "bf16", None, False, 1e-6, False)["vectorize"] is False
-    # The fused kernel's widest array decides: an fp32 residual stream makes vectors of 4.
-    fused = FUSED_ADD_RMSNORM_BWD.spec(4100, "bf16", "bf16", "f32", False, True)
-    assert fused["vectorize"] is True
-    assert FUSED_ADD_RMSNORM_BWD.spec(4100, "bf16", "bf16", "bf16", False, True)["vectorize"] is (
-        False
-    )
+    assert FUSED_ADD_RMSNORM_BWD.spec(4100, "bf16", "bf16", "bf16", False, True)["vectorize"]
+    bias = KERNELS["bias_grad"]
+    assert bias.spec(OC=1001, dtype="bf16")["vectorize"] is False
+    assert bias.spec(OC=1001, dtype="bf16") == bias.spec(OC=1001, dtype="bf16", vectorize=False)
+    assert bias.spec(OC=1024, dtype="bf16")["vectorize"] is True
 
 
 def test_weight_gradient_needs_a_weight():
