@@ -117,6 +117,7 @@ class Param:
             )
         if self.kind not in ("int", "float"):
             return value
+        given = value
         if self.kind == "float":
             try:
                 value = float(value)
@@ -127,7 +128,7 @@ class Param:
             what = ("finite" if self.kind == "float" else "a 64-bit int") if not kept else ""
             if self.bounds is not None:
                 what += (" and " if what else "") + _range(self.bounds)
-            raise ValueError(f"{kernel}: {self.name} must be {what}, got {value!r}")
+            raise ValueError(f"{kernel}: {self.name} must be {what}, got {given!r}")
         return value
 
 
