@@ -10,6 +10,7 @@ helper here branches on the vendor. Importing this package imports MLIR, so only
 compiler and the kernel builders do.
 """
 
+from .checks import report, trap
 from .control import if_else, if_then, loop, while_loop
 from .kernel import Kernel
 from .math import absolute, copysign, erf, exp, exp2, log, log2, sigmoid, tanh
@@ -34,7 +35,16 @@ from .reduce import (
     thread_sum,
 )
 from .row_walk import RowGroups
-from .rows import GroupedRows, RowShape, RowTile, rewiden_all, thread_columns, widen
+from .rows import (
+    GroupedRows,
+    RowShape,
+    RowTile,
+    from_lanes,
+    lanes,
+    rewiden_all,
+    thread_columns,
+    widen,
+)
 from .shared import ThreadShared
 from .staging import RowStage, Staged
 from .trig import cos, sin, sincos
@@ -78,6 +88,10 @@ __all__ = [
     "V",
     "absolute",
     "atomic_add",
+    "report",
+    "trap",
+    "lanes",
+    "from_lanes",
     "add",
     "first_largest",
     "largest",

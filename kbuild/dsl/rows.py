@@ -28,6 +28,7 @@ from typing import Protocol
 from mlir import ir
 from mlir.dialects import scf, vector
 
+from ..dtypes import ELEMENT_BYTES
 from .control import if_else, if_then, loop
 from .exchange import LaggedExchange
 from .kernel import Kernel
@@ -39,6 +40,7 @@ from .values import (
     cast,
     const,
     hsum,
+    i64,
     minimum,
     rewiden,
     scalar_type,
@@ -400,15 +402,42 @@ class RowTile:
         sums = iter(loop(one, const(cfg.rows_per_block, "i64"), one, first, add_row))
         return [[next(sums) for _ in values] for values in per_base]
 
-    def load_row_scalar(self, base: V) -> V:
-        """One f32 per row (the saved rstd, mean), read by every thread of the row."""
-        return load(get_llvm_ptr(base, self.row, "f32"), "f32")
+    def load_row_scalar(self, base: V, dtype: str = "f32") -> V:
+        """Element `row` of a one-per-row array (a saved rstd or mean; "i32" / "i64" a row's
+        target id), read by every thread of the row, raw in `dtype`."""
+        _check_dtype("RowTile.load_row_scalar", dtype)
+        return load(get_llvm_ptr(base, self.row, dtype), dtype)
 
-    def store_row_scalar(self, base: V, value: V) -> None:
-        """Write one f32 per row (rstd, mean) from the row's first thread."""
+    def store_row_scalar(self, base: V, value: V, dtype: str = "f32") -> None:
+        """Write one value per row (rstd, mean, a loss) as `dtype`, from the row's first
+        thread, where the row exists (not a row past M)."""
+        _check_dtype("RowTile.store_row_scalar", dtype)
         first = self.lane < 1
         guard = first if self.valid is None else first & self.valid
-        if_then(guard, lambda: store(value, get_llvm_ptr(base, self.row, "f32")))
+        value = cast(value, dtype)
+        if_then(guard, lambda: store(value, get_llvm_ptr(base, self.row, dtype)))
+
+    def load_at(self, base: V, column: V, dtype: str, rows: GroupedRows | None = None) -> V:
+        """Element `column` (an integer, from 0 to N - 1: the caller checks it) of this row of
+        `base`: a gather within the row (a cross-entropy's logit at the target), one scalar
+        read by every thread of the row, raw in `dtype`. A cluster's blocks each read it."""
+        _check_dtype("RowTile.load_at", dtype)
+        start = self.offset_in(rows) - self.first  # the row's start, not this block's slice
+        return load(get_llvm_ptr(base, start + i64(column), dtype), dtype)
+
+    def element_columns(self, start: V | int = 0) -> list[V]:
+        """Per vector of this thread (as `load` returns them, from chunk `start`): the row's
+        column of each element, i64, lane by lane (a scalar for 1-element vectors), for
+        per-element compares (`dsl.eq(cols, target)`) and `dsl.select`. Columns outside the
+        row may appear (their elements hold the pad): `inside` says which are in it."""
+        out = []
+        for col in self.columns(start):
+            at = col + self.first
+            if self.cfg.vec == 1:
+                out.append(at)
+            else:
+                out.append(from_lanes([at + j for j in range(self.cfg.vec)]))
+        return out
 
     # ------------------------------------------------------------------ reductions
 
@@ -484,6 +513,11 @@ class RowTile:
     def _mark(self, point: str) -> None:
         if self.k.trace is not None:
             self.k.trace.mark(point)
+
+
+def _check_dtype(where: str, dtype: str) -> None:
+    if dtype not in ELEMENT_BYTES:
+        raise ValueError(f"{where}: dtype must be one of {sorted(ELEMENT_BYTES)}, not {dtype!r}")
 
 
 def widen(values: list[V]) -> list[V]:
