@@ -30,9 +30,11 @@ def parse_spec(text: str) -> KernelSpec:
     text = text.strip()
     if text.startswith("{"):
         try:
-            return KernelSpec.from_json(json.loads(text))
+            spec = KernelSpec.from_json(json.loads(text))
         except (ValueError, KeyError, TypeError) as err:
             raise ValueError(f"not a kernel spec: {err}") from None
+        kernel_def(spec.kernel).spec(**spec.kwargs)  # values its table entry takes
+        return spec
     match = re.fullmatch(r"(\w+)\((.*)\)", text, re.S)
     if match is None:
         raise ValueError(f"a spec is JSON or name(key=value, ...), not {text!r}")

@@ -242,3 +242,170 @@ def test_ops_of_a_users_module(env):
     assert run.returncode == 0, run.stderr
     assert "user_softmax_fwd(N=512, dtype=f32, vectorize=True)" in run.stdout
     assert "user_softmax_bwd(N=512, dtype=f32, vectorize=True)" in run.stdout
+
+
+def rms_spec(**params) -> str:
+    """An rmsnorm_fwd spec as JSON, valid but for `params`."""
+    values = dict(N=64, dtype="bf16", weight_dtype="bf16", store_rstd=True, eps=1e-6)
+    return json.dumps({"kernel": "rmsnorm_fwd", "params": {**values, **params}})
+
+
+@pytest.mark.parametrize(
+    "params, words",
+    [
+        (dict(N=-8), "rmsnorm_fwd: N must be >= 1, got -8"),
+        (dict(N=0), "rmsnorm_fwd: N must be >= 1, got 0"),
+        (dict(eps=-1.0), "rmsnorm_fwd: eps must be >= 0.0, got -1.0"),
+        (dict(N=1 << 63), f"rmsnorm_fwd: N must be a 64-bit int and >= 1, got {1 << 63}"),
+    ],
+    ids=["N=-8", "N=0", "eps=-1", "N=2^63"],
+)
+def test_a_spec_out_of_range_is_refused_before_compiling(env, tmp_path, params, words):
+    """A --spec, a --from record or a `kbuild show` spec whose value its kernel does not take
+    is one line naming the kernel, the parameter, the value and the range, exit 2; nothing is
+    compiled. Catches the old ends: N=-8 an `IndexError: list index out of range` from the
+    plan chooser (exit 1, nothing named), eps=-1.0 a kernel compiled and exit 0."""
+    text = rms_spec(**params)
+    run = kbuild_cli("warmup", "--spec", text, "-j", "1", env=env)
+    assert_error(run, 2, f"kbuild warmup: --spec: {words}")
+    record = tmp_path / "run.jsonl"
+    record.write_text(COLUMN_SUM + "\n" + text + "\n")
+    run = kbuild_cli("warmup", "--from", str(record), "-j", "1", env=env)
+    assert_error(run, 2, f"kbuild warmup: --from {record}: {words}")
+    assert_error(kbuild_cli("show", text, env=env), 2, f"kbuild show: SPEC: {words}")
+    assert not any((tmp_path / "cache").iterdir())  # not even the valid column sum
+
+
+def test_eps_zero_is_a_spec_the_kernels_take(env):
+    """eps = 0 is what kbuild.rmsnorm accepts (ops/common.py check_eps): its spec warms.
+    Catches an eps bound of > 0, which would refuse at launch a call the API takes."""
+    run = kbuild_cli("warmup", "--spec", rms_spec(eps=0.0), "-j", "1", env=env)
+    assert run.returncode == 0, run.stderr
+    assert "rmsnorm_fwd(N=64, dtype=bf16, eps=0.0," in run.stdout
+
+
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (("--head-dim", str(1 << 63)), f"argument --head-dim: expected an integer below 2^63, "
+                                        f"got '{1 << 63}'"),
+        (("--rms-offset", "nan"), "argument --rms-offset: expected a finite number, got 'nan'"),
+        (("--rms-offset", "inf"), "argument --rms-offset: expected a finite number, got 'inf'"),
+        (("--rms-offset", "x"), "argument --rms-offset: expected a finite number, got 'x'"),
+    ],
+    ids=["head-dim-2^63", "offset-nan", "offset-inf", "offset-x"],
+)  # fmt: skip
+def test_width_options_refuse_what_the_kernels_cannot_take(env, args, words):
+    """Each option is named for its own value. Catches a head_dim past int64 and a NaN
+    offset turned into specs (the offset's error was reported as --hidden's)."""
+    run = kbuild_cli("warmup", "--hidden", "64", *args, env=env)
+    assert_error(run, 2, f"kbuild warmup: {words}")
+
+
+def test_hidden_whose_linear_widths_overflow(env):
+    """--ops linear warms bias gradients of 4 x hidden: past int64 it is --hidden's error,
+    naming the kernel and parameter."""
+    run = kbuild_cli("warmup", "--hidden", str(1 << 62), "--ops", "linear", env=env)
+    assert_error(run, 2, "kbuild warmup: --hidden: bias_grad: OC must be a 64-bit int and >= 1")
+
+
+def test_listing_an_empty_cache_says_so(env, tmp_path):
+    """An empty cache is listed as such: exit 0 (it listed what there is), stdout empty (one
+    line per entry, for scripts), one line on stderr saying the folder holds no entries.
+    Catches the silent empty output that looked like a wrong --cache-dir."""
+    empty = tmp_path / "cache"
+    for args in (("--cache-dir", str(empty)), ()):  # the option, and $KBUILD_CACHE_DIR
+        run = kbuild_cli("cache", "list", *args, env=env)
+        assert run.returncode == 0 and run.stdout == "", (run.returncode, run.stdout)
+        assert run.stderr == f"kbuild cache list: no entries in {empty}\n"
+    kbuild_cli("warmup", "--spec", COLUMN_SUM, "-j", "1", env=env)
+    run = kbuild_cli("cache", "list", env=env)
+    assert run.returncode == 0 and run.stderr == "", run.stderr
+    assert len(run.stdout.splitlines()) == 1 and "column_sum(N=1024" in run.stdout
+
+
+@pytest.mark.parametrize("name", ["out.zip", "out.tar.bz2", "out", "out.gz"])
+def test_export_refuses_a_name_it_cannot_write(env, tmp_path, name):
+    """Export writes a tar, gzipped for .tar.gz / .tgz (cache/bundle.py). Catches a tar
+    written under .zip (or any other name) that the tool the name suggests cannot open."""
+    target = tmp_path / name
+    run = kbuild_cli("cache", "export", str(target), env=env)
+    assert_error(run, 2, f"kbuild cache export: FILE {target}:", ".tar, .tar.gz or .tgz")
+    assert not target.exists()
+
+
+@pytest.mark.parametrize("name", ["out.tar", "out.tar.gz", "out.tgz"])
+def test_export_takes_the_bundle_names(env, tmp_path, name):
+    """The three names pass the check (the empty cache then fails on its own terms)."""
+    run = kbuild_cli("cache", "export", str(tmp_path / name), env=env)
+    assert_error(run, 1, "kbuild cache export: no entries in", "nothing exported")
+
+
+def test_a_module_that_is_not_a_python_file(env, tmp_path):
+    """--module takes FILE.py or a module name. Catches `No module named '/.../afile'`, the
+    path turned into a module name, and exit 1 for what is a wrong argument."""
+    (tmp_path / "afile.txt").write_text("x = 1\n")
+    run = kbuild_cli("warmup", "--module", "afile.txt", env=env, cwd=tmp_path)
+    assert_error(run, 2, "kbuild warmup: --module afile.txt: not a Python file", "FILE.py")
+    run = kbuild_cli("warmup", "--module", str(tmp_path / "afile.txt"), env=env)
+    assert_error(run, 2, f"--module {tmp_path / 'afile.txt'}: not a Python file")
+    missing = tmp_path / "nowhere" / "afile.txt"
+    run = kbuild_cli("warmup", "--module", str(missing), env=env)
+    assert_error(run, 2, f"kbuild warmup: --module {missing}: no such file")
+    run = kbuild_cli("warmup", "--module", "no_such_module_here", env=env)
+    assert_error(run, 2, "--module no_such_module_here: no module named 'no_such_module_here'")
+
+
+def test_a_module_missing_a_dependency_is_its_own_failure(env, tmp_path):
+    """A module that exists but imports a missing one: the work failed (exit 1), and the
+    missing dependency is named, not the module given."""
+    (tmp_path / "needs.py").write_text("import kbuild_absent_dependency\n")
+    run = kbuild_cli("warmup", "--module", str(tmp_path / "needs.py"), env=env)
+    assert_error(run, 1, "ModuleNotFoundError: No module named 'kbuild_absent_dependency'")
+
+
+FAILING_MODULE = """
+from kbuild import Arg, Param, kernel
+
+
+@kernel("ranges_failing", params=(Param("N", "int", bounds=(1, None)),), args=(Arg("x"),))
+def build_failing(N, target):
+    raise RuntimeError(f"no kernel of width {N} today")
+
+
+def warmup_specs():
+    return [build_failing.spec(64), build_failing.spec(128)]
+"""
+
+
+@pytest.mark.parametrize("jobs", ["1", "2"])
+def test_a_builder_that_fails_fails_warmup(env, tmp_path, jobs):
+    """A --module whose builder raises: each failing kernel is one line on stderr naming it,
+    then a count; exit 1; the other kernels are still compiled (in this process and from
+    worker processes). Catches a failure reported as skipped with exit 0, and a warmup that
+    stops at its first failure (the column sum after it never compiled)."""
+    (tmp_path / "failing.py").write_text(FAILING_MODULE)
+    module = str(tmp_path / "failing.py")
+    run = kbuild_cli("warmup", "--module", module, "--spec", COLUMN_SUM, "-j", jobs, env=env)
+    assert run.returncode == 1, (run.stdout, run.stderr)
+    assert "Traceback" not in run.stderr, run.stderr
+    lines = run.stderr.splitlines()
+    assert len(lines) == 3, run.stderr
+    for line, width in zip(lines, (64, 128), strict=False):
+        assert line.startswith(f"kbuild warmup: cannot build ranges_failing(N={width}) for sm_90")
+        assert f"RuntimeError: no kernel of width {width} today" in line
+    assert (
+        lines[2] == "kbuild warmup: 2 of 3 kernels failed to compile for sm_90 (each named above)"
+    )
+    assert "column_sum(N=1024, out_dtype=bf16)" in run.stdout  # compiled all the same
+    assert "kernels for sm_90 in" not in run.stdout  # no summary of success
+
+
+@pytest.mark.parametrize("bad", ["garbage", '{"kernel": "column_sum"}', rms_spec(N=-8)])
+def test_a_malformed_spec_among_valid_ones(env, tmp_path, bad):
+    """One bad --spec among good ones refuses the command (exit 2) before anything is
+    compiled. Catches a warning that let the others warm and exited 0."""
+    run = kbuild_cli("warmup", "--spec", COLUMN_SUM, "--spec", bad, "--spec", rms_spec(),
+                     "-j", "1", env=env)  # fmt: skip
+    assert_error(run, 2, "kbuild warmup: --spec")
+    assert not any((tmp_path / "cache").iterdir())

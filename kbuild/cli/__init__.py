@@ -20,6 +20,7 @@ import multiprocessing
 import os
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
@@ -27,7 +28,16 @@ from ..cache import DiskCache
 from ..manifest import DEFAULT_WIDTH_OPS, MANIFESTS, WIDTH_OPS, manifest
 from ..spec import KernelSpec
 from ..targets import target_for_arch
-from .args import CACHE_DIR_HELP, CLIError, Parser, cache_root, check_arch, plural, positive_int
+from .args import (
+    CACHE_DIR_HELP,
+    CLIError,
+    Parser,
+    cache_root,
+    check_arch,
+    finite_float,
+    plural,
+    positive_int,
+)
 from .cache import add_cache_parser
 
 
@@ -37,10 +47,13 @@ def import_user_module(name: str):
     import importlib
 
     given = name
-    if name.endswith(".py"):
-        path = Path(name).expanduser().absolute()
+    path = Path(name).expanduser()
+    if name.endswith(".py") or "/" in name or os.sep in name or path.is_file():  # a file
+        path = path.absolute()
         if not path.is_file():
             raise CLIError(f"--module {given}: no such file")
+        if path.suffix != ".py":
+            raise CLIError(f"--module {given}: not a Python file (give FILE.py or a module name)")
         name = path.stem
         loaded = sys.modules.get(name)
         if loaded is not None and Path(getattr(loaded, "__file__", "") or "") != path:
@@ -49,6 +62,13 @@ def import_user_module(name: str):
             sys.path.insert(0, str(path.parent))
     try:
         return importlib.import_module(name)
+    except ModuleNotFoundError as err:
+        if err.name is not None and f"{name}.".startswith(f"{err.name}."):  # itself missing
+            raise CLIError(
+                f"--module {given}: no module named {name!r} here (give FILE.py or a module "
+                "name Python can import)"
+            ) from None
+        raise CLIError(f"--module {given}: {type(err).__name__}: {err}", 1) from None
     except Exception as err:  # the user's code: a syntax error, a taken kernel name, ...
         raise CLIError(f"--module {given}: {type(err).__name__}: {err}", 1) from None
 
@@ -94,29 +114,53 @@ def _describe(label: str, meta: dict, built: bool, ms: float) -> str:
 
 
 def warmup(
-    specs: list[KernelSpec], arch: str, root: str, jobs: int, modules: tuple[str, ...] = ()
+    specs: list[KernelSpec],
+    arch: str,
+    root: str,
+    jobs: int,
+    modules: tuple[str, ...] = (),
+    prog: str = "kbuild warmup",
 ) -> list[tuple]:
     """Compile `specs` for `arch` into `root`, printing a progress line per kernel; `modules`
-    declare kernels of their own that the specs may name."""
+    declare kernels of their own that the specs may name. A kernel that does not compile
+    (CompileError) is one line on stderr, starting with `prog`, and the others are compiled
+    all the same; then a CLIError (exit 1) counts the failures. A missing tool (ptxas) stops
+    at once."""
+    from ..compiler import CompileError
+
     os.makedirs(root, exist_ok=True)
-    results = []
+    results, failed = [], []
     args = [(s.canonical_json(), arch, root, tuple(modules)) for s in specs]
     width = len(str(len(specs)))
 
-    def report(i: int, result: tuple) -> None:
+    def report(i: int, outcome: Callable[[], tuple]) -> None:
+        try:
+            result = outcome()
+        except CompileError as err:
+            failed.append(err)
+            print(f"{prog}: {_one_line(err)}", file=sys.stderr, flush=True)
+            return
         print(f"[{i:>{width}}/{len(specs)}] {arch}  {_describe(*result)}", flush=True)
         results.append(result)
 
     if jobs <= 1:  # in this process: nothing outlives it if it is killed
         for i, arg in enumerate(args, 1):
-            report(i, _warm_one(*arg))
-        return results
-    # forkserver, not fork: a caller may have threads (torch's, a test runner's), and a
-    # forked child can block forever on a lock one of them held at the fork.
-    context = multiprocessing.get_context("forkserver")
-    with ProcessPoolExecutor(max_workers=jobs, mp_context=context) as pool:
-        for i, result in enumerate(pool.map(_warm_one, *zip(*args, strict=True)), 1):
-            report(i, result)
+            report(i, lambda arg=arg: _warm_one(*arg))
+    else:
+        # forkserver, not fork: a caller may have threads (torch's, a test runner's), and a
+        # forked child can block forever on a lock one of them held at the fork.
+        context = multiprocessing.get_context("forkserver")
+        with ProcessPoolExecutor(max_workers=jobs, mp_context=context) as pool:
+            futures = [pool.submit(_warm_one, *arg) for arg in args]
+            try:
+                for i, future in enumerate(futures, 1):
+                    report(i, future.result)
+            finally:  # after an error other than a kernel's: the rest is not started
+                for future in futures:
+                    future.cancel()
+    if failed:
+        count = f"{len(failed)} of {plural(len(specs), 'kernel')}"
+        raise CLIError(f"{count} failed to compile for {arch} (each named above)", 1)
     return results
 
 
@@ -137,16 +181,30 @@ def _declared_op_specs(name: str, hidden: int, dtype: str) -> list[KernelSpec]:
         raise CLIError(f"--ops {name}: {err}", 1) from None
 
 
+def _checked(specs: list[KernelSpec], origin: str) -> list[KernelSpec]:
+    """`specs`, each of a known kernel with values its table entry takes (its parameters'
+    kinds and bounds), else a CLIError naming `origin` (the option they came from), the
+    kernel, the parameter and what it takes."""
+    from ..kernels.table import kernel_def
+
+    for spec in specs:
+        try:
+            kernel_def(spec.kernel).spec(**spec.kwargs)
+        except (ValueError, TypeError) as err:
+            raise CLIError(f"{origin}: {err}") from None
+    return specs
+
+
 def _specs_from(args) -> list[KernelSpec]:
     from ..manifest import for_width
     from ..record import read_specs
 
     specs = [s for name in args.manifest or [] for s in manifest(name)]
     for name in args.module or []:  # a user's kernels, and the specs it asks to warm
-        specs += _module_specs(name)
+        specs += _checked(_module_specs(name), f"--module {name}: warmup_specs()")
     for path in args.from_file or []:
         try:
-            specs += read_specs(path)
+            specs += _checked(read_specs(path), f"--from {path}")
         except FileNotFoundError:
             raise CLIError(
                 f"--from {path}: no such file (KBUILD_RECORD writes it on a GPU run: a CPU "
@@ -179,16 +237,10 @@ def _specs_from(args) -> list[KernelSpec]:
             specs += _declared_op_specs(name, args.hidden, args.dtype)
     for text in args.spec or []:
         try:
-            specs.append(KernelSpec.from_json(json.loads(text)))
+            spec = KernelSpec.from_json(json.loads(text))
         except (ValueError, KeyError, TypeError, AttributeError) as err:
             raise CLIError(f"--spec is not a kernel spec ({err}): {text}") from None
-    from ..kernels.table import kernel_def
-
-    for spec in specs:  # a kernel of the user's needs its --module
-        try:
-            kernel_def(spec.kernel)
-        except ValueError as err:
-            raise CLIError(f"{spec.short()}: {err}") from None
+        specs += _checked([spec], "--spec")  # a kernel of the user's needs its --module
     return list(dict.fromkeys(specs))
 
 
@@ -234,7 +286,7 @@ def _cmd_demo(args) -> int:
     from .. import env
 
     if env.compiler_available():
-        warmup(manifest("standard"), args.arch, root, args.jobs)
+        warmup(manifest("standard"), args.arch, root, args.jobs, prog="kbuild demo")
     else:
         print("MLIR is not installed here: running from the cache as it is")
     from ..demo import run_on_gpu
@@ -277,7 +329,7 @@ def _add_warmup_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--residual-fp32", action="store_true")
     p.add_argument(
         "--rms-offset",
-        type=float,
+        type=finite_float,
         default=0.0,
         help="RMSNorm's weight offset (Gemma: 1.0) for --hidden",
     )

@@ -4,6 +4,7 @@ cache folder a command works on."""
 from __future__ import annotations
 
 import argparse
+import math
 from pathlib import Path
 
 from ..cache import default_cache_dir
@@ -25,13 +26,27 @@ def plural(count: int, noun: str, nouns: str | None = None) -> str:
 
 
 def positive_int(text: str) -> int:
-    """argparse type: an int >= 1 (a width, a job count)."""
+    """argparse type: an int from 1 to 2^63 - 1 (a width, a job count: kernel parameters and
+    tensor sizes are 64-bit)."""
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    if value >= 1 << 63:
+        raise argparse.ArgumentTypeError(f"expected an integer below 2^63, got {text!r}")
+    return value
+
+
+def finite_float(text: str) -> float:
+    """argparse type: a finite float (a kernel's compile-time float: no nan, no inf)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
     return value
 
 

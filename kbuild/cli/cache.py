@@ -4,6 +4,7 @@ subcommand each with its own options and help."""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 from ..cache import DiskCache
@@ -12,10 +13,17 @@ from .args import CACHE_DIR_HELP, CLIError, Parser, cache_root, check_arch, plur
 
 
 def _cache_list(args) -> int:
-    for path, meta in DiskCache(cache_root(args, must_exist=True)).entries():
+    """One line per entry on stdout (nothing else there, for scripts); an empty cache is
+    said on stderr and is no error: it lists what there is."""
+    root = cache_root(args, must_exist=True)
+    listed = 0
+    for path, meta in DiskCache(root).entries():
         spec = meta["meta"].get("spec")
         label = KernelSpec.from_json(spec).short() if spec else "(no spec recorded)"
         print(f"{meta['meta'].get('target', '?'):7} {meta['format']:5} {label}  {path}")
+        listed += 1
+    if not listed:
+        print(f"kbuild cache list: no entries in {root}", file=sys.stderr)
     return 0
 
 
@@ -59,9 +67,18 @@ def _cache_info(args) -> int:
     return 0
 
 
+# What export_bundle writes: a tar, gzip-compressed for .tar.gz and .tgz (cache/bundle.py).
+BUNDLE_SUFFIXES = (".tar", ".tar.gz", ".tgz")
+
+
 def _cache_export(args) -> int:
     from ..cache.bundle import export_bundle
 
+    if not args.file.endswith(BUNDLE_SUFFIXES):
+        raise CLIError(
+            f"FILE {args.file}: a bundle's name ends in .tar, .tar.gz or .tgz (the tar, or "
+            "gzipped tar, that export writes)"
+        )
     if args.arch is not None:
         check_arch(args.arch)
     root = cache_root(args, must_exist=True)
