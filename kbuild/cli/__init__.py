@@ -8,8 +8,9 @@ kbuild demo                       # compile the standard set; with a GPU also ru
 kbuild cache list | path | clear | info | export FILE | import FILE | prune --max-size 2G
 kbuild show SPEC --ptx             # what a kernel became (--mlir --llvm --asm --sass)
 
-An error is one line on stderr and a non-zero status (2: the arguments, 1: the work failed);
-output piped into `head` ends quietly.
+An error is one line on stderr and a non-zero status (2: the arguments, 1: the work failed;
+warmup names each kernel that failed to compile on a line of its own, compiles the others,
+then counts the failures); output piped into `head` ends quietly.
 """
 
 from __future__ import annotations
