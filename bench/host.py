@@ -147,7 +147,7 @@ def no_grad(fn, route: str, entry):
     return call
 
 
-native_default = api._native
+native_default = kbuild.native.load()  # (loaded at the first CUDA call otherwise)
 
 
 def main() -> None:

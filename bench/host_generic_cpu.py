@@ -32,7 +32,8 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "examples")]
 import custom_softmax as example  # noqa: E402
 
 from bench.harness import commit  # noqa: E402
-from kbuild.ops import custom_ops, op_launch, opdef  # noqa: E402
+from kbuild import native as kbuild_native  # noqa: E402
+from kbuild.ops import op_launch, opdef  # noqa: E402
 from kbuild.ops.opdef import Op  # noqa: E402
 
 
@@ -80,7 +81,7 @@ def python_twin(op: Op) -> Op:
 
 
 def main(path: str | None) -> None:
-    native = custom_ops.NATIVE
+    native = kbuild_native.load(force=True)  # on a CPU too: its kernels through the hook
     if native is None:
         sys.exit("the C++ extension is unavailable: nothing to compare")
     softmax, result = example.softmax, {"commit": commit(), "torch": torch.__version__}

@@ -14,6 +14,9 @@ KBUILD_RECORD=FILE         append every kernel spec this process asks for to FIL
                            raise); `kbuild warmup --from FILE --arch ...` compiles them
 KBUILD_NATIVE=0            do not build or load the C++ hot path (kbuild/native): the Python
                            launch path runs (same kernels, more host time per call)
+KBUILD_NATIVE=1            build and load it at import, CUDA or not (unset: at the first CUDA
+                           call, never in a CPU-only process; `kbuild.native.load(force=True)`
+                           does the same from code: CPU tests of its kernels)
 KBUILD_NATIVE_DIR          where the C++ extension is built and kept (default
                            $XDG_CACHE_HOME/kbuild/native, else ~/.cache/kbuild/native)
 CXX                        the C++ compiler that builds it (default g++)

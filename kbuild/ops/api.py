@@ -6,13 +6,17 @@ themselves, so the graph has no breaks (plain RMSNorm excepted: under torch.comp
 fp32 math in torch operations, which inductor fuses with the neighbouring ones). Where the
 extension is unavailable, eager calls take the Python launch path (autograd Functions, or the
 forward launch directly when no gradient is needed). All of these routes run the same kernels.
-Eager CPU tensors run the torch reference.
+Eager CPU tensors run the torch reference. The extension is loaded (built the first time) by
+the first call given a CUDA tensor, never by CPU calls.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
+from .. import native
 from .autograd import FusedAddRMSNormFunction, LayerNormFunction, RMSNormFunction
 from .common import (
     check_eps,
@@ -24,12 +28,50 @@ from .common import (
     device_guard,
     readable_rows,
 )
-from .custom_ops import NATIVE, fused_add_rmsnorm_fwd_op, layernorm_fwd_op
+from .custom_ops import fused_add_rmsnorm_fwd_op, layernorm_fwd_op
 from .layernorm import layernorm_fwd, layernorm_reference
 from .rmsnorm import fused_add_rmsnorm_fwd, rmsnorm_fwd, rmsnorm_reference
 
-# The C++ entry points, or None for the Python path (tests of that path set it to None).
-_native = NATIVE
+
+class _Unloaded:
+    """`_native` until the extension is loaded. Its entries, given a CUDA tensor, load it
+    (kbuild.native; built the first time) and run it; given anything else they decline, as
+    the extension's own entries decline CPU tensors, so CPU calls never build it."""
+
+    def _entry(self, name: str, x: Any, args: tuple) -> Any:
+        global _native
+        if not (isinstance(x, torch.Tensor) and x.is_cuda):
+            return None
+        module = native.load()
+        if _native is self:  # (the load's hook has done this, unless a test had set it)
+            _native = module
+        return None if module is None else getattr(module, name)(x, *args)
+
+    def rmsnorm(self, x, *args):
+        return self._entry("rmsnorm", x, args)
+
+    def fused_add_rmsnorm(self, x, *args):
+        return self._entry("fused_add_rmsnorm", x, args)
+
+    def layernorm(self, x, *args):
+        return self._entry("layernorm", x, args)
+
+    def linear(self, x, *args):  # kbuild.linear's (ops/llmc.py)
+        return self._entry("linear", x, args)
+
+
+# The C++ entry points once loaded, until then `_Unloaded`; None for the Python path (where
+# the extension cannot be had; tests of that path set it to None).
+_native: Any = _Unloaded()
+
+
+def _loaded(module: Any) -> None:
+    global _native
+    if isinstance(_native, _Unloaded):
+        _native = module
+
+
+native.on_load(lambda: None, _loaded)
 
 
 def _needs_grad(*tensors: torch.Tensor | None) -> bool:

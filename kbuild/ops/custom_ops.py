@@ -15,14 +15,23 @@ them, else empty ones; backward ops return empty tensors for gradients not asked
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable
+from typing import Any
+
 import torch
 
 from .. import native
+from ..jit import on_forget
 from . import opdef
 from .autograd import _fused_backward, _layernorm_backward, _rmsnorm_backward
 from .common import device_guard
 from .layernorm import layernorm_fwd, layernorm_reference
 from .opdef import Feature, Like, Op, Out, Rows, Scalar, Tensors, eps
+
+# (imported now: once kbuild.ops is imported, its name `encoder` is the function, which
+# resolve's `from . import encoder` would take for the module)
+from .resolve import resolve
 from .rmsnorm import fused_add_rmsnorm_fwd, rmsnorm_fwd, rmsnorm_reference
 
 
@@ -252,16 +261,123 @@ layernorm_fwd_op = LAYERNORM_FWD.overload
 layernorm_bwd_op = LAYERNORM_BWD.overload
 
 # ----------------------------------------------------------------------------- CUDA + autograd
+# The C++ extension (kbuild/native) registers the norm operators' CUDA and Autograd kernels
+# (and bias_grad's CUDA kernel) when it is imported, and runs the CUDA kernel and autograd of
+# ops declared with launches by name (its generic kernels). It is loaded at the first CUDA
+# call, never in a CPU-only process. Until then, and for good where it cannot be had, those
+# operators run their Python kernels, registered here in libraries of their own: taken away
+# just before the extension's import (torch warns when a kernel replaces another), then
+# replaced by its kernels. A Python CUDA kernel registered here loads the extension on its
+# first call, so a torch.ops.kbuild.* call on CUDA (a compiled graph's) loads it as a public
+# function's first CUDA call does.
 
-NATIVE = native.load()  # the C++ extension (registers CUDA and Autograd kernels), or None
 
-if NATIVE is not None:
-    from ..jit import on_forget
-    from .resolve import resolve
+def _loading(kernel: Callable[..., Any]) -> Callable[..., Any]:
+    """`kernel` (a Python CUDA kernel) that first loads the extension where it has not been
+    tried yet; this call still runs `kernel` (the same results), later ones the extension's."""
 
-    NATIVE.set_resolver(resolve)
-    on_forget(NATIVE.clear_records)
-    opdef.NATIVE[0] = NATIVE  # ops declared from now on run its generic CUDA kernel
-else:  # the Python launch path, registered as the same operators
-    for _op in NORM_OPS:
-        _op.register_cuda_and_autograd()
+    def cuda_kernel(*args: Any) -> Any:
+        native.load()  # once tried, a list lookup
+        return kernel(*args)
+
+    return cuda_kernel
+
+
+class _Standin:
+    """opdef.NATIVE[0] until the extension loads: registers, where it will, the Python
+    kernels the extension replaces once loaded (its `define_generic` and
+    `define_generic_autograd` take an op declared meanwhile), and swaps them for the
+    extension's kernels when it loads."""
+
+    def __init__(self) -> None:
+        self.libraries: dict[str, torch.library.Library] = {}  # namespace -> library
+        # What is registered, in order: (op, "cuda" / "autograd", the C++ program or None)
+        self.registered: list[tuple[Op, str, dict | None]] = []
+        self.taken = False  # its libraries taken away (the extension is being imported)
+
+    def _register(self, op: Op, what: str) -> None:
+        """op's Python CUDA kernel or autograd formula, as Op.register_cuda_and_autograd
+        registers them where the extension does not load."""
+        lib = self.libraries.get(op.namespace)
+        if lib is None:
+            lib = self.libraries[op.namespace] = torch.library.Library(op.namespace, "IMPL")
+        if what == "cuda":
+            lib.impl(op.op_name, _loading(op._cuda or op._launch_cuda), "CUDA")
+        elif op.backward is not None:
+            torch.library.register_autograd(
+                op.name, op._backward, setup_context=op._setup_context, lib=lib
+            )
+        elif op._autograd is not None:
+            setup, backward = op._autograd
+            torch.library.register_autograd(op.name, backward, setup_context=setup, lib=lib)
+
+    def add(self, op: Op, what: str, program: dict | None = None) -> None:
+        self._register(op, what)
+        self.registered.append((op, what, program))
+
+    # opdef.Op.register_cuda_and_autograd calls these for an op of generic kernels
+    def define_generic(self, namespace: str, name: str, program: dict) -> None:
+        op = opdef.DEFINED[f"{namespace}::{name}"]
+        self.add(op, "cuda", program)
+        op.generic_native = False  # (until the extension loads)
+
+    def define_generic_autograd(self, namespace: str, name: str, program: dict) -> None:
+        op = opdef.DEFINED[f"{namespace}::{name}"]
+        self.add(op, "autograd", program)
+        op.native_autograd = False
+
+    def take_away(self) -> None:
+        """Just before the extension's import: its kernels take these keys."""
+        for lib in self.libraries.values():
+            lib._destroy()  # (a kernel of these may be running: the one loading it)
+        self.libraries.clear()
+        self.taken = True
+
+    def wire(self, module: Any) -> None:
+        """After the import: the extension's resolver, and the generic kernels of the ops
+        declared meanwhile; where it failed (module None), the Python kernels back, for good."""
+        if module is None:
+            opdef.NATIVE[0] = None  # ops declared from now on: the Python launch path
+            if self.taken:
+                for op, what, _ in self.registered:
+                    self._register(op, what)
+            return
+        module.set_resolver(resolve)
+        on_forget(module.clear_records)
+        opdef.NATIVE[0] = module  # ops declared from now on run its generic kernels
+        for op, what, program in self.registered:
+            if program is None:  # a norm op's (or bias_grad's): registered by the import
+                continue
+            if what == "cuda":
+                module.define_generic(op.namespace, op.op_name, program)
+                op.generic_native = True
+            else:
+                module.define_generic_autograd(op.namespace, op.op_name, program)
+                op.native_autograd = True
+        self.registered.clear()
+
+
+_STANDIN = _Standin()
+opdef.NATIVE[0] = _STANDIN
+native.on_load(_STANDIN.take_away, _STANDIN.wire)
+
+
+def register_until_native(op: Op) -> None:
+    """Register the CUDA kernel and autograd of an op whose kernels the extension provides
+    (`native=True`): its Python ones until the extension loads, or for good where it cannot
+    (nothing where it is loaded: its import registered them)."""
+    if native.loaded() is not None:
+        return
+    if opdef.NATIVE[0] is None:  # tried, and unavailable
+        op.register_cuda_and_autograd()
+        return
+    _STANDIN.add(op, "cuda")
+    if op.backward is not None or op._autograd is not None:
+        _STANDIN.add(op, "autograd")
+
+
+for _op in NORM_OPS:
+    register_until_native(_op)
+
+if os.environ.get(native.DISABLE_ENV) in ("0", "1"):  # settled at import: never, or now
+    native.load()

@@ -21,7 +21,7 @@ import torch
 
 from . import api
 from .common import INDEX_NAMES, check_input, contiguous, device_guard
-from .custom_ops import NATIVE
+from .custom_ops import register_until_native
 from .encoder import bias_grad as _bias_grad_launch
 from .encoder import (
     bias_grad_reference,
@@ -119,8 +119,9 @@ BIAS_GRAD = Op(
     outputs=(Out("dbias", like="dout", shape=lambda b: (b["dout"].shape[-1],)),),
     reference=bias_grad_reference,
     cuda=_bias_grad_cuda,
-    native=NATIVE is not None,  # the extension's C++ kernel (two launches by handle)
+    native=True,  # the extension's C++ kernel (two launches by handle) where it loads
 )
+register_until_native(BIAS_GRAD)  # the Python kernel until then
 
 encoder_fwd_op = ENCODER_FWD.overload
 encoder_bwd_op = ENCODER_BWD.overload
