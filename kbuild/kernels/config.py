@@ -164,26 +164,16 @@ def choose_row_config(
     sharing a block would each have their own phase, and a block's rows share its partials
     column by column.
     """
-    keywords = dict(max_cluster=max_cluster, threads_per_row=threads_per_row, cluster=cluster,
-                    register_scale=register_scale)  # fmt: skip
-    cfg = _choose(N, dtype, warp_size, vectorize, budget, **keywords)
+    cfg = _pick(N, dtype, warp_size, vectorize, budget, max_cluster, threads_per_row, cluster,
+                register_scale)  # fmt: skip
     if cfg.peel and cfg.rows_per_block > 1:
-        return _choose(N, dtype, warp_size, False, budget, **keywords)
+        return _pick(N, dtype, warp_size, False, budget, max_cluster, threads_per_row, cluster,
+                     register_scale)  # fmt: skip
     return cfg
 
 
-def _choose(
-    N: int,
-    dtype: str,
-    warp_size: int,
-    vectorize: bool = True,
-    budget: RowBudget = FORWARD_BUDGET,
-    *,
-    max_cluster: int = 1,
-    threads_per_row: int | None = None,
-    cluster: int | None = None,
-    register_scale: float = 1.0,
-) -> RowConfig:
+def _pick(N, dtype, warp_size, vectorize, budget, max_cluster, threads_per_row, cluster,
+          register_scale) -> RowConfig:  # fmt: skip
     """choose_row_config, before its rule for short peeled rows."""
     peel = vectorize and N % vector_width(N, dtype) != 0
     if peel and threads_per_row is None and cluster is None:
