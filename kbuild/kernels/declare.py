@@ -55,6 +55,10 @@ def kernel(
     """Declare the decorated builder `fn(**params, target) -> dsl.Kernel` as the kernel
     `name`: compile-time `params` (what the spec and the cache key hold) and launch `args` in
     the order the kernel takes them (checked against every built kernel's signature)."""
+    for what, given, kind in (("params", params, "Param"), ("args", args, "Arg")):
+        if isinstance(given, (Param, Arg, str)):  # (Param("N", "int")) without its comma
+            raise TypeError(f"kernel {name}: {what} must be a tuple of {kind}s, got {given!r}")
+    params, args = tuple(params), tuple(args)
 
     def declare(function: Callable) -> KernelDef:
         if "." in function.__qualname__:
@@ -66,7 +70,7 @@ def kernel(
         builder = f"{_module_name(function)}:{function.__qualname__}"
         # The source as this process runs it: its file read now, not at the first compile.
         source = fingerprint(builder, function.__code__.co_filename)
-        definition = KernelDef(name, builder, tuple(params), tuple(args), tunable, function, source)
+        definition = KernelDef(name, builder, params, args, tunable, function, source)
         return register(definition)
 
     return declare

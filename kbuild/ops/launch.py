@@ -52,6 +52,12 @@ def launch_kernel(
     loaded launcher returning one (its `meta`, `rows_per_block`, `cluster`: what the builder
     chose). On the current stream of the tensors' device unless `stream` is given. The
     kernel compiles on first use (or comes from the cache) and stays loaded per device."""
+    if not isinstance(definition, KernelDef):
+        raise TypeError(
+            f"kbuild.launch takes a kernel definition (a KernelDef), not {definition!r}: the "
+            "builder decorated with @kbuild.kernel is one (kbuild.launch(build_scale, grid, "
+            "...)), and kbuild.kernels.table.kernel_def(name) finds one by its name"
+        )
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
     if not tensors:
         raise ValueError(f"{definition.name}: args hold no tensor to say which device runs it")

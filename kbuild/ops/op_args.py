@@ -238,6 +238,22 @@ class Out:
     def empty(self, first: torch.Tensor) -> torch.Tensor:
         return first.new_empty(0, dtype=torch.float32 if self.rows is not None else None)
 
+    def expected(self, bound: Mapping[str, Any]) -> tuple[tuple[int, ...], torch.dtype]:
+        """The shape and dtype of this output when wanted: what `allocate` makes (the fake's
+        and the launches' outputs), which the CPU kernel holds the reference's to."""
+        if self.rows is not None:
+            return (row_count(bound[self.rows]),), torch.float32
+        shape = bound[self.like].shape if self.shape is None else self.shape(bound)
+        return tuple(shape), self.dtype_for(bound)
+
+    def rule(self) -> str:
+        """The declaration, as the errors name it: Out('y', like='x', dtype='float32')."""
+        given = {"like": self.like, "rows": self.rows, "dtype": self.dtype}
+        given = [f"{k}={v!r}" for k, v in given.items() if v is not None]
+        if self.shape is not None:
+            given.append("shape=...")
+        return f"Out({', '.join([repr(self.name), *given])})"
+
     def allocate(self, bound: Mapping[str, Any], first: torch.Tensor) -> torch.Tensor:
         """A dense tensor for this output (the kernels write dense outputs), or an empty one."""
         if not self.wanted(bound):

@@ -13,7 +13,7 @@ import torch
 from ..kernels.table import KernelDef
 from .common import DTYPE_NAMES, dtype_name, row_count, stream_of
 from .launch import launcher_for, record_fields, rows_grid
-from .op_args import Rows, Scalar
+from .op_args import Ids, Rows, Scalar
 
 # ----------------------------------------------------------------------------- launches
 
@@ -54,6 +54,31 @@ class Launch:
     ints: Mapping[str, Callable[[Mapping[str, Any]], int]] = field(default_factory=dict)
     grid: Callable[[Any, int], int | tuple[int, ...]] = rows_grid
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.kernel, KernelDef):
+            raise TypeError(
+                f"Launch takes a kernel definition (a KernelDef), not {self.kernel!r}: the "
+                "builder decorated with @kbuild.kernel is one, as are kbuild's table entries "
+                "(kbuild.kernels.table.kernel_def(name) finds one by its name)"
+            )
+        for what in ("values", "ints"):
+            given = getattr(self, what)
+            if not isinstance(given, Mapping):
+                raise TypeError(
+                    f"Launch({self.kernel.name}): {what}= must be a dict of name: function of "
+                    f"the call, got {given!r}"
+                )
+            wrong = [name for name, f in given.items() if not callable(f)]
+            if wrong:
+                raise TypeError(
+                    f"Launch({self.kernel.name}): {what}[{wrong[0]!r}] must be a function of "
+                    f"the call (bound arguments by name), got {given[wrong[0]]!r}"
+                )
+        if not callable(self.grid):
+            raise TypeError(
+                f"Launch({self.kernel.name}): grid= must be a function, got {self.grid!r}"
+            )
+
 
 class _Binding:
     """A Launch compiled against its op: one getter per table parameter, in table order."""
@@ -66,6 +91,7 @@ class _Binding:
         self.rows = rows[0]
         tensors = set(op.tensor_names) | {o.name for o in op.outputs}
         scalars = {a.name: a for a in op.args if isinstance(a, Scalar)}
+        self._check_names(launch, op)
         self.getters: list[Callable[[Mapping[str, Any], bool], Any]] = []
         # Where each value comes from, for the C++ generic kernel: ("N",), ("dtype_of", t),
         # ("scalar", name), ("aligned",), ("const",) or ("call",) (a Python function: none).
@@ -81,6 +107,41 @@ class _Binding:
                 raise ValueError(
                     f"{op.name}: kernel {self.kernel.name}'s argument {a.name!r} is none of "
                     f"the op's tensors {sorted(tensors)}, M or the launch's ints"
+                )
+
+    def _check_names(self, launch: Launch, op: Any) -> None:
+        """What the launch names must be the kernel's (a value or an int under another name
+        is never used); an int goes to a scalar argument (one to a pointer would be read as
+        an address); an Ids tensor the kernel reads has an "index" parameter to bind its
+        dtype to (without one, int32 ids would be read as int64)."""
+        kernel = self.kernel
+        params = {p.name: p for p in kernel.params}
+        kinds = {a.name: a.kind for a in kernel.args}
+        unknown = sorted(set(launch.values) - set(params))
+        if unknown:
+            raise ValueError(
+                f"{op.name}: Launch(values=) names {unknown}, which are not parameters of "
+                f"kernel {kernel.name} {list(params)}"
+            )
+        for name in launch.ints:
+            if kinds.get(name, "ptr") == "ptr":
+                raise ValueError(
+                    f"{op.name}: Launch(ints=) names {name!r}, which is not a scalar argument "
+                    f"of kernel {kernel.name} {list(kinds)}"
+                )
+        for a in op.args:
+            if not isinstance(a, Ids) or a.name not in kinds:
+                continue
+            p = params.get(f"{a.name}_dtype")
+            if p is None and any(params[n].kind == "index" for n in launch.values):
+                continue  # bound by the launch's own function of the call
+            if p is None or p.kind != "index":
+                got = "has none" if p is None else f"has one of kind {p.kind!r}"
+                raise ValueError(
+                    f"{op.name}: the Ids argument {a.name!r} is read by kernel {kernel.name}, "
+                    f'which needs an "index" parameter {a.name}_dtype to bind its dtype to '
+                    f"(i32 or i64: without it int32 ids would be read as int64), and "
+                    f'{got}: add Param({a.name + "_dtype"!r}, "index") to the kernel'
                 )
 
     def _getter(self, p, op: Any, tensors: set[str], scalars: Mapping[str, Scalar]):

@@ -20,7 +20,8 @@ From the declaration come:
   another's shape, dtype (or fp32) and device, `Feature` an optional (N,) parameter,
   `Scalar` a bool, int, float or dtype with its own check (eps: finite and >= 0);
 - the fake kernel (shapes for tracing) from the outputs' rules, and the CPU kernel (the
-  `reference`, outputs made dense, unwanted ones empty);
+  `reference`, outputs made dense, unwanted ones empty, each held to the shape and dtype
+  those rules give it: an error naming the output otherwise);
 - the CUDA kernel: `Launch` binds the kernel table's parameters and arguments by name (a
   tensor argument is the op's tensor of that name, `M` the row count, `N` and `dtype` the
   first Rows tensor's, `<t>_dtype` tensor t's dtype or None, `vectorize` whether every
@@ -42,10 +43,14 @@ again (a script run as __main__, then imported by name) reuses the first registr
 
 The pieces: ops/op_args.py (arguments and outputs), ops/op_launch.py (a Launch bound to the
 op's call, in Python and as the C++ generic kernel's program), this module (the Op).
+A declaration that could not work is refused when made, naming the op and the argument (a
+reference that is not a function of the op's arguments, a KernelDef without Launch(...), a
+name twice, Ids a kernel reads without its "index" parameter).
 """
 
 from __future__ import annotations
 
+import inspect
 import itertools
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -119,12 +124,13 @@ class Op:
         native: bool = False,
         check: Callable[[dict[str, Any]], None] | None = None,
     ) -> None:
-        if "::" not in name:
+        if not isinstance(name, str) or "::" not in name:
             raise ValueError(f"op name must be 'namespace::name', got {name!r}")
         self.name = name
         self.namespace, self.op_name = name.split("::", 1)
-        self.args = tuple(args)
-        self.outputs = tuple(outputs)
+        self.args = self._sequence("args", args, _ARGUMENTS, "Rows, Like, Feature, ...")
+        self.outputs = self._sequence("outputs", outputs, (Out,), "Out")
+        self._check_functions(reference, cuda, check, autograd, backward)
         self.reference = reference
         self.backward = backward
         self.native = native
@@ -133,16 +139,22 @@ class Op:
         self.generic_native = self.native_autograd = False
         self._check_more = check
         names = [a.name for a in self.args]
-        if len(set(names)) != len(names):
-            raise ValueError(f"{name}: argument names must be unique, got {names}")
+        _unique(name, "argument", names)
+        _unique(name, "output", [o.name for o in self.outputs])
+        both = [o.name for o in self.outputs if o.name in names]
+        if both:  # the launches bind tensors by name: one would stand for the other
+            raise ValueError(
+                f"{name}: {both[0]!r} is both an argument and an output (names must be unique "
+                "among the arguments and the outputs)"
+            )
         self.arg_names = tuple(names)
+        self._check_reference(reference)
         self.tensor_names = tuple(a.name for a in self.args if not isinstance(a, Scalar))
         self.scalars = {a.name: a for a in self.args if isinstance(a, Scalar)}
         self._check_names()
         if launch is not None and cuda is not None:
             raise ValueError(f"{name}: give launch= or cuda=, not both")
-        launches = () if launch is None else (launch,) if isinstance(launch, Launch) else launch
-        self.launches = tuple(launches)
+        self.launches = self._launches(launch)
         if cuda is None and not self.launches:  # native too: its Python kernel is the fallback
             raise ValueError(f"{name}: give launch= or cuda= (its CUDA kernel)")
         self._bindings = [_Binding(x, self) for x in self.launches]
@@ -155,6 +167,80 @@ class Op:
             self._check_backward(backward)
         self._register()
         self.overload = getattr(getattr(torch.ops, self.namespace), self.op_name).default
+
+    def _sequence(self, what: str, given: Any, kinds: tuple, expected: str) -> tuple:
+        """args / outputs as a tuple, each of its kinds."""
+        if isinstance(given, (*kinds, str)):  # (Rows("x")) without its comma
+            raise TypeError(f"{self.name}: {what}= must be a tuple of {expected}, got {given!r}")
+        try:
+            items = tuple(given)
+        except TypeError:
+            raise TypeError(
+                f"{self.name}: {what}= must be a tuple of {expected}, got {given!r}"
+            ) from None
+        for item in items:
+            if not isinstance(item, kinds):
+                raise TypeError(f"{self.name}: {what}= must be {expected}, got {item!r}")
+        return items
+
+    def _check_functions(self, reference, cuda, check, autograd, backward) -> None:
+        """The functions a declaration gives are functions (else the first call fails with
+        "'NoneType' object is not callable", far from the declaration)."""
+        if not callable(reference):
+            raise TypeError(
+                f"{self.name}: reference= must be a function (the CPU kernel, called with the "
+                f"op's arguments in order), got {reference!r}"
+            )
+        for what, f, role in (
+            ("cuda", cuda, "the CUDA kernel, called with the op's arguments"),
+            ("check", check, "called with the arguments by name"),
+        ):
+            if f is not None and not callable(f):
+                raise TypeError(f"{self.name}: {what}= must be a function ({role}), got {f!r}")
+        pair = tuple(autograd) if isinstance(autograd, (tuple, list)) else ()
+        if autograd is not None and (len(pair) != 2 or not all(map(callable, pair))):
+            raise TypeError(
+                f"{self.name}: autograd= must be (setup_context, backward), two functions as "
+                f"torch.library.register_autograd takes them, got {autograd!r}"
+            )
+        if backward is not None and not isinstance(backward, Op):
+            raise TypeError(
+                f"{self.name}: backward= must be an Op (the backward op, bound by names), got "
+                f"{backward!r}; a hand-written formula is autograd=(setup_context, backward)"
+            )
+
+    def _check_reference(self, reference: Callable) -> None:
+        """The reference takes the op's arguments, in order (the CPU kernel calls it so)."""
+        try:
+            signature = inspect.signature(reference)
+        except (TypeError, ValueError):  # a builtin without one: its call says
+            return
+        try:
+            signature.bind(*self.arg_names)
+        except TypeError:
+            raise TypeError(
+                f"{self.name}: reference= must take the op's {len(self.arg_names)} arguments "
+                f"({', '.join(self.arg_names)}) in order; it takes {signature}"
+            ) from None
+
+    def _launches(self, launch: Any) -> tuple[Launch, ...]:
+        """launch= as a tuple of Launches (a KernelDef is bound to the op by a Launch)."""
+        if launch is None:
+            return ()
+        one = isinstance(launch, (Launch, KernelDef, str)) or not isinstance(launch, Iterable)
+        launches = (launch,) if one else tuple(launch)
+        for x in launches:
+            if isinstance(x, KernelDef):
+                raise TypeError(
+                    f"{self.name}: launch= takes Launch(...), got the kernel {x.name}: wrap the "
+                    "kernel in Launch(...) (launch=Launch(kernel), which binds its parameters "
+                    "and arguments to the op's by name)"
+                )
+            if not isinstance(x, Launch):
+                raise TypeError(
+                    f"{self.name}: launch= must be a Launch or a sequence of them, got {x!r}"
+                )
+        return launches
 
     def _check_names(self) -> None:
         """What the checks, outputs and schema refer to must exist (else a call fails with a
@@ -287,24 +373,50 @@ class Op:
 
     def _cpu(self, *args: Any) -> Any:
         bound = self._kernel_args(args)
-        got = self.reference(*bound.values())
-        got = (got,) if isinstance(got, torch.Tensor) else tuple(got)
+        returned = self.reference(*bound.values())
+        got = (returned,) if isinstance(returned, torch.Tensor) else returned
+        if not isinstance(got, (tuple, list)) or len(got) != len(self.outputs):
+            names = ", ".join(o.name for o in self.outputs)
+            raise ValueError(
+                f"{self.name}: the reference must return the op's {len(self.outputs)} outputs "
+                f"({names}); it returned {_described(returned)}"
+            )
         first = self._first(bound)
         # The schema says no output aliases an input or another output; a reference may return
         # one (x.float() of fp32 x): such outputs are copied.
         taken = {t.untyped_storage().data_ptr() for t in bound.values() if _has_data(t)}
         outs = []
         for o, t in zip(self.outputs, got, strict=True):
-            if not o.wanted(bound) or t is None:
+            if not o.wanted(bound):
                 outs.append(o.empty(first))
                 continue
-            t = (t.reshape(-1) if o.rows is not None else t).contiguous()
+            t = self._declared(o, t, bound)
             if _has_data(t):
                 if t.untyped_storage().data_ptr() in taken:
                     t = t.clone()
                 taken.add(t.untyped_storage().data_ptr())
             outs.append(t)
         return self._result(outs)
+
+    def _declared(self, o: Out, t: Any, bound: Mapping[str, Any]) -> torch.Tensor:
+        """The reference's output `o`, dense (a statistic flattened), held to the shape and
+        dtype its declaration gives, which the fake and the launches' outputs have: a
+        reference disagreeing with them would give CPU callers (and graphs traced on the
+        fake) other tensors than declared."""
+        shape, dtype = o.expected(bound)
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(
+                f"{self.name}: the reference's output {o.name} must be a tensor of shape "
+                f"{shape} and dtype {dtype} ({o.rule()}), got {_described(t)}"
+            )
+        t = (t.reshape(-1) if o.rows is not None and t.numel() == shape[0] else t).contiguous()
+        if tuple(t.shape) != shape or t.dtype != dtype:
+            error = ValueError if tuple(t.shape) != shape else TypeError
+            raise error(
+                f"{self.name}: the reference's output {o.name} has shape {tuple(t.shape)} and "
+                f"dtype {t.dtype}; {o.rule()} declares shape {shape} and dtype {dtype}"
+            )
+        return t
 
     def _launch_cuda(self, *args: Any) -> Any:
         bound = self._kernel_args(args)
@@ -578,6 +690,27 @@ class Op:
             else:
                 choices.append([torch.empty(1, N, dtype=dtype, device="meta")])
         return [list(call) for call in itertools.product(*choices)]
+
+
+_ARGUMENTS = (Rows, Like, Feature, Tensors, Ids, Scalar)
+
+
+def _unique(op: str, what: str, names: list[str]) -> None:
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ValueError(
+            f"{op}: {what} names must be unique; {', '.join(map(repr, twice))} declared twice"
+        )
+
+
+def _described(value: Any) -> str:
+    """A returned value as an error names it: a tensor by its shape and dtype."""
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)} and dtype {value.dtype}"
+    if isinstance(value, (tuple, list)):
+        items = ", ".join(map(_described, value))
+        return f"a {type(value).__name__} of {len(value)} ({items})"
+    return repr(value)
 
 
 def _where(function: Callable) -> tuple | None:
