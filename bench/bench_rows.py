@@ -49,8 +49,8 @@ def variant_specs() -> list:
 def warmup_specs() -> list:
     """What `kbuild warmup --module bench/bench_rows.py` compiles: the example's kernels at
     these widths and the plan alternatives (the norms come from `--hidden N`)."""
-    specs = [s for _, N in SOFTMAX for s in user.softmax.warm_specs(N, "bf16")]
-    specs += [s for N in (1001, 4099) for s in user.softmax.warm_specs(N, "f32")]
+    specs = [s for _, N in SOFTMAX for s in user.softmax.warm_specs(N, "bf16", misaligned=False)]
+    specs += [s for N in (1001, 4099) for s in user.softmax.warm_specs(N, "f32", misaligned=False)]
     return specs + variant_specs()
 
 

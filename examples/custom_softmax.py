@@ -151,7 +151,7 @@ def warmup_specs():
     `--ops user_softmax::softmax --hidden N`)."""
     shapes = [(4096, "bf16"), (4097, "bf16"), (32768, "bf16"), (50257, "bf16"),
               (151936, "bf16"), (1000, "f32"), (3001, "f32")]  # fmt: skip
-    return [spec for N, dtype in shapes for spec in softmax.warm_specs(N, dtype)]
+    return [spec for N, dtype in shapes for spec in softmax.warm_specs(N, dtype, misaligned=False)]
 
 
 def main() -> None:

@@ -986,18 +986,26 @@ def test_a_feature_of_dy_is_checked_against_dy():
 
 @pytest.mark.parametrize("width, dtype", [(4096, "bf16"), (1000, "f32"), (4095, "bf16")])
 def test_warm_specs_are_the_specs_the_launches_ask_for(device, softmax_example, width, dtype):
-    """`kbuild warmup --ops` compiles Op.warm_specs: a spec that differs from what a call of
-    aligned tensors asks for (forward and backward) is a cache miss on the offline GPU
-    machine. Odd widths take the scalar kernel in both (the table's vectors_of rule)."""
+    """`kbuild warmup --ops` compiles Op.warm_specs: a spec that differs from what a call
+    asks for (forward and backward) is a cache miss on the offline GPU machine. Aligned
+    tensors ask for the 16-byte kernels, odd widths too (peeled rows); a misaligned view
+    (x starting one element into its storage) asks for the scalar ones, warmed as well."""
     softmax = softmax_example.softmax
+    warmed = softmax.warm_specs(width, dtype)
+    assert warmed == softmax.warm_specs(width, TORCH[dtype])
     x = randn((4, width), TORCH[dtype], seed=1)
-    y = softmax._launch_cuda(x)
-    softmax.backward._launch_cuda(y, randn(y.shape, TORCH[dtype], seed=2))
-    asked = [launch.spec for launch in device.launches]
-    assert [s.kernel for s in asked] == ["user_softmax_fwd", "user_softmax_bwd"]
-    assert asked == softmax.warm_specs(width, dtype) == softmax.warm_specs(width, TORCH[dtype])
-    assert all(s.kwargs["vectorize"] is (width != 4095) for s in asked)
-    assert [launch.args[-1] for launch in device.launches] == [4, 4]
+    view = randn((4 * width + 1,), TORCH[dtype], seed=3)[1:].view(4, width)
+    for rows in (x, view):
+        device.launches.clear()
+        y = softmax._launch_cuda(rows)
+        softmax.backward._launch_cuda(y, randn(y.shape, TORCH[dtype], seed=2))
+        asked = [launch.spec for launch in device.launches]
+        assert [s.kernel for s in asked] == ["user_softmax_fwd", "user_softmax_bwd"]
+        # the view's forward takes the scalar kernel; its backward's tensors are new, aligned
+        assert [s.kwargs["vectorize"] for s in asked] == [rows is x, True], asked
+        assert set(asked) <= set(warmed), (asked, warmed)
+        assert [launch.args[-1] for launch in device.launches] == [4, 4]
+    assert len(warmed) == 4
 
 
 def test_warm_specs_refuse_an_unknown_dtype_by_name(softmax_example):
@@ -1146,7 +1154,7 @@ def test_forward_mode_ad_is_refused_not_silently_zero():
 def test_warm_specs_cover_the_backwards_need_flags():
     """A backward's need flags have no default: warm_specs compiles the kernel for each
     combination a training step can ask for (it once refused to warm such an op at all)."""
-    specs = MUL.warm_specs(64, "f16")
+    specs = [s for s in MUL.warm_specs(64, "f16") if s.kwargs["vectorize"]]  # aligned tensors
     bwd = [s for s in specs if s.kernel == MUL_BWD_KERNEL.name]
     flags = sorted((s.kwargs["need_dx"], s.kwargs["need_dw"]) for s in bwd)
     assert flags == [(False, False), (False, True), (True, False), (True, True)]

@@ -12,39 +12,16 @@ import re
 import pytest
 
 from kbuild.compiler import build
-from kbuild.dsl.rows import thread_columns
-from kbuild.kernels.config import FORWARD_BUDGET, RowBudget, RowConfig, choose_row_config
+from kbuild.kernels.config import FORWARD_BUDGET, RowBudget, choose_row_config
 from kbuild.kernels.plans import NormBackward, plan_backward
 from kbuild.kernels.table import KERNELS
 from kbuild.targets import target_for_arch
 from kbuild.targets.nvidia import module_to_ptx
 
+from .row_cover import covered
+
 SM90 = target_for_arch("sm_90")
 BACKWARD = RowBudget(64, 3.0, tuple(range(1, 17)), short_iters=1)
-
-
-def covered(cfg: RowConfig, phase_of_row) -> list[list[int]]:
-    """For each row phase: how often each column of the row is touched by the threads'
-    guarded elements, as RowTile computes them (columns shifted back by the phase, elements
-    kept where 0 <= column < the slice's end); asserts every vector access is aligned."""
-    counts = []
-    for phase in range(cfg.vec):
-        hits = [0] * cfg.N
-        for rank in range(cfg.cluster):
-            first = rank * cfg.slice
-            end = min(cfg.slice, cfg.N - first)
-            offset = phase_of_row(phase) + first  # the slice's start, in elements
-            assert offset % cfg.vec == phase  # slices start at the row's phase
-            for start in range(0, cfg.chunks * cfg.span, cfg.span):
-                for lane in range(cfg.threads_per_row):
-                    for col in thread_columns(cfg, lane, start):
-                        col -= phase if cfg.peel else 0
-                        assert (offset + col) % cfg.vec == 0, "a vector access off alignment"
-                        for c in range(col, col + cfg.vec):
-                            if 0 <= c < end:
-                                hits[first + c] += 1
-        counts.append(hits)
-    return counts
 
 
 @pytest.mark.parametrize(

@@ -639,11 +639,15 @@ class Op:
 
     # -- warming -----------------------------------------------------------------------
 
-    def warm_specs(self, N: int, dtype: torch.dtype | str = torch.bfloat16) -> list[KernelSpec]:
-        """The specs this op and its backward launch on aligned rows of width N in `dtype`:
-        what `kbuild warmup --ops` compiles. Every optional tensor given; scalars at their
+    def warm_specs(
+        self, N: int, dtype: torch.dtype | str = torch.bfloat16, misaligned: bool = True
+    ) -> list[KernelSpec]:
+        """The specs this op and its backward launch on rows of width N in `dtype`: what
+        `kbuild warmup --ops` compiles. Every optional tensor given; scalars at their
         defaults, and both values of a bool without one (a backward's need flags); ids of
-        both index dtypes. Computed on meta tensors, by the launches' own bindings."""
+        both index dtypes; with `misaligned`, each kernel that takes 16-byte vectors also as a
+        misaligned view (a tensor starting at an odd offset) asks for it, `vectorize=False`.
+        Computed on meta tensors, by the launches' own bindings."""
         if not self.launches:
             raise ValueError(
                 f"{self.name} launches its kernels from its own code (cuda=), not by Launch: "
@@ -663,7 +667,11 @@ class Op:
             if op is None:
                 continue
             for args in op._example_calls(N, dtype, given):
-                specs += [k.spec(*values) for k, values in op.kernel_values(*args)]
+                for k, values in op.kernel_values(*args):
+                    spec = k.spec(*values)
+                    specs.append(spec)
+                    if misaligned and spec.kwargs.get("vectorize") is True:
+                        specs.append(k.spec(**{**spec.kwargs, "vectorize": False}))
         return list(dict.fromkeys(specs))
 
     def _example_calls(
