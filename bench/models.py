@@ -49,6 +49,16 @@ def _configs():
             GPT2Config(n_embd=1024, n_layer=24, n_head=16, **gpt2),
             4, 1024, ("eager", "compile"),
         ),
+        # Host-bound GPT-2 steps (GPU busy about half the wall time): kbuild's per-call host
+        # cost decides these, not its kernels (bench/model_profile.py shows which).
+        "gpt2-d1024-l6": (
+            GPT2Config(n_embd=1024, n_layer=6, n_head=16, **gpt2),
+            4, 1024, ("eager", "compile"),
+        ),
+        "gpt2-d768-l4": (
+            GPT2Config(n_embd=768, n_layer=4, n_head=12, **gpt2),
+            8, 512, ("eager", "compile"),
+        ),
         "llama-2048": (
             LlamaConfig(hidden_size=2048, intermediate_size=5632, num_hidden_layers=8,
                         num_attention_heads=16, num_key_value_heads=16, **llama),
