@@ -3,7 +3,6 @@ the row plans (tests/test_peeled_rows_cpu.py, the example's in test_user_kernels
 
 from __future__ import annotations
 
-from kbuild.dsl.rows import thread_columns
 from kbuild.kernels.config import RowConfig
 
 
@@ -11,6 +10,7 @@ def covered(cfg: RowConfig, phase_of_row) -> list[list[int]]:
     """For each row phase: how often each column of the row is touched by the threads'
     guarded elements, as RowTile computes them (columns shifted back by the phase, elements
     kept where 0 <= column < the slice's end); asserts every vector access is aligned."""
+    from kbuild.dsl.rows import thread_columns  # imports MLIR, which the GPU machine lacks
     counts = []
     for phase in range(cfg.vec) if cfg.peel else [0]:  # aligned rows all start at 0
         hits = [0] * cfg.N
