@@ -87,7 +87,9 @@ def build_softmax_fwd(N: int, dtype: str, target, vectorize: bool = True, **over
             safe = select(eq(m_own, NEG_INF), 0.0, m_own)  # a thread that holds only padding
             e = [exp(a - safe) for a in v(0)]
             m, s = t.reduce([m_own, thread_sum(e)], softmax_pair)
-            scale = exp(safe - m) * (1.0 / s)
+            # exp(m_own - m) <= 1; not exp(safe - m), which overflows for a thread of -inf
+            # (masked) values in a row whose maximum is below -88, making 0 * inf = NaN
+            scale = exp(m_own - m) * (1.0 / s)
             write = lambda c: [a * scale for a in e]  # noqa: E731
         t.over_chunks(lambda c, _: t.store(y, write(c), dtype, c) or [])
     return k
@@ -150,7 +152,8 @@ def warmup_specs():
     """What `kbuild warmup --module examples/custom_softmax.py` compiles (one width:
     `--ops user_softmax::softmax --hidden N`)."""
     shapes = [(4096, "bf16"), (4097, "bf16"), (32768, "bf16"), (50257, "bf16"),
-              (151936, "bf16"), (1000, "f32"), (3001, "f32")]  # fmt: skip
+              (151936, "bf16"), (1000, "f32"), (3001, "f32"), (4096, "f32"), (4097, "f32"),
+              (151936, "f32")]  # fmt: skip
     return [spec for N, dtype in shapes for spec in softmax.warm_specs(N, dtype, misaligned=False)]
 
 

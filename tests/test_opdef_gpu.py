@@ -82,6 +82,21 @@ def test_values_and_gradients_against_fp64(example, shape, dtype):
     assert y.dtype == dtype and dx.dtype == dtype and y.is_contiguous()
 
 
+@pytest.mark.parametrize("N", [4096, 4097, 151936])
+def test_masked_rows_far_below_zero(example, N):
+    """Rows of -inf (masked) entries beside finite ones around -200: a thread holding only
+    -inf values must add nothing (its rescale exp(m_own - m) is 0; exp(0 - m) overflowed to
+    inf, and 0 * inf wrote NaN), and a row that is all -inf is NaN, as torch's is."""
+    x = rand((8, N), torch.float32, seed=9) - 200.0
+    x[:, 5:] = float("-inf")  # all but the first thread or two hold only -inf
+    x[-1] = float("-inf")
+    y = example.softmax(x)
+    want = torch.softmax(x.double(), -1)
+    assert torch.isnan(y[-1]).all() and torch.isnan(want[-1]).all()
+    assert not torch.isnan(y[:-1]).any()
+    torch.testing.assert_close(y[:-1].double(), want[:-1], rtol=1e-5, atol=1e-9)
+
+
 def test_the_cpp_and_python_launch_paths_agree_bit_for_bit(example):
     """The same kernels by two routes: the C++ generic kernel and the Python launch path
     (what runs without the extension) give the same bits, forward and backward."""
