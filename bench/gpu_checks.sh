@@ -1,14 +1,24 @@
 #!/usr/bin/env bash
 # The GPU measurements the CPU machine cannot make, in one device run (about 20 minutes of
-# the H200). Prepare here (CPU; about 3 minutes on 2 cores):
+# the H200). Prepare here (CPU; about 6 minutes on 2 cores):
 #   rm -rf .kbuild-aot .kbuild-before
 #   kbuild warmup --arch sm_90 --manifest tests --manifest bench \
-#       --module examples/custom_softmax.py --module bench/math_accuracy.py --cache-dir .kbuild-aot
+#       --module examples/custom_softmax.py --module bench/math_accuracy.py \
+#       --module bench/bench_rows.py --cache-dir .kbuild-aot
+#   for n in 4097 5123 50257; do kbuild warmup --arch sm_90 --hidden $n --dtype bf16 \
+#       --cache-dir .kbuild-aot; done
 #   mkdir .kbuild-before && git archive <commit before the change> | tar -x -C .kbuild-before
-# then run on the device, carrying .kbuild-aot and .kbuild-before, one device call per step
+# (the cache is 55 MB: carry it packed, `tar -cf - .kbuild-aot | xz > .carry/aot.tar.xz`, and
+# unpack it there with Python's tarfile). Then run on the device, one device call per step
 # or two (a call may last 10 minutes; host_versions alone takes about that):
-#   bash bench/gpu_checks.sh gpu_tests custom_softmax math_accuracy
+#   bash bench/gpu_checks.sh gpu_tests rows
+#   bash bench/gpu_checks.sh custom_softmax math_accuracy host
+#   bash bench/gpu_checks.sh models
 #   bash bench/gpu_checks.sh host_versions
+# Owed since 2026-12-05 (no device lent that day): the GPU suite over the peeled widths (4097,
+# 65537, the example's 4097 / 50257 / 3001) and the example's one-reduction softmax;
+# bench_rows.py (odd widths against the aligned ones, the long-row cluster alternatives);
+# host.py (the generic op's forward); models.py with the two host-bound GPT-2 shapes.
 # Results under $OUT (or ./gpu-results). Each step writes its own file and log; a failing
 # step does not stop the next. With no step named, all four run.
 set -uo pipefail
@@ -34,6 +44,8 @@ for name in "${steps[@]}"; do
         math_accuracy) step math_accuracy python3 bench/math_accuracy.py "$out/math_accuracy.json" ;;
         host_versions) step host_versions python3 bench/host_versions.py .kbuild-before . "$out" ;;
         host) step host python3 bench/host.py "$out" ;;
+        rows) step rows python3 bench/bench_rows.py "$out/rows.json" ;;
+        models) step models python3 bench/models.py "$out" --models gpt2-d1024-l6,gpt2-d768-l4,gpt2-124m --modes eager ;;
         *) echo "gpu_checks.sh: unknown step $name" >&2; exit 2 ;;
     esac
 done
