@@ -13,7 +13,7 @@
 # or two (a call may last 10 minutes; host_versions alone takes about that):
 #   bash bench/gpu_checks.sh gpu_tests rows
 #   bash bench/gpu_checks.sh custom_softmax math_accuracy host
-#   bash bench/gpu_checks.sh models
+#   bash bench/gpu_checks.sh models profile
 #   bash bench/gpu_checks.sh host_versions
 # Owed since 2026-12-05 (no device lent that day): the GPU suite over the peeled widths (4097,
 # 65537, the example's 4097 / 50257 / 3001) and the example's one-reduction softmax;
@@ -46,6 +46,7 @@ for name in "${steps[@]}"; do
         host) step host python3 bench/host.py "$out" ;;
         rows) step rows python3 bench/bench_rows.py "$out/rows.json" ;;
         models) step models python3 bench/models.py "$out" --models gpt2-d1024-l6,gpt2-d768-l4,gpt2-124m --modes eager ;;
+        profile) step profile python3 bench/model_profile.py "$out" --model gpt2-d1024-l6 ;;
         *) echo "gpu_checks.sh: unknown step $name" >&2; exit 2 ;;
     esac
 done
