@@ -28,9 +28,6 @@ from .autograd import _fused_backward, _layernorm_backward, _rmsnorm_backward
 from .common import device_guard
 from .layernorm import layernorm_fwd, layernorm_reference
 from .opdef import Feature, Like, Op, Out, Rows, Scalar, Tensors, eps
-
-# (imported now: once kbuild.ops is imported, its name `encoder` is the function, which
-# resolve's `from . import encoder` would take for the module)
 from .resolve import resolve
 from .rmsnorm import fused_add_rmsnorm_fwd, rmsnorm_fwd, rmsnorm_reference
 

@@ -14,14 +14,18 @@ table's order.
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 from ..kernels.table import KERNELS as TABLE
 from ..kernels.table import KernelDef
 from ..spec import Scalar
-from . import encoder
 from .launch import launcher_for, record_fields
+
+# The module, by its full name: `from . import encoder` finds the package's attribute of that
+# name, which is kbuild.encoder (the function) once ops/__init__ has run.
+_ENCODER = importlib.import_module(__package__ + ".encoder")
 
 # The extension's kernel codes, in order (its `kernel_names`; a test compares them).
 NATIVE_KERNELS = (
@@ -95,5 +99,5 @@ def resolve(kernel: str, device: int, values: Mapping[str, Scalar]) -> Record:
     name = kdef.spec(**values).short()  # the table's checks: a value missing or of a wrong kind
     # Only the bias gradient's grid is sized by the multiprocessors: no device query for the
     # others.
-    units = encoder._units(device) if kernel == "bias_grad" else 1
+    units = _ENCODER._units(device) if kernel == "bias_grad" else 1
     return launch_record(launcher_for(kdef, device, positional), name, units)
