@@ -18,7 +18,15 @@ from .targets import Target
 
 
 class CompileError(RuntimeError):
-    """A kernel failed to build, verify or lower; the message names the spec and the target."""
+    """A kernel failed to build, verify or lower; the message names the spec and the target
+    (and, for IR that does not verify or lower, the builder's file:line of each failing op)."""
+
+
+def _mlir_message(err: Exception) -> str:
+    """An exception's text; an MLIRError's diagnostics each with the builder's file:line."""
+    from .dsl.kernel import describe_mlir_error
+
+    return describe_mlir_error(err)
 
 
 @functools.cache
@@ -51,12 +59,19 @@ def build(spec: KernelSpec, target: Target):
     try:
         kernel = get_builder(spec.kernel)(**spec.kwargs, target=target)
     except Exception as err:  # a bad parameter surfaces as whatever the builder hit first
+        from .dsl.kernel import builder_line
+
+        line = builder_line(err)
+        at = f" (at {line})" if line else ""
         raise CompileError(
-            f"cannot build {spec.short()} for {target}: {type(err).__name__}: {err}"
+            f"cannot build {spec.short()} for {target}{at}: {type(err).__name__}: {err}"
         ) from err
-    with kernel.context:
-        if not kernel.module.operation.verify():
-            raise CompileError(f"{spec.short()} produced IR that does not verify")
+    from .dsl.kernel import VerifyError
+
+    try:
+        kernel.verify()
+    except VerifyError as err:
+        raise CompileError(f"{spec.short()} for {target}: {err}") from err
     try:  # the launch path packs arguments in the table's order: the builder must agree
         kernel_def(spec.kernel).check_signature(spec, kernel.signature())
     except ValueError as err:
@@ -82,7 +97,9 @@ def _lowered(kernel, spec: KernelSpec, target: Target) -> str:
         try:
             passmanager.PassManager.parse(pipeline).run(kernel.module.operation)
         except Exception as err:  # MLIR raises a bare MLIRError with the diagnostics
-            raise CompileError(f"lowering {spec.short()} for {target} failed: {err}") from err
+            raise CompileError(
+                f"lowering {spec.short()} for {target} failed: {_mlir_message(err)}"
+            ) from err
         return str(kernel.module)
 
 
@@ -152,7 +169,9 @@ def compile_kernel(spec: KernelSpec, target: Target) -> Artifact:
         try:
             ptx = module_to_ptx(kernel.module, target)
         except Exception as err:
-            raise CompileError(f"lowering {spec.short()} for {target} failed: {err}") from err
+            raise CompileError(
+                f"lowering {spec.short()} for {target} failed: {_mlir_message(err)}"
+            ) from err
         lowered = time.perf_counter()
         stages["kernel.ptx"] = ptx.rstrip(b"\0")
         if ptxas_path() is not None:

@@ -8,11 +8,17 @@ elementwise kernel.
 Target-neutral: the warp size and the gpu.module target attribute come from the Target; no
 helper here branches on the vendor. Importing this package imports MLIR, so only the
 compiler and the kernel builders do.
+
+Misuse (operands of different types, a bad dtype or width, branches or loop bodies that
+change a value's type) raises a TypeError / ValueError naming the function and the operand
+types before MLIR sees it; every op built in a `Kernel` carries the builder's file:line as
+its location, so IR that still fails to verify (`Kernel.verify`, a `VerifyError`) names the
+line that emitted it.
 """
 
 from .checks import report, trap
 from .control import if_else, if_then, loop, while_loop
-from .kernel import Kernel
+from .kernel import Kernel, VerifyError
 from .math import absolute, copysign, erf, exp, exp2, log, log2, sigmoid, tanh
 from .memory import (
     atomic_add,
@@ -86,6 +92,7 @@ __all__ = [
     "Staged",
     "ThreadShared",
     "V",
+    "VerifyError",
     "absolute",
     "atomic_add",
     "report",

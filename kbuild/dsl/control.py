@@ -1,4 +1,10 @@
-"""Structured control flow: conditionals and loops that carry values (scf dialect)."""
+"""Structured control flow: conditionals and loops that carry values (scf dialect).
+
+The bodies are Python callables run once, at build time, inside the op's region. A branch or
+loop body that returns values of other types than the op carries (an if_else whose branches
+disagree, a loop whose carried f32 comes back bf16) raises a TypeError naming the function
+and both types before the op is finished.
+"""
 
 from __future__ import annotations
 
@@ -7,31 +13,98 @@ from collections.abc import Callable, Sequence
 from mlir import ir
 from mlir.dialects import scf
 
-from .values import V, cast
+from .values import V, _const, _is_integral, cast, describe, need_flag, need_int_scalar, need_v
+
+
+def _callable(f: object, fn: str, what: str) -> None:
+    if not callable(f):
+        raise TypeError(f"{fn}: {what} must be a function (a lambda), got {describe(f)}")
 
 
 def if_then(cond: V, body: Callable[[], None]) -> None:
     """Run `body` where `cond` holds; nothing is produced."""
+    need_flag(cond, "dsl.if_then")
+    _callable(body, "dsl.if_then", "body")
     op = scf.IfOp(cond.value)
     with ir.InsertionPoint(op.then_block):
         body()
         scf.YieldOp([])
 
 
+def _branch_value(v: object, fn: str, what: str) -> V:
+    if not isinstance(v, V):
+        raise TypeError(f"{fn}: {what} must return a V, got {describe(v)}")
+    return v
+
+
 def if_else(cond: V, then: Callable[[], V], otherwise: Callable[[], V]) -> V:
     """A value: `then()` where `cond` holds, else `otherwise()` (both of one type)."""
+    fn = "dsl.if_else"
+    need_flag(cond, fn)
+    _callable(then, fn, "then")
+    _callable(otherwise, fn, "otherwise")
     # Build `then` first in a scratch op to learn the result type, then the real op.
     probe = scf.IfOp(cond.value, [], has_else=False)
     with ir.InsertionPoint(probe.then_block):
-        result_type = then().type
+        result_type = _branch_value(then(), fn, "then()").type
         scf.YieldOp([])
     probe.operation.erase()
     op = scf.IfOp(cond.value, [result_type], has_else=True)
     with ir.InsertionPoint(op.then_block):
-        scf.YieldOp([then().value])
+        scf.YieldOp([_branch_value(then(), fn, "then()").value])
     with ir.InsertionPoint(op.else_block):
-        scf.YieldOp([otherwise().value])
+        other = _branch_value(otherwise(), fn, "otherwise()")
+        if other.type != result_type:
+            raise TypeError(
+                f"{fn}: the branches return different types, then() {result_type} and "
+                f"otherwise() {other.type}"
+            )
+        scf.YieldOp([other.value])
     return V(op.results[0])
+
+
+def _values(x: object) -> list | None:
+    """`x` as a list if it is a list, tuple or other iterable of values (not a V), else None."""
+    if isinstance(x, (V, str, bytes)) or not hasattr(x, "__iter__"):
+        return None
+    return list(x)
+
+
+def _carried(carried: Sequence[V], fn: str) -> list[V]:
+    values = _values(carried)
+    if values is None:
+        raise TypeError(f"{fn}: carried must be a list of V, got {describe(carried)}")
+    return [need_v(c, fn, f"carried value {i}") for i, c in enumerate(values)]
+
+
+def _next_carried(out: object, types: list[ir.Type], fn: str) -> list[V]:
+    """The body's result, checked against the carried types."""
+    if out is None and not types:
+        return []
+    values = _values(out)
+    if values is None:
+        raise TypeError(
+            f"{fn}: the body must return a list of the {len(types)} carried values, got "
+            f"{describe(out)}"
+        )
+    if len(values) != len(types):
+        raise ValueError(
+            f"{fn}: the body returned {len(values)} values for {len(types)} carried ones"
+        )
+    for i, (v, t) in enumerate(zip(values, types, strict=True)):
+        if not isinstance(v, V):
+            raise TypeError(f"{fn}: the body's carried value {i} must be a V, got {describe(v)}")
+        if v.type != t:
+            raise TypeError(
+                f"{fn}: carried value {i} changes type in the body: {t} in, {v.type} out"
+            )
+    return values
+
+
+def _bound(v: V | int, fn: str, what: str) -> V:
+    if _is_integral(v):
+        return _const(v, "i64", fn)
+    return need_int_scalar(v, fn, what)
 
 
 def loop(
@@ -39,14 +112,20 @@ def loop(
 ) -> list[V]:
     """for i in range(start, stop, step), threading `carried` values through `body`.
 
-    `body(i, carried) -> new carried`; returns the carried values after the last iteration.
-    Bounds are i64 values; the loop runs in index space.
+    `body(i, carried) -> new carried` (the same number of values, of the same types); returns
+    the carried values after the last iteration. Bounds are i64 values (or Python ints); the
+    loop runs in index space.
     """
-    lo, hi, st = (cast(v, "index").value for v in (start, stop, step))
+    fn = "dsl.loop"
+    bounds = [_bound(v, fn, what) for v, what in ((start, "start"), (stop, "stop"), (step, "step"))]
+    carried = _carried(carried, fn)
+    _callable(body, fn, "body")
+    lo, hi, st = (cast(v, "index", fn).value for v in bounds)
     op = scf.ForOp(lo, hi, st, [c.value for c in carried])
     with ir.InsertionPoint(op.body):
-        index = cast(V(op.induction_variable), "i64")
+        index = cast(V(op.induction_variable), "i64", fn)
         out = body(index, [V(a) for a in op.inner_iter_args])
+        out = _next_carried(out, [c.type for c in carried], fn)
         scf.YieldOp([v.value for v in out])
     return [V(r) for r in op.results]
 
@@ -60,14 +139,20 @@ def while_loop(
 
     For loops whose trip count is data (a run of equal token ids): `cond` and `body` see the
     current values; `body` returns the next ones, of the same types."""
+    fn = "dsl.while_loop"
+    carried = _carried(carried, fn)
+    _callable(cond, fn, "cond")
+    _callable(body, fn, "body")
     types = [c.type for c in carried]
     op = scf.WhileOp(types, [c.value for c in carried])
     before = op.before.blocks.append(*types)
     with ir.InsertionPoint(before):
         args = [V(a) for a in before.arguments]
-        scf.ConditionOp(cond(args).value, [a.value for a in args])
+        flag = cond(args)
+        need_flag(flag, fn, "cond(carried)")
+        scf.ConditionOp(flag.value, [a.value for a in args])
     after = op.after.blocks.append(*types)
     with ir.InsertionPoint(after):
-        out = body([V(a) for a in after.arguments])
+        out = _next_carried(body([V(a) for a in after.arguments]), types, fn)
         scf.YieldOp([v.value for v in out])
     return [V(r) for r in op.results]

@@ -12,10 +12,20 @@ Arguments are raw global pointers (`!llvm.ptr<1>`) and i64/f32 scalars, in decla
 Blocks are one-dimensional; grids may have y and z (`block_id("y")`; the launcher takes a
 grid as a count or as (x, y, z) counts: runtime/prepared.py). `grid_stride` walks the items
 of an elementwise kernel.
+
+Locations: while a Kernel is open, every op built without an explicit location gets the
+builder's line (the innermost Python frame outside kbuild/dsl and MLIR's own package, as
+`"build_x"("/path/builder.py":42:8 to :30)`), so a verifier error names the line that emitted
+the op (`Kernel.verify`). Locations reach no binary: without debug-info scopes the lowering
+emits no line info, and the printed IR (`str(module)`) leaves them out.
 """
 
 from __future__ import annotations
 
+import functools
+import os
+import sys
+import threading
 from collections.abc import Callable, Sequence
 
 from mlir import ir
@@ -24,8 +34,17 @@ from mlir.dialects import gpu, llvm, nvvm
 from ..targets import Target
 from .control import loop
 from .exchange import ClusterExchange
-from .memory import get_llvm_ptr
-from .values import V, cast, const, element_bytes, scalar_type
+from .memory import get_llvm_ptr, need_pointer
+from .values import (
+    V,
+    cast,
+    const,
+    dtype_name,
+    element_bytes,
+    need_int,
+    need_int_scalar,
+    scalar_type,
+)
 
 GLOBAL = 1
 SHARED = 3
@@ -36,9 +55,142 @@ def global_ptr_type() -> ir.Type:
     return llvm.PointerType.get(address_space=GLOBAL)
 
 
-def _dimension(dim: str) -> gpu.Dimension:
-    if dim not in ("x", "y", "z"):
-        raise ValueError(f"a grid dimension is 'x', 'y' or 'z', not {dim!r}")
+# The kernel author's frames are those outside this package and MLIR's Python bindings.
+_INSIDE_DIRS = {
+    path(d)
+    for d in (os.path.dirname(__file__), os.path.dirname(ir.__file__))
+    for path in (os.path.abspath, os.path.realpath)
+}
+_INSIDE = tuple(os.path.join(d, "") for d in sorted(_INSIDE_DIRS))
+
+
+@functools.cache
+def _outside(filename: str) -> bool:
+    """Whether a frame of `filename` is the kernel author's: outside this package and MLIR."""
+    return not os.path.abspath(filename).startswith(_INSIDE)
+
+
+class _BuilderLocations:
+    """MLIR's traceback locations (`ir.loc_tracebacks`), on while any Kernel is open: each op
+    created without an explicit location is given the innermost frame that is neither in
+    this package nor in MLIR's bindings (a frame walk in C++, under a microsecond an op).
+    The setting is global to the process, so open kernels are counted (threads may build
+    kernels at once) and the setting found before the first is restored after the last."""
+
+    _lock = threading.Lock()
+    _open = 0
+    _saved: tuple[bool, int] | None = None
+
+    @classmethod
+    def _globals(cls):
+        from mlir._mlir_libs import _mlir
+
+        g = getattr(_mlir, "globals", None)
+        return g if hasattr(g, "set_loc_tracebacks_enabled") else None
+
+    @classmethod
+    def exclude(cls) -> None:
+        g = cls._globals()
+        if g is None:
+            return
+        for prefix in _INSIDE:
+            g.register_traceback_file_exclusion(prefix)
+
+    @classmethod
+    def enter(cls) -> None:
+        g = cls._globals()
+        if g is None:
+            return
+        with cls._lock:
+            if cls._open == 0:
+                cls._saved = (g.loc_tracebacks_enabled(), g.loc_tracebacks_frame_limit())
+                g.set_loc_tracebacks_frame_limit(1)
+                g.set_loc_tracebacks_enabled(True)
+            cls._open += 1
+
+    @classmethod
+    def exit(cls) -> None:
+        g = cls._globals()
+        if g is None:
+            return
+        with cls._lock:
+            cls._open -= 1
+            if cls._open == 0 and cls._saved is not None:
+                enabled, limit = cls._saved
+                g.set_loc_tracebacks_enabled(enabled)
+                g.set_loc_tracebacks_frame_limit(limit)
+
+
+_BuilderLocations.exclude()
+
+
+def where(location: ir.Location) -> str:
+    """A location as "file:line (function)" (a location without a file: as MLIR prints it)."""
+    try:
+        name = None
+        for _ in range(16):
+            if location.is_a_name():
+                name = location.name_str
+                location = location.child_loc
+            elif location.is_a_callsite():
+                location = location.callee
+            elif location.is_a_fused() and location.locations:
+                location = location.locations[0]
+            else:
+                break
+        if location.is_a_file():
+            text = f"{location.filename}:{location.start_line}"
+            return f"{text} ({name})" if name and name != "<module>" else text
+    except Exception:  # a location kind the bindings cannot take apart
+        pass
+    return str(location)
+
+
+def describe_mlir_error(err: Exception) -> str:
+    """An MLIRError's diagnostics, one per line, each with the builder's file:line."""
+    diagnostics = getattr(err, "error_diagnostics", None)
+    if not diagnostics:
+        return str(err)
+    lines = []
+    for d in diagnostics:
+        lines.append(f"{where(d.location)}: {d.message}")
+        for note in d.notes:
+            text = note.message.replace("\n", " ")
+            lines.append(f"  note: {text if len(text) < 300 else text[:300] + '...'}")
+    return "\n".join(lines)
+
+
+def builder_line(err: BaseException) -> str | None:
+    """Where a builder raised `err`: "file:line" of the innermost frame of its traceback
+    outside this package and MLIR's bindings (None if every frame is inside)."""
+    found, tb = None, err.__traceback__
+    while tb is not None:
+        if _outside(tb.tb_frame.f_code.co_filename):
+            found = f"{tb.tb_frame.f_code.co_filename}:{tb.tb_lineno}"
+        tb = tb.tb_next
+    return found
+
+
+def caller_location() -> ir.Location | None:
+    """The builder's line as a location, for ops made without the op builders (parsed text,
+    block arguments): the innermost frame outside this package and MLIR."""
+    frame = sys._getframe(1)
+    while frame is not None and not _outside(frame.f_code.co_filename):
+        frame = frame.f_back
+    if frame is None:
+        return None
+    code = frame.f_code
+    return ir.Location.name(code.co_name, ir.Location.file(code.co_filename, frame.f_lineno, 0))
+
+
+class VerifyError(ValueError):
+    """A kernel's IR does not verify: the message names the kernel and, per error, the
+    builder's file:line that emitted the failing op."""
+
+
+def _dimension(dim: str, fn: str) -> gpu.Dimension:
+    if not isinstance(dim, str) or dim not in ("x", "y", "z"):
+        raise ValueError(f"{fn}: a grid dimension is 'x', 'y' or 'z', not {dim!r}")
     return getattr(gpu.Dimension, dim)
 
 
@@ -57,6 +209,10 @@ class Kernel:
         that many consecutive blocks into a cluster (see `remote`, `cluster_arrive`); the
         grid must then be a multiple of it. `exchange`: how row states cross the cluster,
         "barrier" or "mbarrier" (the kernel's `exchange`, a dsl.exchange.ClusterExchange)."""
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"Kernel: name must be a non-empty string, got {name!r}")
+        block = need_int(block, "Kernel", "block")
+        cluster = need_int(cluster, "Kernel", "cluster")
         target.cluster_attribute(cluster)  # an unsupported cluster size raises here, early
         self.name = name
         self.min_blocks_per_sm = min_blocks_per_sm
@@ -77,6 +233,7 @@ class Kernel:
     def __enter__(self) -> Kernel:
         self.context.__enter__()
         self.location.__enter__()
+        _BuilderLocations.enter()
         self.module = ir.Module.create()
         self.module.operation.attributes["gpu.container_module"] = ir.UnitAttr.get()
         with ir.InsertionPoint(self.module.body):
@@ -87,6 +244,7 @@ class Kernel:
         try:
             self._begin_function()
         except BaseException as err:  # leave MLIR's context stack as it was
+            _BuilderLocations.exit()
             self.location.__exit__(type(err), err, err.__traceback__)
             self.context.__exit__(type(err), err, err.__traceback__)
             raise
@@ -121,20 +279,39 @@ class Kernel:
             self._entry_arrive = nvvm.cluster_arrive_relaxed(aligned=True)
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
-            gpu.ReturnOp([])
-        self._ip.__exit__(exc_type, exc, tb)
-        if exc_type is None:
-            types = [a.type for a in self._entry.arguments]
-            self._fn.attributes["function_type"] = ir.TypeAttr.get(ir.FunctionType.get(types, []))
-        self.location.__exit__(exc_type, exc, tb)
-        self.context.__exit__(exc_type, exc, tb)
+        try:
+            if exc_type is None:
+                gpu.ReturnOp([])
+            self._ip.__exit__(exc_type, exc, tb)
+            if exc_type is None:
+                types = [a.type for a in self._entry.arguments]
+                fn_type = ir.FunctionType.get(types, [])
+                self._fn.attributes["function_type"] = ir.TypeAttr.get(fn_type)
+        finally:
+            _BuilderLocations.exit()
+            self.location.__exit__(exc_type, exc, tb)
+            self.context.__exit__(exc_type, exc, tb)
+
+    def verify(self) -> None:
+        """Run MLIR's verifier over the module; failing ops raise a VerifyError that names
+        this kernel and the builder's file:line of each."""
+        with self.context:
+            try:
+                self.module.operation.verify()
+            except ir.MLIRError as err:
+                raise VerifyError(
+                    f"kernel {self.name}: IR does not verify:\n{describe_mlir_error(err)}"
+                ) from None
 
     # ------------------------------------------------------------------ arguments
 
     def _arg(self, name: str, kind: str, t: ir.Type) -> V:
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"Kernel.{kind}: an argument's name is a string, got {name!r}")
+        if any(name == n for n, _ in self.args):
+            raise ValueError(f"Kernel.{kind}: argument {name!r} is declared twice")
         self.args.append((name, kind))
-        return V(self._entry.add_argument(t, self.location))
+        return V(self._entry.add_argument(t, caller_location() or self.location))
 
     def ptr(self, name: str) -> V:
         """A global-memory pointer argument (a tensor's data_ptr)."""
@@ -155,11 +332,11 @@ class Kernel:
     def block_id(self, dim: str = "x") -> V:
         """This block's index in the grid along `dim` ("x", "y" or "z"): a grid of rows or
         items in x, and, say, one y per tensor of a batch."""
-        return cast(V(gpu.block_id(_dimension(dim))), "i64")
+        return cast(V(gpu.block_id(_dimension(dim, "Kernel.block_id"))), "i64")
 
     def grid_size(self, dim: str = "x") -> V:
         """Blocks in the grid along `dim`."""
-        return cast(V(gpu.grid_dim(_dimension(dim))), "i64")
+        return cast(V(gpu.grid_dim(_dimension(dim, "Kernel.grid_size"))), "i64")
 
     def grid_stride(
         self, n: V | int, body: Callable[[V, list[V]], Sequence[V]], carried: Sequence[V] = ()
@@ -172,6 +349,8 @@ class Kernel:
         warp's accesses whole sectors."""
         start = self.block_id() * self.block + self.thread_id()
         step = self.grid_size() * self.block
+        if not isinstance(n, int):
+            need_int_scalar(n, "Kernel.grid_stride", "n")
         stop = const(n, "i64") if isinstance(n, int) else n
         return loop(start, stop, step, carried, body)
 
@@ -194,6 +373,8 @@ class Kernel:
 
     def remote(self, shared_ptr: V, rank: V) -> V:
         """The same shared-memory address in block `rank` of this cluster (store to it)."""
+        need_pointer(shared_ptr, "Kernel.remote", "shared_ptr", space=SHARED)
+        need_int_scalar(rank, "Kernel.remote", "rank")
         ptr_t = llvm.PointerType.get(address_space=SHARED_CLUSTER)
         return V(nvvm.mapa(ptr_t, shared_ptr.value, cast(rank, "i32").value))
 
@@ -235,6 +416,8 @@ class Kernel:
 
     def shared_array(self, count: int, dtype: str = "f32") -> str:
         """Declare a fresh shared-memory array; returns its name (see `shared_address`)."""
+        dtype_name(dtype, "Kernel.shared_array", ("f32", "f16", "bf16", "i8", "i32", "i64"))
+        count = need_int(count, "Kernel.shared_array", "count")
         name = f"__smem{self._n_shared}"
         self._n_shared += 1
         elem = scalar_type(dtype)
@@ -242,11 +425,16 @@ class Kernel:
             f"llvm.mlir.global internal @{name}() {{addr_space = 3 : i32, alignment = 16 : i64}}"
             f" : !llvm.array<{count} x {elem}>"
         )
-        op = ir.Operation.parse(text)
-        self._module_ip.insert(op)
         self._shared_bytes += count * (elem.width // 8)
         self._check_shared()
+        self._module_ip.insert(self._parse(text))
         return name
+
+    @staticmethod
+    def _parse(text: str) -> ir.Operation:
+        """An op from its text, located at the builder's line like the others."""
+        loc = caller_location()
+        return ir.Operation.parse(text if loc is None else f"{text} {loc}")
 
     def shared_address(self, name: str) -> V:
         """The base of the shared array `name`, taken at the current insertion point."""
@@ -257,13 +445,15 @@ class Kernel:
         """A shared array sized at launch (`meta["dynamic_shared_bytes"]`, which the launcher
         passes): unlike `shared`, together they may exceed the 48 KB a kernel can declare
         statically. Each call takes the next 16-byte aligned span of one extern array."""
+        dtype_name(dtype, "Kernel.dynamic_shared", ("f32", "f16", "bf16", "i8", "i32", "i64"))
+        count = need_int(count, "Kernel.dynamic_shared", "count")
         ptr_t = llvm.PointerType.get(address_space=SHARED)
         if "dynamic_shared_bytes" not in self.meta:
             text = (
                 "llvm.mlir.global external @__dynamic_smem() {addr_space = 3 : i32, "
                 "alignment = 16 : i64} : !llvm.array<0 x i8>"
             )
-            self._module_ip.insert(ir.Operation.parse(text))
+            self._module_ip.insert(self._parse(text))
             self.meta["dynamic_shared_bytes"] = 0
         offset = self.meta["dynamic_shared_bytes"]
         self.meta["dynamic_shared_bytes"] = offset + -(-count * element_bytes(dtype) // 16) * 16

@@ -29,7 +29,7 @@ from __future__ import annotations
 from mlir import ir
 from mlir.dialects import arith, llvm
 
-from .values import V, _element_type, const, eq, select
+from .values import V, _element_type, const, describe, eq, select
 
 LOG2E = (1.4426950216293335, 1.925963033500011e-08)  # log2(e) as f32 hi + lo
 LN2 = (0.6931471824645996, -1.9046542121259336e-09)  # ln(2) as f32 hi + lo
@@ -41,9 +41,10 @@ _ROUNDER = 12582912.0
 # ----------------------------------------------------------------------------- building blocks
 
 
-def _f32(x: V, name: str = "x") -> V:
+def _f32(x: V, fn: str, what: str = "x") -> V:
+    """`x` if it is an f32 scalar or vector V, else a TypeError naming `fn`."""
     if not isinstance(x, V) or not isinstance(_element_type(x.type), ir.F32Type):
-        raise TypeError(f"{name} must be an f32 scalar or vector V, not {getattr(x, 'type', x)}")
+        raise TypeError(f"{fn}: {what} must be an f32 scalar or vector V, got {describe(x)}")
     return x
 
 
@@ -57,9 +58,11 @@ def intrinsic(name: str, *args: V) -> V:
 def fused(a: V, b: V | float, c: V | float) -> V:
     """a * b + c rounded once, as `llvm.fma` (dsl.fma's math.fma is a libdevice call on
     NVIDIA; this one is an fma on every target). Numbers broadcast over a."""
-    a_, b_ = a._coerce(b)
-    _, c_ = V(a_)._coerce(c)
-    return V(llvm.intr_fma(a_, b_, c_))
+    a_, b_ = a._coerce(b, "fused (fma)")
+    wide, c_ = V(a_)._coerce(c, "fused (fma)")
+    if wide is not a_:  # c was the only vector: b broadcasts too
+        _, b_ = V(wide)._coerce(V(b_), "fused (fma)")
+    return V(llvm.intr_fma(wide, b_, c_))
 
 
 def polynomial(x: V, coefficients: tuple[float, ...]) -> V:
@@ -95,14 +98,20 @@ def _shl(i: V, n: int) -> V:
 def absolute(x: V) -> V:
     """|x|: the sign bit cleared for floats (exact; NaN stays NaN); for integers the two's
     complement magnitude (the most negative value maps to itself)."""
+    if not isinstance(x, V):
+        raise TypeError(f"dsl.absolute: x must be a V, got {describe(x)}")
     if x.is_float:
         return intrinsic("fabs", x)
     return select(x < 0, -x, x)
 
 
 def copysign(magnitude: V, sign: V) -> V:
-    """|magnitude| with the sign bit of `sign` (exact)."""
-    return intrinsic("copysign", magnitude, sign)
+    """|magnitude| with the sign bit of `sign` (exact); a scalar or number `sign` broadcasts."""
+    _f32(magnitude, "dsl.copysign", "magnitude")
+    if isinstance(sign, V):
+        _f32(sign, "dsl.copysign", "sign")
+    a, b = magnitude._coerce(sign, "dsl.copysign")
+    return intrinsic("copysign", V(a), V(b))
 
 
 # ----------------------------------------------------------------------------- exp
@@ -113,7 +122,7 @@ def exp2(x: V) -> V:
     CUDA documents exp2f, this instruction, at 2 ulp), `v_exp_f32` on AMD (LLVM scales inputs
     below -126 so subnormal results are kept). exp2(-inf) = 0, exp2(inf) = inf, NaN stays
     NaN."""
-    return intrinsic("exp2", _f32(x))
+    return intrinsic("exp2", _f32(x, "dsl.exp2"))
 
 
 def exp(x: V) -> V:
@@ -125,7 +134,7 @@ def exp(x: V) -> V:
     log2(e) as one f32 20 ulp), 2^f from the hardware, 2^j built from its bits. j is
     held to [-126, 127] so 2^j is a normal float; past that f grows instead, and 2^f
     overflows, underflows or rounds into the subnormals by itself."""
-    x = _f32(x)
+    x = _f32(x, "dsl.exp")
     t = x * LOG2E[0]
     # maxnum/minnum ignore NaN: j stays an integer (its bits are used) and f carries the NaN.
     t = intrinsic("minnum", intrinsic("maxnum", t, const(-126.0, x.type)), const(127.0, x.type))
@@ -182,7 +191,7 @@ def log(x: V) -> V:
 
     log(2^k * m) = k * ln2 + log1p(m - 1), m in [2/3, 4/3), log1p by a degree-10 polynomial;
     k * ln2 with ln2 split in two f32s."""
-    k, log1p = _log_parts(_f32(x))
+    k, log1p = _log_parts(_f32(x, "dsl.log"))
     return _log_special(x, fused(k, LN2[0], fused(k, LN2[1], log1p)))
 
 
@@ -193,7 +202,7 @@ def log2(x: V) -> V:
     k + log1p(m - 1) * log2(e), the product against log2(e) split in two f32s. The worst
     case is k = 1 with m near 2/3 (x just above 4/3): 1 - 0.58 cancels, and log1p's 0.74 ulp
     of 0.4 is 1.4 ulp of the 0.42 left."""
-    k, log1p = _log_parts(_f32(x))
+    k, log1p = _log_parts(_f32(x, "dsl.log2"))
     return _log_special(x, fused(log1p, LOG2E[0], fused(log1p, LOG2E[1], k)))
 
 
@@ -219,7 +228,7 @@ def tanh(x: V) -> V:
     |x| < 7/8: an odd polynomial (1 - 2/(e^2x + 1) cancels there). Beyond,
     1 - 2 / (e^(2|x|) + 1) with its sign restored: the error of e^(2|x|) reaches the result
     scaled by (1 - tanh)/tanh < 0.43, and e^(2|x|) = inf gives 1."""
-    x = _f32(x)
+    x = _f32(x, "dsl.tanh")
     s = x * x
     small = fused(x * s, polynomial(s, _TANH), x)
     a = absolute(x)
@@ -236,7 +245,7 @@ def sigmoid(x: V) -> V:
 
     With e = e^-|x| (at most 1, so never inf): 1 / (1 + e) for x >= 0, e / (1 + e) below
     (the form 1 / (1 + e^-x) there loses the subnormals; e^-x / (1 + e^-x) is inf / inf)."""
-    x = _f32(x)
+    x = _f32(x, "dsl.sigmoid")
     e = exp(-absolute(x))
     return select(x >= 0.0, const(1.0, x.type), e) / (e + 1.0)
 
@@ -276,7 +285,7 @@ def erf(x: V) -> V:
     |x| < 7/8: x + x * P(x^2). Beyond: 1 - e^Q(|x|) with Q a polynomial fit of log(erfc)
     on [7/8, 4]; past 4 it keeps falling (below Q(4) = -18, to -inf: checked to 2000, and
     its leading term is negative), so 1 - e^Q rounds to 1 there as erf does."""
-    x = _f32(x)
+    x = _f32(x, "dsl.erf")
     small = fused(x, polynomial(x * x, _ERF), x)
     a = absolute(x)
     big = 1.0 - exp(polynomial(a, _ERF_TAIL))

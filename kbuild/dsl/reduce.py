@@ -16,6 +16,7 @@ stored, and the merge folds it at build time.
 
 from __future__ import annotations
 
+from mlir import ir
 from mlir.dialects import gpu, vector
 
 from .control import if_then
@@ -23,7 +24,20 @@ from .exchange import Merge
 from .kernel import Kernel
 from .math import exp
 from .memory import get_llvm_ptr, load, store
-from .values import NEG_INF, V, _element_type, eq, hsum, i32, maximum, ne, select
+from .values import (
+    NEG_INF,
+    V,
+    _element_type,
+    describe,
+    eq,
+    hsum,
+    i32,
+    maximum,
+    ne,
+    need_int,
+    need_numeric,
+    select,
+)
 
 
 def _exchange(v: V | float, offset: int, width: V) -> V | float:
@@ -32,13 +46,25 @@ def _exchange(v: V | float, offset: int, width: V) -> V | float:
     return V(gpu.ShuffleOp(v.value, i32(offset).value, width.value, gpu.ShuffleMode.XOR).results[0])
 
 
+def _states(a: list[V], b: list[V], fn: str, size: int | None = None) -> None:
+    """Two states of one merge: lists of equal length (`size` where the merge fixes it)."""
+    for what, s in (("a", a), ("b", b)):
+        if not isinstance(s, (list, tuple)):
+            raise TypeError(f"{fn}: {what} must be a list of values (a state), got {describe(s)}")
+    if len(a) != len(b) or size is not None and len(a) != size:
+        want = f"{size} values each" if size is not None else "states of one length"
+        raise ValueError(f"{fn}: merges {want}, got {len(a)} and {len(b)}")
+
+
 def add(a: list[V], b: list[V]) -> list[V]:
     """The merge of a sum: value by value."""
+    _states(a, b, "dsl.add")
     return [x + y for x, y in zip(a, b, strict=True)]
 
 
 def largest(a: list[V], b: list[V]) -> list[V]:
     """The merge of a maximum: value by value (a NaN wins, as in torch; pad with NEG_INF)."""
+    _states(a, b, "dsl.largest")
     return [maximum(x, y) for x, y in zip(a, b, strict=True)]
 
 
@@ -48,6 +74,7 @@ def softmax_pair(a: list[V], b: list[V]) -> list[V]:
     s_b * exp(m_b - m), symmetric bit for bit (the two products are added in either order).
     A side that has seen only padding (m = -inf, s = 0) adds nothing: its exp(-inf - m) is 0,
     and where both are -inf the difference is taken as 0, not NaN."""
+    _states(a, b, "dsl.softmax_pair", 2)
     (ma, sa), (mb, sb) = a, b
     m = maximum(ma, mb)
     safe = select(eq(m, NEG_INF), 0.0, m)
@@ -59,6 +86,7 @@ def first_largest(a: list[V], b: list[V]) -> list[V]:
     larger value, and of equal values the smaller index (torch.argmax's first maximum); a NaN
     beats every number, as in torch, and of two NaNs the smaller index wins. Symmetric, so
     every lane ends with the same pair."""
+    _states(a, b, "dsl.first_largest", 2)
     (va, ia), (vb, ib) = a, b
     a_nan, b_nan = ne(va, va), ne(vb, vb)
     first = ib < ia
@@ -67,10 +95,19 @@ def first_largest(a: list[V], b: list[V]) -> list[V]:
     return [select(take_b, vb, va), select(take_b, ib, ia)]
 
 
+def _thread_values(values: list[V] | V, fn: str) -> list[V]:
+    values = list(values) if isinstance(values, (list, tuple)) else [values]
+    if not values:
+        raise ValueError(f"{fn}: takes at least one value, got an empty list")
+    for i, v in enumerate(values):
+        need_numeric(v, fn, f"value {i}")
+    return values
+
+
 def thread_sum(values: list[V] | V) -> V:
     """The sum of every lane of a thread's values (its vectors of a row): added vector by
     vector, then across the lanes; the per-thread partial of a row sum."""
-    values = values if isinstance(values, list) else [values]
+    values = _thread_values(values, "dsl.thread_sum")
     total = values[0]
     for v in values[1:]:
         total = total + v
@@ -79,7 +116,7 @@ def thread_sum(values: list[V] | V) -> V:
 
 def thread_max(values: list[V] | V) -> V:
     """The largest lane of a thread's values: the per-thread partial of a row maximum."""
-    values = values if isinstance(values, list) else [values]
+    values = _thread_values(values, "dsl.thread_max")
     top = values[0]
     for v in values[1:]:
         top = maximum(top, v)
@@ -89,9 +126,23 @@ def thread_max(values: list[V] | V) -> V:
     return V(vector.reduction(_element_type(top.type), kind, top.value))
 
 
+def _group(group: int, k: Kernel, fn: str, what: str) -> None:
+    group = need_int(group, fn, what)
+    if group & (group - 1) or group > k.warp_size:
+        raise ValueError(
+            f"{fn}: {what} must be a power of two up to the warp size ({k.warp_size}), got {group}"
+        )
+
+
 def group_reduce(k: Kernel, state: list[V], group: int, merge: Merge = add) -> list[V]:
     """Merge a state across aligned groups of `group` lanes (a power of two <= warp size);
     butterfly (xor) shuffles leave the result in every lane of the group."""
+    _group(group, k, "dsl.group_reduce", "group")
+    for i, v in enumerate(state):  # entries that are numbers are uniform: never shuffled
+        if isinstance(v, V):
+            t = _element_type(need_numeric(v, "dsl.group_reduce", f"state value {i}"))
+            if isinstance(t, ir.IndexType):
+                raise TypeError(f"dsl.group_reduce: state value {i} is an index: cast it first")
     width = i32(k.warp_size)
     offset = group // 2
     while offset >= 1:
@@ -121,6 +172,12 @@ def row_reduce(
     comes a barrier later, after every warp's reads of it. Which of the two a row split over a
     cluster needs is its exchange's call (ClusterExchange.block_slots).
     """
+    threads_per_row = need_int(threads_per_row, "dsl.row_reduce", "threads_per_row")
+    if threads_per_row > k.warp_size and threads_per_row % k.warp_size:
+        raise ValueError(
+            f"dsl.row_reduce: threads_per_row beyond a warp must be whole warps of "
+            f"{k.warp_size}, got {threads_per_row}"
+        )
     group = min(threads_per_row, k.warp_size)
     partial = group_reduce(k, state, group, merge)
     if threads_per_row <= k.warp_size:

@@ -46,7 +46,10 @@ _INV_2PI_WORDS = (
 def sincos(x: V) -> tuple[V, V]:
     """(sin x, cos x) from one argument reduction (RoPE wants both of one angle): at most
     1.57 ulp each, for every finite x; sin(-0) = -0; inf and NaN give NaN."""
-    x = _f32(x)
+    return _sincos(_f32(x, "dsl.sincos"))
+
+
+def _sincos(x: V) -> tuple[V, V]:
     # |x| is reduced and sin's sign restored from x's bit: the fmas of the reduction turn
     # -0 into +0 (-0 + +0 is +0), and sin(-0) is -0.
     r, quadrant = _reduce(absolute(x))
@@ -63,12 +66,12 @@ def sincos(x: V) -> tuple[V, V]:
 
 def sin(x: V) -> V:
     """sin x: at most 1.57 ulp for every finite x (see sincos)."""
-    return sincos(x)[0]
+    return _sincos(_f32(x, "dsl.sin"))[0]
 
 
 def cos(x: V) -> V:
     """cos x: at most 1.57 ulp for every finite x (see sincos)."""
-    return sincos(x)[1]
+    return _sincos(_f32(x, "dsl.cos"))[1]
 
 
 def _sign(quadrant: V) -> V:
@@ -100,7 +103,7 @@ def _reduce(x: V) -> tuple[V, V]:
 
 
 def _any(flags: V) -> V:
-    if flags.width == 1:
+    if not isinstance(flags.type, ir.VectorType):
         return flags
     return V(vector.reduction(ir.IntegerType.get_signless(1), vector.CombiningKind.OR, flags.value))
 
