@@ -110,3 +110,28 @@ def test_row_scalars_refuse_an_unknown_dtype():
         t = RowTile(k, plan.row, k.i64("M"))
         with pytest.raises(ValueError, match="RowTile.load_row_scalar: dtype must be one of"):
             t.load_row_scalar(k.ptr("x"), "int64")
+
+
+def test_the_row_layer_names_its_misuse():
+    """Each misuse raises naming the RowTile method or DSL function, before MLIR sees it
+    (a store given too few values once failed inside zip(), a vector element in from_lanes
+    inside the bindings)."""
+    from kbuild.dsl import Kernel, RowTile, const, from_lanes, lanes, report, trap
+
+    plan = plan_rows(4096, "bf16", SM90, persistent=False)
+    with Kernel("test_row_api_misuse", SM90, plan.row.block) as k:
+        x, M = k.ptr("x"), k.i64("M")
+        with pytest.raises(TypeError, match=r"RowTile: rows \(M\) must be an i64 value"):
+            RowTile(k, plan.row, 4096)
+        t = RowTile(k, plan.row, M)
+        with pytest.raises(
+            ValueError, match=r"RowTile.store: values must be one per vector .*got 1"
+        ):
+            t.store(x, [const(1.0)], "bf16")
+        with pytest.raises(TypeError, match="dsl.from_lanes: elements must be scalars of one"):
+            from_lanes([const(1.0), const(1, "i32")])
+        assert len(lanes(from_lanes([const(1.0)] * 4))) == 4
+        with pytest.raises(TypeError, match="dsl.report: flag must be a pointer"):
+            report(M, M < 0)
+        with pytest.raises(TypeError, match="dsl.trap: bad must be an i1 flag"):
+            trap(M)

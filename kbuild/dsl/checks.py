@@ -14,15 +14,18 @@ from __future__ import annotations
 from mlir.dialects import llvm
 
 from .control import if_then
-from .values import V, const
+from .memory import need_pointer
+from .values import V, const, need_flag
 
 
 def report(flag: V, bad: V, code: int = 1) -> None:
     """Where `bad` (i1) holds, raise the int32 at `flag` to `code` (a positive number naming
     the error): an atomic max, so threads reporting at once leave the largest code and a
     flag shared by several launches keeps the worst. Nothing is written where all is well."""
-    if not isinstance(code, int) or isinstance(code, bool) or code < 1:
-        raise ValueError(f"dsl.report: code must be a positive int, not {code!r}")
+    if not isinstance(code, int) or isinstance(code, bool) or not 1 <= code < 2**31:
+        raise ValueError(f"dsl.report: code must be a positive int32, not {code!r}")
+    need_pointer(flag, "dsl.report", "flag")
+    need_flag(bad, "dsl.report", "bad")
     value = const(code, "i32")
     if_then(
         bad,
@@ -35,4 +38,5 @@ def report(flag: V, bad: V, code: int = 1) -> None:
 def trap(bad: V) -> None:
     """Where `bad` (i1) holds, stop the kernel (PTX `trap`): the launch fails with an
     illegal-instruction error and the process's CUDA context is unusable after it."""
+    need_flag(bad, "dsl.trap", "bad")
     if_then(bad, lambda: llvm.Trap())

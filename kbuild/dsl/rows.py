@@ -39,9 +39,11 @@ from .values import (
     V,
     cast,
     const,
+    describe,
     hsum,
     i64,
     minimum,
+    need_v,
     rewiden,
     scalar_type,
     select,
@@ -51,8 +53,9 @@ from .values import (
 
 
 def lanes(v: V) -> list[V]:
-    """The elements of a vector (a scalar: [v])."""
-    if v.width == 1:
+    """The elements of a vector, as scalars (a scalar: [v])."""
+    need_v(v, "dsl.lanes", "v")
+    if not isinstance(v.type, ir.VectorType):
         return [v]
     return [V(vector.extract(v.value, [], [i])) for i in range(v.width)]
 
@@ -69,7 +72,14 @@ def _branch(cond: V, then, otherwise) -> None:
 
 
 def from_lanes(elements: list[V]) -> V:
-    """One vector of these scalars (one scalar: itself)."""
+    """One vector of these scalars, all of one type (one scalar: itself)."""
+    if not isinstance(elements, (list, tuple)) or not elements:
+        raise TypeError(f"dsl.from_lanes: takes a list of scalars, got {describe(elements)}")
+    types = {str(need_v(e, "dsl.from_lanes", "each element").type) for e in elements}
+    if len(types) > 1 or any(isinstance(e.type, ir.VectorType) for e in elements):
+        raise TypeError(
+            f"dsl.from_lanes: elements must be scalars of one type, got {sorted(types)}"
+        )
     if len(elements) == 1:
         return elements[0]
     t = ir.VectorType.get([len(elements)], elements[0].type)
@@ -154,6 +164,8 @@ class RowTile:
     def __init__(self, k: Kernel, cfg: RowShape, rows: V, row_group: V | None = None):
         """`rows` is M (i64). `row_group` (default: the block's, or with a cluster the
         cluster's, index) picks the rows; a block of a cluster covers slice `rank` of them."""
+        if not (isinstance(rows, V) and str(rows.type) == "i64"):
+            raise TypeError(f"RowTile: rows (M) must be an i64 value (k.i64), got {describe(rows)}")
         self.k, self.cfg, self.rows = k, cfg, rows
         tid = k.thread_id()
         self.lane = tid % cfg.threads_per_row if cfg.rows_per_block > 1 else tid
@@ -317,6 +329,12 @@ class RowTile:
         self._store(base, offset, values, dtype, start, None, aligned=self.phase is None)
 
     def _store(self, base, offset, values, dtype, start, valid: V | None, aligned=True) -> None:
+        if not isinstance(values, (list, tuple)) or len(values) != self.cfg.iters:
+            got = len(values) if isinstance(values, (list, tuple)) else describe(values)
+            raise ValueError(
+                f"RowTile.store: values must be one per vector of the thread ({self.cfg.iters}, "
+                f"as load returns them), got {got}"
+            )
         if self.phase is not None:
             for col, v in zip(self.columns(start), values, strict=True):
                 self._peeled_store(base, offset, col, cast(v, dtype), dtype, valid, aligned)
