@@ -10,15 +10,24 @@ autograd.
   nothing) against the Python launch path (`Op._launch_cuda`, the launcher a Python stand-in
   that does nothing). What the driver call costs (about 6 us through ctypes on the H200
   machine, 2-3 through C++) is in neither.
+- "call": `softmax(x)` as users call it (Op.__call__ included) at (4, 4096) f32, on a twin of
+  the op whose CPU key runs the C++ generic kernel (launch hook a no-op), so a CPU call does a
+  CUDA call's host work: the fast path (checks in C++, generic.h `call`) against the Python
+  path it replaces (`_fast` off: `Op.check(Op.bind(...))`, then the torch.ops call), the
+  torch.ops call alone (`softmax.overload(x)`) and torch.softmax (which computes on a CPU: its
+  (4, 8) call is nearly all host work); then the same with x wanting a gradient. Routes
+  interleaved round by round, in thread CPU time on one torch thread. "Op.__call__ over
+  torch.ops" is a route's time less the torch.ops call's.
 - "fwd+bwd": `torch.autograd.grad(softmax(x), x, dy)` at (4, 64) f32 on CPU tensors, the op's
   autograd as the C++ kernel against the same op declared without the extension
   (torch.library's Python formula); both run the same CPU reference kernels, so the
   difference is the autograd's host cost. torch.softmax's own is beside them.
-Best of 5 rounds of mean us per call. The H200 figures (with the driver): bench/host.py.
+Elsewhere best of 5 rounds of mean us per call. The H200 figures (with the driver): bench/host.py.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import sys
@@ -62,22 +71,83 @@ class StandIn:
         pass
 
 
-def python_twin(op: Op) -> Op:
-    """The op declared again as where the extension does not load (Python autograd)."""
-    saved, opdef.NATIVE[0] = opdef.NATIVE[0], None
+def twin(op: Op, suffix: str, native) -> Op:
+    """The op and its backward declared again in namespaces ending in `suffix`, with
+    opdef.NATIVE[0] `native` meanwhile: None, as where the extension does not load (Python
+    autograd), or OnCPU(...)."""
+    saved, opdef.NATIVE[0] = opdef.NATIVE[0], native
     try:
         bwd = op.backward
-        backward = Op(
-            f"{bwd.namespace}_python::{bwd.op_name}",
-            args=bwd.args,
-            outputs=bwd.outputs,
-            launch=bwd.launches,
-            reference=bwd.reference,
-        )
-        return Op(f"{op.namespace}_python::{op.op_name}", args=op.args, outputs=op.outputs,
+        backward = Op(f"{bwd.namespace}{suffix}::{bwd.op_name}", args=bwd.args,
+                      outputs=bwd.outputs, launch=bwd.launches,
+                      reference=bwd.reference)  # fmt: skip
+        return Op(f"{op.namespace}{suffix}::{op.op_name}", args=op.args, outputs=op.outputs,
                   launch=op.launches, reference=op.reference, backward=backward)  # fmt: skip
     finally:
         opdef.NATIVE[0] = saved
+
+
+def interleaved(routes: dict, calls: int = 20000, rounds: int = 7) -> dict[str, float]:
+    """Best of `rounds` mean us per call of each route, the routes taking turns each round,
+    in this thread's CPU time (torch on one thread): a shared CPU's other work, which drifts
+    between minutes, is left out."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for fn in routes.values():
+            for _ in range(300):
+                fn()
+        best = dict.fromkeys(routes, float("inf"))
+        for _ in range(rounds):
+            for name, fn in routes.items():
+                start = time.thread_time()
+                for _ in range(calls):
+                    fn()
+                best[name] = min(best[name], (time.thread_time() - start) / calls * 1e6)
+    finally:
+        torch.set_num_threads(threads)
+    return {name: round(t, 2) for name, t in best.items()}
+
+
+class OnCPU:
+    """The extension, with the generic kernels it defines registered on the CPU key too (over
+    the reference): a twin op declared under it does on CPU tensors a CUDA call's host work."""
+
+    def __init__(self, module):
+        self.module = module
+
+    def define_generic(self, namespace, name, program):
+        keys = {"dispatch_keys": ["CUDA", "CPU"]}
+        return self.module.define_generic(namespace, name, {**program, **keys})
+
+    def __getattr__(self, name):
+        return getattr(self.module, name)
+
+
+def call_routes(op: Op, x: torch.Tensor) -> dict[str, float]:
+    """softmax(x) on both paths of Op.__call__, the torch.ops call, torch.softmax; then x
+    wanting a gradient (a training step's forward: the autograd node recorded too)."""
+    assert op._fast is not None and op.generic_native, "the op has no fast path"
+    python_path = copy.copy(op)  # the same op, its __call__ without the fast path: as before
+    python_path._fast = None
+    small = torch.randn(4, 8)
+    xg, smallg = x.clone().requires_grad_(), small.clone().requires_grad_()
+    fast, slow, ops = "softmax(x): fast path", "softmax(x): Python path", "softmax.overload(x)"
+    times = interleaved({
+        fast: lambda: op(x),
+        slow: lambda: python_path(x),
+        ops: lambda: op.overload(x),
+        "torch.softmax(x) (computes)": lambda: torch.softmax(x, -1),
+        "torch.softmax at (4, 8)": lambda: torch.softmax(small, -1),
+        "x wanting a gradient: fast path": lambda: op(xg),
+        "x wanting a gradient: Python path": lambda: python_path(xg),
+        "x wanting a gradient: torch.softmax at (4, 8)": lambda: torch.softmax(smallg, -1),
+    })  # fmt: skip
+    for route in (fast, slow):
+        times[f"Op.__call__ over torch.ops, {route.split(': ')[1]}"] = round(
+            times[route] - times[ops], 2
+        )
+    return times
 
 
 def main(path: str | None) -> None:
@@ -85,7 +155,8 @@ def main(path: str | None) -> None:
     if native is None:
         sys.exit("the C++ extension is unavailable: nothing to compare")
     softmax, result = example.softmax, {"commit": commit(), "torch": torch.__version__}
-    twin = python_twin(softmax)
+    python_autograd = twin(softmax, "_python", None)
+    on_cpu = twin(softmax, "_host", OnCPU(native))  # its generic kernel on the CPU key too
     stand_ins: dict = {}
 
     def launcher_for(kernel, device, values):
@@ -106,13 +177,16 @@ def main(path: str | None) -> None:
             "Python launch path (Op._launch_cuda)": us_per_call(lambda: softmax._launch_cuda(x)),
             "torch.empty_like(x) alone": us_per_call(lambda: torch.empty_like(x)),
         }
+        result["call"] = call_routes(on_cpu, x)
     finally:
         native.set_launch_hook(None)
     x = torch.randn(4, 64, requires_grad=True)
     dy = torch.randn(4, 64)
     result["fwd+bwd"] = {
         "C++ autograd kernel": us_per_call(lambda: torch.autograd.grad(softmax(x), x, dy)),
-        "Python autograd (torch.library)": us_per_call(lambda: torch.autograd.grad(twin(x), x, dy)),
+        "Python autograd (torch.library)": us_per_call(
+            lambda: torch.autograd.grad(python_autograd(x), x, dy)
+        ),
         "torch.softmax": us_per_call(lambda: torch.autograd.grad(torch.softmax(x, -1), x, dy)),
     }
     print(json.dumps(result, indent=1))

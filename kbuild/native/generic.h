@@ -10,7 +10,14 @@
 // call never enters Python after the first per key. On a miss the launch's resolver
 // (Python, built by opdef from the kernel table) turns the values into the table's
 // parameters, loads the kernel and says which argument each of its slots takes.
+//
+// The op's Python entry (`Op.__call__`) calls the op through here too where every argument's
+// check is a declaration (`call` below, the program's "checks"): the checks of `Op.check`
+// run on the call's Python objects, then the dispatcher, with no Python in between.
 #pragma once
+
+#include <ATen/PythonTorchFunctionTLS.h>
+#include <torch/csrc/Dtype.h>
 
 namespace kbuild::generic {
 
@@ -44,6 +51,30 @@ struct Launch {
   py::object resolve;  // (device, values tuple) -> record (opdef.py `_native_record`)
 };
 
+// Op.__call__'s checks of one argument (kbuild/ops/op_args.py `native_check`).
+enum CheckKind : int8_t {
+  ROWS,     // a float tensor of at least one dimension
+  LIKE,     // a float tensor of `of`'s shape and dtype (or float32, with or_fp32)
+  FEATURE,  // a dense (N,) tensor of `of`'s dtype or float32, N `of`'s last dimension
+  TENSORS,  // any tensor
+  IDS,      // int32 / int64 ids, with `of` one per row of it (its shape without the last)
+  FLOAT,    // a float or an int (not a bool), finite, within bounds
+  BOOL,
+  INT,      // an int (not a bool) within bounds
+  DTYPE,    // torch.float32, float16 or bfloat16
+};
+
+struct ArgCheck {
+  CheckKind kind = ROWS;
+  bool optional = false;  // None accepted
+  bool or_fp32 = false;   // LIKE
+  int of = -1;            // LIKE, FEATURE, IDS: the tensor argument it is checked against
+  double low = -INFINITY, high = INFINITY;  // FLOAT's bounds, ends included
+  int64_t ilow = std::numeric_limits<int64_t>::min();  // INT's
+  int64_t ihigh = std::numeric_limits<int64_t>::max();
+  py::object fallback;    // what a call leaving it out passes (null: it is required)
+};
+
 struct Program {
   std::string name;
   int nargs = 0;
@@ -54,6 +85,8 @@ struct Program {
   std::vector<OutputRule> outputs;
   std::vector<Launch> launches;
   int id = 0;                   // of the first launch; launch i keys as id + i
+  std::vector<ArgCheck> checks; // Op.__call__'s, one per argument (empty: Python's alone)
+  std::optional<c10::OperatorHandle> handle;  // the operator, for `call`
 };
 
 // What a launch needs of a loaded kernel, plus which call slot each argument reads.
@@ -267,8 +300,168 @@ struct Boxed final : c10::OperatorKernel {
   const Program* program;  // never freed (g_programs)
 };
 
+// --------------------------------------------------------------- Op.__call__'s fast path
+// `Op.__call__(*args)` hands its positional arguments here first. A call whose every
+// argument passes its check runs the operator through the dispatcher (autograd, dispatch
+// modes, the profiler as a torch.ops call) and returns its outputs; anything else returns
+// None, and Op.__call__ runs its Python check (whose errors name the argument) and call. So
+// this accepts only what the Python check accepts, and of that only the common case: exact
+// torch.Tensor / nn.Parameter strided tensors, all on one CUDA device (CPU in tests, with the
+// launch hook set; without it CPU tensors run the reference from Python), exact floats, ints
+// and bools, no torch function mode (which sees torch.ops calls). Left to Python: tensor
+// subclasses, a Feature that is not dense (the Python check copies it), SymInts, an int or
+// a float beyond int64 / double. Nothing is allocated but the stack the call passes.
+
+bool float_dtype(at::ScalarType t) {
+  return t == at::kFloat || t == at::kHalf || t == at::kBFloat16;
+}
+
+// A number as Op.check takes it: FLOAT a finite float or int (as float(value)) within bounds,
+// INT an int64 within bounds; false for anything else (no Python error left set).
+bool number(const ArgCheck& c, PyObject* o, torch::jit::Stack& stack) {
+  if (c.kind == INT) {
+    if (!PyLong_CheckExact(o)) return false;
+    int overflow = 0;
+    long long v = PyLong_AsLongLongAndOverflow(o, &overflow);
+    if (overflow != 0 || v < c.ilow || v > c.ihigh) return false;
+    stack.emplace_back(static_cast<int64_t>(v));
+    return true;
+  }
+  double v;
+  if (PyFloat_CheckExact(o)) {
+    v = PyFloat_AS_DOUBLE(o);
+  } else if (PyLong_CheckExact(o)) {
+    v = PyLong_AsDouble(o);
+    if (v == -1.0 && PyErr_Occurred()) {  // past a double: the Python check says so
+      PyErr_Clear();
+      return false;
+    }
+  } else {
+    return false;
+  }
+  if (!std::isfinite(v) || !(c.low <= v && v <= c.high)) return false;
+  stack.emplace_back(v);
+  return true;
+}
+
+// A tensor as Op.check takes it (`of` is on the stack already: an earlier argument), on the
+// call's device: the first tensor's, CUDA (or CPU under the launch hook).
+bool tensor(const ArgCheck& c, PyObject* o, torch::jit::Stack& stack,
+            optional<c10::Device>& device) {
+  if (!THPVariable_CheckExact(o)) return false;
+  const Tensor& t = THPVariable_Unpack(o);
+  if (t.layout() != at::kStrided) return false;
+  if (!device.has_value()) {
+    if (!t.is_cuda() && !(g_hooked && t.is_cpu())) return false;
+    device = t.device();
+  } else if (t.device() != *device) {
+    return false;
+  }
+  auto dtype = t.scalar_type();
+  switch (c.kind) {
+    case ROWS:
+      if (!float_dtype(dtype) || t.dim() < 1) return false;
+      break;
+    case LIKE: {
+      const Tensor& of = stack[c.of].toTensor();
+      if (!float_dtype(dtype) || t.dim() < 1 || !t.sizes().equals(of.sizes())) return false;
+      if (dtype != of.scalar_type() && !(c.or_fp32 && dtype == at::kFloat)) return false;
+      break;
+    }
+    case FEATURE: {
+      const Tensor& of = stack[c.of].toTensor();
+      if (t.dim() != 1 || t.size(0) != of.size(-1) || !t.is_contiguous()) return false;
+      if (dtype != of.scalar_type() && dtype != at::kFloat) return false;
+      break;
+    }
+    case IDS: {
+      if (dtype != at::kInt && dtype != at::kLong) return false;
+      if (c.of >= 0) {
+        auto rows = stack[c.of].toTensor().sizes();
+        if (!t.sizes().equals(rows.slice(0, rows.size() - 1))) return false;
+      }
+      break;
+    }
+    default:  // TENSORS
+      break;
+  }
+  stack.emplace_back(t);
+  return true;
+}
+
+bool accept(const ArgCheck& c, PyObject* o, torch::jit::Stack& stack,
+            optional<c10::Device>& device) {
+  if (o == Py_None) {
+    if (!c.optional) return false;
+    stack.emplace_back();
+    return true;
+  }
+  switch (c.kind) {
+    case FLOAT:
+    case INT: return number(c, o, stack);
+    case BOOL:
+      if (!PyBool_Check(o)) return false;
+      stack.emplace_back(o == Py_True);
+      return true;
+    case DTYPE: {
+      if (!THPDtype_Check(o)) return false;
+      auto t = reinterpret_cast<THPDtype*>(o)->scalar_type;
+      if (!float_dtype(t)) return false;
+      stack.emplace_back(t);
+      return true;
+    }
+    default: return tensor(c, o, stack, device);
+  }
+}
+
+// The op called with a positional call's arguments, or None where a check does not take them.
+py::object call(const Program& p, const py::tuple& args) {
+  Py_ssize_t given = PyTuple_GET_SIZE(args.ptr());
+  if (given > p.nargs || at::impl::torch_function_mode_enabled()) return py::none();
+  torch::jit::Stack stack;
+  stack.reserve(std::max(p.nargs, static_cast<int>(p.outputs.size())));
+  optional<c10::Device> device;
+  for (int i = 0; i < p.nargs; ++i) {
+    const ArgCheck& c = p.checks[i];
+    PyObject* o = i < given ? PyTuple_GET_ITEM(args.ptr(), i) : c.fallback.ptr();
+    if (o == nullptr || !accept(c, o, stack, device)) return py::none();
+  }
+  if (!device.has_value()) return py::none();  // no tensor given: the Python path says
+  p.handle->callBoxed(&stack);
+  if (stack.size() == 1) return wrap(std::move(stack[0]).toTensor());
+  py::tuple outs(stack.size());
+  for (size_t k = 0; k < stack.size(); ++k) outs[k] = wrap(std::move(stack[k]).toTensor());
+  return outs;
+}
+
+ArgCheck read_check(py::handle check, py::handle fallback) {
+  auto t = check.cast<py::tuple>();  // (kind, optional, of, or_fp32, low, high): op_args.py
+  ArgCheck c;
+  c.kind = static_cast<CheckKind>(t[0].cast<int>());
+  c.optional = t[1].cast<bool>();
+  c.of = t[2].cast<int>();
+  c.or_fp32 = t[3].cast<bool>();
+  if (c.kind == INT) {
+    if (!t[4].is_none()) c.ilow = t[4].cast<int64_t>();
+    if (!t[5].is_none()) c.ihigh = t[5].cast<int64_t>();
+  } else {
+    if (!t[4].is_none()) c.low = t[4].cast<double>();
+    if (!t[5].is_none()) c.high = t[5].cast<double>();
+  }
+  auto f = fallback.cast<py::tuple>();  // (given when left out, the value)
+  if (f[0].cast<bool>()) c.fallback = py::reinterpret_borrow<py::object>(f[1]);
+  return c;
+}
+
+// A warning handler that drops them: the bench's CPU key replaces the reference's kernel.
+struct Quiet final : c10::WarningHandler {
+  void process(const c10::Warning&) override {}
+};
+
 // Registered from Python (opdef.py) as each eligible Op is declared: the Program, and the
-// boxed kernel for its CUDA key.
+// boxed kernel for its CUDA key. Where the spec has "checks", its "entry" function is handed
+// the op's fast path (Op.__call__'s `_fast`). A spec's "dispatch_keys" (a CPU benchmark's:
+// ["CUDA", "CPU"]) puts the kernel on those keys instead (CPU: over the reference).
 void define(const std::string& ns, const std::string& name, py::dict spec) {
   auto p = std::make_unique<Program>();
   p->name = ns + "::" + name;
@@ -295,6 +488,18 @@ void define(const std::string& ns, const std::string& name, py::dict spec) {
   }
   TORCH_CHECK(p->nargs + static_cast<int>(p->outputs.size()) + 1 <= kMaxSlots, "kbuild native: ",
               p->name, " has too many arguments and outputs");
+  if (spec.contains("checks") && !spec["checks"].is_none()) {
+    py::list checks = spec["checks"], defaults = spec["defaults"];
+    TORCH_CHECK(static_cast<int>(checks.size()) == p->nargs &&
+                    static_cast<int>(defaults.size()) == p->nargs,
+                "kbuild native: ", p->name, " has ", p->nargs, " arguments, and ", checks.size(),
+                " checks and ", defaults.size(), " defaults");
+    for (int i = 0; i < p->nargs; ++i) p->checks.push_back(read_check(checks[i], defaults[i]));
+  }
+  p->handle = c10::Dispatcher::singleton().findSchemaOrThrow(p->name.c_str(), "");
+  std::vector<std::string> keys{"CUDA"};
+  if (spec.contains("dispatch_keys"))
+    keys = spec["dispatch_keys"].cast<std::vector<std::string>>();
   const Program* program = p.get();
   {
     std::lock_guard<std::mutex> lock(g_programs_mutex);
@@ -303,11 +508,20 @@ void define(const std::string& ns, const std::string& name, py::dict spec) {
     TORCH_CHECK(!g_programs.count(p->name), "kbuild native: ", p->name, " is defined already");
     g_programs.emplace(p->name, std::move(p));
   }
-  // Never freed: a Library unregisters its kernels when destroyed.
-  auto* lib = new torch::Library(torch::Library::IMPL, ns, c10::DispatchKey::CUDA, __FILE__,
-                                 __LINE__);
-  lib->impl(name.c_str(),
-            torch::CppFunction::makeFromBoxedFunctor(std::make_unique<Boxed>(program)));
+  for (const auto& key : keys) {
+    TORCH_CHECK(key == "CUDA" || key == "CPU", "kbuild native: no generic kernel for ", key);
+    Quiet quiet;  // (the CPU key's reference is replaced: torch warns of it)
+    c10::WarningUtils::WarningHandlerGuard guard(&quiet);
+    // Never freed: a Library unregisters its kernels when destroyed.
+    auto* lib = new torch::Library(torch::Library::IMPL, ns,
+                                   key == "CPU" ? c10::DispatchKey::CPU : c10::DispatchKey::CUDA,
+                                   __FILE__, __LINE__);
+    lib->impl(name.c_str(),
+              torch::CppFunction::makeFromBoxedFunctor(std::make_unique<Boxed>(program)));
+  }
+  if (!program->checks.empty() && spec.contains("entry"))
+    spec["entry"](py::cpp_function(
+        [program](const py::tuple& args) { return call(*program, args); }));
 }
 
 // ------------------------------------------------------------------------------- autograd
@@ -415,22 +629,25 @@ struct BoxedAutograd final : c10::OperatorKernel {
                   torch::jit::Stack* stack) {
     const AutogradSpec& s = *spec;
     c10::IValue* args = stack->data() + (stack->size() - s.nargs);
-    std::vector<Tensor> inputs(s.inputs.size());
     bool wanted = false;
-    for (size_t e = 0; e < s.inputs.size(); ++e)
-      if (args[s.inputs[e]].isTensor()) {
-        inputs[e] = args[s.inputs[e]].toTensor();
-        wanted = wanted || inputs[e].requires_grad();
+    for (int i : s.inputs)
+      if (args[i].isTensor()) {
+        const Tensor& t = args[i].toTensor();
+        wanted = wanted || t.requires_grad();
         // forward-mode AD (dual tensors, torch.func.jvp): no formula here; its tangents
         // would be dropped silently (zeros), as the generated kernels refuse
-        TORCH_CHECK_NOT_IMPLEMENTED(!inputs[e]._fw_grad(/*level=*/0).defined(),
+        TORCH_CHECK_NOT_IMPLEMENTED(!t._fw_grad(/*level=*/0).defined(),
                                     "Trying to use forward AD with ", s.name,
                                     " that does not support it (kbuild ops have reverse-mode "
                                     "autograd only)");
       }
     wanted = wanted && at::GradMode::is_enabled();
     decltype(make_node<GenericBackward>(spec)) node;
+    std::vector<Tensor> inputs;  // the edges' tensors (only for a call that records a node)
     if (wanted) {  // what the backward takes of the arguments, before the call consumes them
+      inputs.resize(s.inputs.size());
+      for (size_t e = 0; e < s.inputs.size(); ++e)
+        if (args[s.inputs[e]].isTensor()) inputs[e] = args[s.inputs[e]].toTensor();
       node = make_node<GenericBackward>(spec);
       node->saved.resize(s.args.size());
       node->scalars.resize(s.args.size());

@@ -1,6 +1,12 @@
 """What an op takes and gives (kbuild/ops/opdef.py declares ops with them): its arguments,
 each with the check that names it in an error and its schema type, and its outputs, each
-with the rule that shapes it, for the fake, the CPU kernel and the launches alike."""
+with the rule that shapes it, for the fake, the CPU kernel and the launches alike.
+
+Each argument's check is also given to the C++ extension (`native_check`, kbuild/native/
+generic.h `ArgCheck`), which runs it on the common path of `Op.__call__` and hands every call
+it does not accept to the Python check below, whose errors name the argument; an argument
+whose check is Python's alone (a Scalar's `check_value` without `bounds`) keeps the op's calls
+on the Python check."""
 
 from __future__ import annotations
 
@@ -22,6 +28,16 @@ from .common import (
 )
 
 _REQUIRED = object()  # an argument without a default
+
+# The C++ fast path's check of each argument kind (kbuild/native/generic.h `CheckKind`).
+_ROWS, _LIKE, _FEATURE, _TENSORS, _IDS = range(5)
+_SCALAR_CHECKS = {"float": 5, "bool": 6, "int": 7, "SymInt": 7, "dtype": 8}
+
+
+def _cpp_check(kind: int, optional: bool, of: int = -1, or_fp32: bool = False, low=None, high=None):
+    """One argument's check as generic.h `ArgCheck` reads it: (kind, None accepted, the
+    argument it is checked against (-1: none), fp32 accepted (Like), bounds (None: open))."""
+    return (kind, optional, of, or_fp32, low, high)
 
 
 # ----------------------------------------------------------------------------- arguments
@@ -50,6 +66,9 @@ class Rows(_Tensor):
             return None
         return check_input(self.name, value)
 
+    def native_check(self, position: Mapping[str, int]) -> tuple:
+        return _cpp_check(_ROWS, self.optional)
+
 
 @dataclass(frozen=True)
 class Like(_Tensor):
@@ -64,6 +83,9 @@ class Like(_Tensor):
         if value is None and self.optional:
             return None
         return check_like(self.name, value, bound[self.of], self.of, self.or_fp32)
+
+    def native_check(self, position: Mapping[str, int]) -> tuple:
+        return _cpp_check(_LIKE, self.optional, position[self.of], self.or_fp32)
 
 
 @dataclass(frozen=True)
@@ -80,6 +102,10 @@ class Feature(_Tensor):
             raise TypeError(f"{self.name} must be a torch.Tensor, got None")
         return check_param(self.name, value, bound[self.of], self.of)
 
+    def native_check(self, position: Mapping[str, int]) -> tuple:
+        # (a strided one, which the Python check copies, is left to it)
+        return _cpp_check(_FEATURE, self.optional, position[self.of])
+
 
 @dataclass(frozen=True)
 class Tensors(_Tensor):
@@ -95,6 +121,9 @@ class Tensors(_Tensor):
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"{self.name} must be a torch.Tensor, got {type(value).__name__}")
         return value
+
+    def native_check(self, position: Mapping[str, int]) -> tuple:
+        return _cpp_check(_TENSORS, self.optional)
 
 
 @dataclass(frozen=True)
@@ -125,6 +154,10 @@ class Ids(Tensors):
                 raise ValueError(f"{self.name} must be on {where}; got {value.device}")
         return value
 
+    def native_check(self, position: Mapping[str, int]) -> tuple:
+        of = -1 if self.rows_of is None else position[self.rows_of]
+        return _cpp_check(_IDS, self.optional, of)
+
 
 _SCALAR_SCHEMA = {
     "float": "float",
@@ -138,7 +171,11 @@ _SCALAR_SCHEMA = {
 @dataclass(frozen=True)
 class Scalar:
     """A compile-time scalar: `kind` float, bool, int, SymInt or dtype (a torch float dtype), None
-    allowed where `optional`; `check(value, bound)` validates further (and may normalise)."""
+    allowed where `optional`; a float finite. `bounds=(low, high)`: a float's or int's range,
+    ends included, None for an open end. `check_value(value, bound)`: a check of its own, run
+    instead of these (it may normalise, and its errors are its own); given with `bounds`, it
+    states that it accepts exactly the kind's values within them (eps()'s), which the C++
+    fast path then checks; without, the op's calls keep its Python check."""
 
     name: str
     kind: str
@@ -148,10 +185,32 @@ class Scalar:
     # In a backward op: the forward input whose "needs a gradient" this bool is (autograd
     # sets it); by default X for a name need_dX.
     need_grad_of: str | None = None
+    bounds: tuple[float | None, float | None] | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in _SCALAR_SCHEMA:
             raise ValueError(f"{self.name}: kind must be one of {sorted(_SCALAR_SCHEMA)}")
+        if self.bounds is not None:
+            self._check_bounds()
+
+    def _check_bounds(self) -> None:
+        number = int if self.kind in ("int", "SymInt") else (int, float)
+        given = tuple(self.bounds) if isinstance(self.bounds, (tuple, list)) else ()
+        ok = (
+            self.kind in ("float", "int", "SymInt")
+            and len(given) == 2
+            and all(b is None or (isinstance(b, number) and not isinstance(b, bool)) for b in given)
+            and not any(isinstance(b, float) and math.isnan(b) for b in given)
+        )
+        if not ok:
+            raise ValueError(
+                f"{self.name}: bounds= takes (low, high), each None or a number (an int for an "
+                f"int scalar), for a float or int scalar; got {self.bounds!r} for a {self.kind}"
+            )
+        low, high = given
+        if low is not None and high is not None and low > high:
+            raise ValueError(f"{self.name}: bounds=({low}, {high}) is empty (low > high)")
+        object.__setattr__(self, "bounds", given)
 
     @property
     def schema_type(self) -> str:
@@ -177,13 +236,54 @@ class Scalar:
         if self.kind == "float" and not isinstance(value, torch.SymFloat):
             if not math.isfinite(value):
                 raise ValueError(f"{self.name} must be a finite number; got {value}")
-            return float(value)
+            value = float(value)
+        if self.bounds is not None:
+            self._within_bounds(value)
         return value
+
+    def _within_bounds(self, value: Any) -> None:
+        low, high = self.bounds
+        if (low is None or value >= low) and (high is None or value <= high):
+            return
+        if low is None or high is None:
+            limit = f">= {low}" if high is None else f"<= {high}"
+        else:
+            limit = f"in [{low}, {high}]"
+        raise ValueError(f"{self.name} must be {limit}; got {value}")
+
+    def native_check(self, position: Mapping[str, int]) -> tuple | None:
+        """Its check for the C++ fast path: the kind (and None where optional) and the bounds;
+        None where it is a Python function's (check_value without bounds)."""
+        if self.check_value is not None and self.bounds is None:
+            return None
+        low, high = self.bounds or (None, None)
+        if not all(b is None or _exact_in_cpp(b, self.kind) for b in (low, high)):
+            return None  # C++ compares as int64 / double: a bound it cannot hold stays Python's
+        # A check_value decides None itself: the fast path leaves None to it.
+        optional = self.optional and self.check_value is None
+        return _cpp_check(_SCALAR_CHECKS[self.kind], optional, low=low, high=high)
+
+
+def _exact_in_cpp(bound: float, kind: str) -> bool:
+    """The bound is held exactly by the C++ check's comparison (int64 for ints, else double)."""
+    if kind in ("int", "SymInt"):
+        return -(2**63) <= bound < 2**63
+    try:
+        return float(bound) == bound
+    except OverflowError:
+        return False
 
 
 def eps(default: Any = _REQUIRED) -> Scalar:
-    """A norm's eps, declared once: its schema type, its check, the kernels' `eps`."""
-    return Scalar("eps", "float", default, check_value=lambda value, bound: check_eps(value))
+    """A norm's eps, declared once: its schema type, its check, the kernels' `eps`. Its check
+    (check_eps: its own messages) accepts a finite float or int >= 0: its bounds."""
+    return Scalar(
+        "eps",
+        "float",
+        default,
+        check_value=lambda value, bound: check_eps(value),
+        bounds=(0.0, None),
+    )
 
 
 Argument = Rows | Like | Feature | Tensors | Ids | Scalar
@@ -231,9 +331,9 @@ class Out:
     def dtype_for(self, bound: Mapping[str, Any]) -> torch.dtype:
         if self.rows is not None or self.dtype == "float32":
             return torch.float32
-        if self.dtype is not None:
+        if self.dtype is not None and bound[self.dtype] is not None:
             return bound[self.dtype]
-        return bound[self.like].dtype
+        return bound[self.like].dtype  # (an optional dtype scalar given None too)
 
     def empty(self, first: torch.Tensor) -> torch.Tensor:
         return first.new_empty(0, dtype=torch.float32 if self.rows is not None else None)

@@ -18,7 +18,10 @@ From the declaration come:
 - the argument checks, each error naming the argument (`Op.check`, run by `Op.__call__`):
   `Rows` is a float tensor of at least one dimension seen as (M, N) rows, `Like` one of
   another's shape, dtype (or fp32) and device, `Feature` an optional (N,) parameter,
-  `Scalar` a bool, int, float or dtype with its own check (eps: finite and >= 0);
+  `Scalar` a bool, int, float or dtype with its bounds or its own check (eps: finite and
+  >= 0). Where the op's CUDA kernel is the extension's generic one, a positional call is
+  checked in C++ first (`native_program`'s "checks"): a call it accepts runs with no Python
+  but `__call__`'s line, one it refuses takes the Python check (and its error);
 - the fake kernel (shapes for tracing) from the outputs' rules, and the CPU kernel (the
   `reference`, outputs made dense, unwanted ones empty, each held to the shape and dtype
   those rules give it: an error naming the output otherwise);
@@ -136,6 +139,7 @@ class Op:
         self.native = native
         # Whether its CUDA kernel / its autograd run in the extension's generic C++ kernels
         # (set when they are registered).
+        self._entry = None  # the extension's checked call of the op (`_take_entry`)
         self.generic_native = self.native_autograd = False
         self._check_more = check
         names = [a.name for a in self.args]
@@ -345,9 +349,47 @@ class Op:
         return bound
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        """Check the arguments, then run the operator (autograd included)."""
+        """Check the arguments, then run the operator (autograd included). A positional call
+        of an op whose CUDA kernel is the extension's generic one goes to the extension first
+        (`_fast`, kbuild/native/generic.h `call`): it runs the same checks on exact CUDA
+        tensors and calls the operator through the dispatcher, or returns None for anything
+        else (a bad argument, another device, a tensor subclass, a torch function mode),
+        which the Python check and call below take, their errors naming the argument. Under
+        torch.compile the Python path is traced."""
+        fast = self._fast
+        if fast is not None and not kwargs and not torch.compiler.is_compiling():
+            out = fast(args)
+            if out is not None:
+                return out
         bound = self.check(self.bind(args, kwargs))
         return self.overload(*bound.values())
+
+    @property
+    def generic_native(self) -> bool:
+        """Whether its CUDA kernel is the extension's generic one (set when it is registered,
+        or when the extension loads); with it, `__call__` takes the extension's checked call
+        where every argument's check is a declaration (`_native_checks`)."""
+        return self._generic_native
+
+    @generic_native.setter
+    def generic_native(self, on: bool) -> None:
+        self._generic_native = on
+        self._fast = self._entry if on else None
+
+    def _take_entry(self, entry: Callable[[tuple], Any]) -> None:
+        """Called by the extension's define_generic with the op's checked call (generic.h
+        `call`: the outputs, or None for a call it leaves to the Python check)."""
+        self._entry = entry
+        self._fast = entry if self._generic_native else None
+
+    def _native_checks(self) -> list[tuple] | None:
+        """Every argument's check as the C++ fast path runs it (op_args `native_check`), or
+        None where one is Python's alone or the op has a `check=` function."""
+        if self._check_more is not None:
+            return None
+        position = {name: i for i, name in enumerate(self.arg_names)}
+        checks = [a.native_check(position) for a in self.args]
+        return None if any(c is None for c in checks) else checks
 
     # -- kernels -----------------------------------------------------------------------
 
@@ -571,6 +613,7 @@ class Op:
             # __main__, then by name, as `kbuild warmup --module` does; kernels are taken
             # back the same way, kernels/table.py register). The operator registered first
             # runs the same code: this Op calls it.
+            self._entry = getattr(existing, "_entry", None)
             self.generic_native = getattr(existing, "generic_native", False)
             self.native_autograd = getattr(existing, "native_autograd", False)
             return
@@ -587,7 +630,8 @@ class Op:
     def native_program(self) -> dict | None:
         """The op as the C++ generic kernel runs it (kbuild/native/generic.h `define`), or
         None where part of it is Python's (a `cuda` function, a `check`, a computed value or
-        shape)."""
+        shape); with its arguments' checks for Op.__call__'s fast path, which `define` hands
+        to `_take_entry`."""
         if self._cuda is not None or not self.launches or self._check_more is not None:
             return None
         if any(o.shape is not None for o in self.outputs):
@@ -613,7 +657,22 @@ class Op:
             "rows": position[self._bindings[0].rows],
             "outputs": outputs,
             "launches": launches,
+            # Op.__call__'s fast path: the checks (None: none, the Python check runs) and, per
+            # argument, what `bind` gives it when a call leaves it out (None where required)
+            "checks": self._native_checks(),
+            "defaults": [self._default_of(a) for a in self.args],
+            "entry": self._take_entry,
         }
+
+    @staticmethod
+    def _default_of(a: Argument) -> tuple[bool, Any]:
+        """(given when left out, the value) as `bind` fills an argument in: its default, None
+        for an optional tensor without one."""
+        default = getattr(a, "default", _REQUIRED)
+        if default is not _REQUIRED:
+            return True, default
+        tensor = not isinstance(a, Scalar)
+        return (True, None) if tensor and getattr(a, "optional", False) else (False, None)
 
     def register_cuda_and_autograd(self) -> None:
         """Register the CUDA kernel and the autograd formula: the C++ generic kernel where
