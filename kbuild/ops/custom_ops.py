@@ -298,15 +298,7 @@ class _Standin:
         lib = self.libraries.get(op.namespace)
         if lib is None:
             lib = self.libraries[op.namespace] = torch.library.Library(op.namespace, "IMPL")
-        if what == "cuda":
-            lib.impl(op.op_name, _loading(op._cuda or op._launch_cuda), "CUDA")
-        elif op.backward is not None:
-            torch.library.register_autograd(
-                op.name, op._backward, setup_context=op._setup_context, lib=lib
-            )
-        elif op._autograd is not None:
-            setup, backward = op._autograd
-            torch.library.register_autograd(op.name, backward, setup_context=setup, lib=lib)
+        op.register_python(lib, what, wrap=_loading)
 
     def add(self, op: Op, what: str, program: dict | None = None) -> None:
         self._register(op, what)

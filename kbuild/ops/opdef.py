@@ -684,10 +684,22 @@ class Op:
         if program is not None:
             NATIVE[0].define_generic(self.namespace, self.op_name, program)
         else:
-            lib.impl(self.op_name, self._cuda or self._launch_cuda, "CUDA")
+            self.register_python(lib, "cuda")
         self.native_autograd = self.backward is not None and NATIVE[0] is not None
         if self.native_autograd:  # one C++ kernel on the Autograd key: no Python per call
             NATIVE[0].define_generic_autograd(self.namespace, self.op_name, self.autograd_program())
+        else:
+            self.register_python(lib, "autograd")
+
+    def register_python(self, lib: Any, what: str, wrap: Callable | None = None) -> None:
+        """Register in `lib` what runs where the extension does not: the Python CUDA kernel
+        (`what` "cuda": `cuda=`, else the launches), or the autograd formula ("autograd":
+        derived from the backward op, or `autograd=`; nothing for an op with neither).
+        `wrap` wraps the CUDA kernel (custom_ops' stand-in loads the extension on its first
+        call)."""
+        if what == "cuda":
+            kernel = self._cuda or self._launch_cuda
+            lib.impl(self.op_name, kernel if wrap is None else wrap(kernel), "CUDA")
         elif self.backward is not None:
             torch.library.register_autograd(
                 self.name, self._backward, setup_context=self._setup_context, lib=lib
