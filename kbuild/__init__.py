@@ -18,6 +18,8 @@ __version__ = "0.1.0"
 _DECLARE = {"Arg": "kernels.table", "Param": "kernels.table", "kernel": "kernels.declare"}
 # Describing an op (kbuild/ops/opdef.py): torch's.
 _OPDEF = ("Feature", "Ids", "Launch", "Like", "Op", "Out", "Rows", "Scalar", "Tensors")
+# Losses (kbuild/ops/loss.py): torch's.
+_LOSS = {"cross_entropy": "ops.loss"}
 __all__ = [
     "Arg",
     "Feature",
@@ -34,6 +36,7 @@ __all__ = [
     "LinearFunction",
     "RMSNormFunction",
     "bias_grad",
+    "cross_entropy",
     "encoder",
     "encoder_backward",
     "fused_add_rmsnorm",
@@ -48,8 +51,9 @@ __all__ = [
 
 
 def __getattr__(name: str):
-    if name in _DECLARE:
-        value = getattr(importlib.import_module(f".{_DECLARE[name]}", __name__), name)
+    if name in _DECLARE or name in _LOSS:
+        where = _DECLARE.get(name) or _LOSS[name]
+        value = getattr(importlib.import_module(f".{where}", __name__), name)
         globals()[name] = value
         return value
     if name in _OPDEF:

@@ -115,6 +115,41 @@ class Linear(torch.nn.Linear):
         return linear(x, self.weight, self.bias)
 
 
+class CrossEntropyLoss(torch.nn.CrossEntropyLoss):
+    """torch.nn.CrossEntropyLoss computed by kbuild.cross_entropy (the forward writes the
+    gradient; see kbuild/ops/loss.py): input (N, C) or (C,), target class ids (N,) or ().
+    `ignore_index`, `reduction` and `label_smoothing` are torch's; `lse_square_scale` adds
+    the z-loss scale * lse^2 per row (PaLM's, as Liger defines it). Refused with ValueError:
+    a class `weight`, the deprecated `size_average` / `reduce`, and at call time inputs of
+    more than two dimensions (torch's class dimension is then 1; kbuild.cross_entropy takes
+    (..., C)) and probability targets (kbuild's check names target)."""
+
+    def __init__(self, weight=None, size_average=None, ignore_index=-100, reduce=None,
+                 reduction="mean", label_smoothing=0.0, lse_square_scale=0.0):  # fmt: skip
+        for name, value in (("weight", weight), ("size_average", size_average),
+                            ("reduce", reduce)):  # fmt: skip
+            if value is not None:
+                raise ValueError(
+                    f"kbuild.nn.CrossEntropyLoss does not take {name}= (use "
+                    "torch.nn.CrossEntropyLoss for it)"
+                )
+        super().__init__(ignore_index=ignore_index, reduction=reduction,
+                         label_smoothing=label_smoothing)  # fmt: skip
+        self.lse_square_scale = lse_square_scale
+
+    def forward(self, input: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        from .ops.loss import cross_entropy
+
+        if isinstance(input, torch.Tensor) and input.dim() > 2:
+            raise ValueError(
+                "kbuild.nn.CrossEntropyLoss takes input (N, C) or (C,); got shape "
+                f"{tuple(input.shape)} (torch's class dimension is 1 there: call "
+                "kbuild.cross_entropy on (..., C) logits instead)"
+            )
+        return cross_entropy(input, target, self.ignore_index, self.reduction,
+                             self.label_smoothing, self.lse_square_scale)  # fmt: skip
+
+
 class GPT2Embedding(Module):
     """GPT-2's input layer: token embedding plus learned position embedding, by kbuild.encoder.
 

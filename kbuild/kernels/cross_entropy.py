@@ -1,0 +1,196 @@
+"""Cross-entropy over rows of logits: the forward that also writes the gradient, and the
+backward's row rescale (kbuild/ops/loss.py is the op and its design).
+
+`cross_entropy_fwd`, one row per block (or cluster) as `row_plan.plan_rows` chooses, rows of
+any width (odd V peeled by the row layer):
+
+    m, s  = online (max, sum of exp(x - m)) over the row      (one reduction, softmax_pair)
+    lse   = m + log(s)
+    loss  = (1 - eps) (lse - x[t]) + eps (lse - mean(x)) + z lse^2
+    dx_j  = g (p_j (1 + 2 z lse) - (1 - eps) [j == t] - eps / V),   p_j = exp(x_j - lse)
+
+eps the label smoothing (torch's definition), z the z-loss scale (PaLM's, Liger's
+`lse_square_scale`), g the gradient scale the forward assumes (coefs[0]: 1 / n_valid for a
+mean, 1 for a sum). A row whose target is ignore_index has loss 0 and dx 0. A target outside
+[0, V) that is not ignore_index raises the int32 at `flag` to BAD_TARGET (dsl.report, an
+atomic max) and the row is treated as ignored. The logits are read once where a row fits in
+registers (twice for rows chunked through them: the second pass recomputes exp), dx written
+once. `smoothing` / `z_loss` are compile-time switches for their terms (their values are
+runtime, coefs[1] and coefs[2]: no recompile per value); `ignore_index` is a runtime i64.
+
+`cross_entropy_rescale`: dx[r] *= dloss[r] / g in place, for the rows whose incoming gradient
+differs from the g the forward assumed; a row where it is equal costs one scalar read (the
+usual `loss.backward()` of a mean or a sum reads no logits' worth of memory at all).
+"""
+
+from __future__ import annotations
+
+from .config import RowBudget
+from .declare import kernel
+from .row_plan import plan_rows
+from .table import Arg, Param
+
+BAD_TARGET = 1  # the flag's code for a target outside [0, V)
+
+ROW = (Param("N", "int", bounds=(2, None)), Param("dtype", "dtype"))
+
+
+def _row_kernel(name: str, N: int, dtype: str, vectorize: bool, target):
+    """A kernel of one row per block (or cluster), one fp32 row's worth held in registers."""
+    from kbuild.dsl import Kernel
+
+    plan = plan_rows(N, dtype, target, vectorize=vectorize, budget=RowBudget(words_per_elem=1.0),
+                     persistent=False)  # fmt: skip
+    k = Kernel(name, target, plan.row.block, cluster=plan.row.cluster,
+               exchange=plan.exchange or "barrier")  # fmt: skip
+    k.meta.update(rows_per_block=plan.row.rows_per_block, cluster=plan.row.cluster)
+    return k, plan.row
+
+
+def _rows_of(t, base, dtype: str, **pad):
+    """A thread's f32 values of its row at a chunk's start: held from one load where the row
+    fits in registers, read again on every pass where it does not."""
+    from kbuild.dsl import widen
+
+    held = None if t.cfg.chunked else widen(t.load(base, dtype, **pad))
+    return lambda start: held if held is not None else widen(t.load(base, dtype, start, **pad))
+
+
+def _pair_and_sum(a, b):
+    """The merge of [m, s, sum(x)]: online softmax's pair, and a plain sum."""
+    from kbuild.dsl import add, softmax_pair
+
+    return softmax_pair(a[:2], b[:2]) + add(a[2:], b[2:])
+
+
+@kernel(
+    "cross_entropy_fwd",
+    params=(*ROW, Param("index_dtype", "index"), Param("smoothing", "bool", False),
+            Param("z_loss", "bool", False), Param("grad", "bool", True),
+            Param("vectorize", "bool", True)),
+    args=(Arg("logits"), Arg("target"), Arg("coefs"), Arg("loss"), Arg("lse"),
+          Arg("dlogits", when="grad"), Arg("flag"), Arg("M", "i64"), Arg("ignore_index", "i64")),
+)  # fmt: skip
+def build_cross_entropy_fwd(N, dtype, index_dtype, target, smoothing=False, z_loss=False,
+                            grad=True, vectorize=True):  # fmt: skip
+    """Per row: loss and lse (fp32), and with `grad` dlogits (dtype) scaled by coefs[0]
+    (module docstring); without it (inference) the logits are read once and nothing else."""
+    from kbuild.dsl import (
+        NEG_INF,
+        RowTile,
+        const,
+        eq,
+        exp,
+        get_llvm_ptr,
+        i64,
+        load,
+        log,
+        maximum,
+        report,
+        select,
+        softmax_pair,
+        thread_max,
+        thread_sum,
+        to_f32,
+    )
+
+    k, row = _row_kernel("cross_entropy_fwd", N, dtype, vectorize, target)
+    with k:
+        logits, targets, coefs, loss_out, lse_out = (
+            k.ptr(n) for n in ("logits", "target", "coefs", "loss", "lse")
+        )
+        dlogits = k.ptr("dlogits") if grad else None
+        flag = k.ptr("flag")
+        M, ignore = k.i64("M"), k.i64("ignore_index")
+        t = RowTile(k, row, M)
+
+        # The target: ignored, or outside [0, V) (reported, then treated as ignored).
+        tid = i64(t.load_row_scalar(targets, index_dtype))
+        ignored = eq(tid, ignore)
+        bad = ~ignored & ((tid < 0) | (tid >= N))
+        report(flag, bad, BAD_TARGET)  # a row past M repeats row M - 1: the same answer
+        skip = ignored | bad
+        safe = select(skip, const(0, "i64"), tid)  # a column that exists
+        picked = to_f32(t.load_at(logits, safe, dtype))  # x[t]
+
+        v = _rows_of(t, logits, dtype, pad=NEG_INF)  # past the row: -inf, which exp makes 0
+
+        def own(c, state):  # this thread's (max, sum of exp(x - max)[, sum of x]) so far
+            values = v(c)
+            m = maximum(state[0], thread_max(values))
+            safe_m = select(eq(m, NEG_INF), 0.0, m)  # a thread holding only padding
+            e = thread_sum([exp(a - safe_m) for a in values])
+            out = [m, state[1] * exp(state[0] - safe_m) + e]
+            if smoothing:  # sum(x) over the row's own elements (the pad is -inf)
+                inside = t.inside(c)
+                kept = [
+                    a if g is None else select(g, a, 0.0)
+                    for a, g in zip(values, inside, strict=True)
+                ]
+                out.append(state[2] + thread_sum(kept))
+            return out
+
+        start = [const(NEG_INF), const(0.0)] + ([const(0.0)] if smoothing else [])
+        merge = _pair_and_sum if smoothing else softmax_pair
+        totals = t.reduce(t.over_chunks(own, start), merge)
+        m, s = totals[0], totals[1]
+        lse = m + log(s)
+
+        # loss = (1 - eps)(lse - x[t]) + eps (lse - mean x) + z lse^2
+        c0 = load(get_llvm_ptr(coefs, const(0, "i64"), "f32"), "f32")  # the gradient scale g
+        eps = load(get_llvm_ptr(coefs, const(1, "i64"), "f32"), "f32") if smoothing else None
+        z = load(get_llvm_ptr(coefs, const(2, "i64"), "f32"), "f32") if z_loss else None
+        nll = lse - picked
+        loss = nll if eps is None else (1.0 - eps) * nll + eps * (lse - totals[2] * (1.0 / N))
+        if z is not None:
+            loss = loss + z * lse * lse
+        t.store_row_scalar(loss_out, select(skip, const(0.0), loss))
+        t.store_row_scalar(lse_out, lse)
+        if not grad:
+            return k
+
+        # dx_j = g (p_j (1 + 2 z lse) - (1 - eps)[j == t] - eps / V); 0 on a skipped row
+        g = select(skip, const(0.0), c0)
+        p_scale = g if z is None else g * (1.0 + 2.0 * z * lse)
+        hit = g if eps is None else g * (1.0 - eps)
+        floor = None if eps is None else g * eps * (1.0 / N)
+
+        def write(c, _):
+            cols = t.element_columns(c)
+            out = []
+            for a, col in zip(v(c), cols, strict=True):
+                d = exp(a - lse) * p_scale - select(eq(col, safe), hit, 0.0)
+                out.append(d if floor is None else d - floor)
+            t.store(dlogits, out, dtype, c)
+            return []
+
+        t.over_chunks(write)
+    return k
+
+
+@kernel(
+    "cross_entropy_rescale",
+    params=(*ROW, Param("vectorize", "bool", True)),
+    args=(Arg("dlogits"), Arg("dloss"), Arg("coefs"), Arg("M", "i64")),
+)
+def build_cross_entropy_rescale(N, dtype, target, vectorize=True):
+    """dlogits[r] *= dloss[r] / coefs[0] in place, skipping rows where the two are equal."""
+    from kbuild.dsl import RowTile, const, get_llvm_ptr, if_then, load, ne, widen
+
+    k, row = _row_kernel("cross_entropy_rescale", N, dtype, vectorize, target)
+    with k:
+        dlogits, dloss, coefs = k.ptr("dlogits"), k.ptr("dloss"), k.ptr("coefs")
+        t = RowTile(k, row, k.i64("M"))
+        d = t.load_row_scalar(dloss, "f32")
+        g = load(get_llvm_ptr(coefs, const(0, "i64"), "f32"), "f32")
+        factor = d * (1.0 / g)
+
+        def rescale():
+            def body(c, _):
+                t.store(dlogits, [a * factor for a in widen(t.load(dlogits, dtype, c))], dtype, c)
+                return []
+
+            t.over_chunks(body)
+
+        if_then(ne(d, g), rescale)  # row-uniform: the whole row, or none of it
+    return k

@@ -1,0 +1,309 @@
+"""kbuild.cross_entropy on CPU (the op's reference, which is the kernel's contract) against an
+fp64 torch reference, for every option; its checks' errors; its fake under torch.compile;
+its kernels built for sm_90 and gfx942 and their PTX read; the GPU cases' kernels warmable."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch._dynamo.backends.common import aot_autograd
+
+import kbuild
+from kbuild.ops import loss as ce_ops
+
+IGNORE = -100
+
+
+def _fp64(x, t, reduction, ls, z, ignore_index=IGNORE):
+    """torch's cross-entropy in fp64 plus the z-loss (Liger / PaLM: z * lse^2 per valid row)."""
+    xd = x.detach().double().reshape(-1, x.shape[-1]).requires_grad_()
+    flat = t.reshape(-1).long()
+    rows = F.cross_entropy(xd, flat, reduction="none", label_smoothing=ls,
+                           ignore_index=ignore_index)  # fmt: skip
+    lse = torch.logsumexp(xd, -1)
+    rows = rows + torch.where(flat != ignore_index, z * lse * lse, 0.0)
+    if reduction == "mean":
+        out = rows.sum() / (flat != ignore_index).sum()
+    elif reduction == "sum":
+        out = rows.sum()
+    else:
+        out = rows.view(t.shape)
+    return out, xd
+
+
+def _inputs(M, V, dtype, index, scale=3.0, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(M, V, generator=g) * scale).to(dtype)
+    t = torch.randint(0, V, (M,), generator=g, dtype=index)
+    if M > 2:
+        t[1] = IGNORE  # an ignored row
+    return x, t
+
+
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("ls,z", [(0.0, 0.0), (0.2, 0.0), (0.0, 1e-2), (0.2, 1e-2)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("index", [torch.int32, torch.int64])
+def test_values_and_gradients_match_fp64(reduction, ls, z, dtype, index):
+    """V = 1001 (not a multiple of 8), large logits (lse ~ 10) so the z-loss term and the
+    smoothing term each move the loss and the gradient far past the tolerance: a kernel
+    dropping either term, or its gradient, fails (checked below against the reference
+    without it)."""
+    x, t = _inputs(6, 1001, dtype, index)
+    x.requires_grad_()
+    y = kbuild.cross_entropy(x, t, reduction=reduction, label_smoothing=ls, lse_square_scale=z)
+    ref, xd = _fp64(x, t, reduction, ls, z)
+    assert y.dtype == dtype and y.shape == ref.shape
+    w = torch.linspace(0.5, 2.0, y.numel()).view(y.shape) if reduction == "none" else 1.7
+    (y.float() * w).sum().backward()
+    (ref * w).sum().backward()
+    tol = TOL[dtype]
+    assert torch.allclose(y.double(), ref, rtol=tol, atol=tol), (y, ref)
+    scale = xd.grad.abs().max()
+    assert (x.grad.double() - xd.grad).abs().max() <= tol * scale
+    assert x.grad[1].abs().max() == 0  # the ignored row: zero gradient
+    if ls or z:  # the property shows: the reference without the term is far off
+        other, xo = _fp64(x, t, reduction, 0.0 if ls else ls, 0.0 if z else z)
+        (other * w).sum().backward()
+        if reduction == "none":  # per row (a mean of the smoothing term nearly cancels)
+            assert (other - ref).abs().max() > 3 * tol * ref.abs().max()
+        assert (xo.grad - xd.grad).abs().max() > 10 * tol * scale
+
+
+def test_gradient_is_written_by_the_forward_and_rescaled_in_place():
+    """The forward's gradient (scaled by 1 / n_valid for a mean) is what the backward returns:
+    `loss.backward()` leaves it as it is, another incoming gradient rescales it."""
+    x, t = _inputs(5, 37, torch.float32, torch.int64)
+    coefs = torch.tensor([0.25, 0.0, 0.0])
+    loss, lse, d = torch.ops.kbuild.cross_entropy_fwd(x, t, coefs, IGNORE, False, False, True)
+    ref, xd = _fp64(x, t, "mean", 0.0, 0.0)
+    ref.backward()
+    assert torch.allclose(d.double(), xd.grad, atol=1e-6)  # 1 / n_valid = 1 / 4 = coefs[0]
+    assert torch.allclose(lse.double(), torch.logsumexp(x.double(), -1), atol=1e-5)
+    before = d.clone()
+    torch.ops.kbuild.cross_entropy_rescale_(d, torch.full((5,), 0.25), coefs)
+    assert torch.equal(d, before)  # the incoming gradient it assumed: untouched
+    dloss = torch.tensor([0.25, 0.5, 0.25, 1.0, 0.0])
+    torch.ops.kbuild.cross_entropy_rescale_(d, dloss, coefs)
+    assert torch.allclose(d, before * (dloss / 0.25)[:, None])
+
+
+def test_backward_twice_is_refused():
+    x, t = _inputs(4, 16, torch.float32, torch.int64)
+    x.requires_grad_()
+    y = kbuild.cross_entropy(x, t)
+    y.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.backward()
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_empty_batch_is_torchs_answer(reduction):
+    x = torch.randn(0, 50257, dtype=torch.bfloat16, requires_grad=True)
+    t = torch.zeros(0, dtype=torch.int64)
+    y = kbuild.cross_entropy(x, t, reduction=reduction)
+    ref = F.cross_entropy(x.float(), t, reduction=reduction)
+    assert y.shape == ref.shape
+    assert torch.equal(y.float().isnan(), ref.isnan())  # mean: NaN (0 / 0)
+    (y.float().nan_to_num().sum()).backward()
+    assert x.grad is None or x.grad.shape == x.shape
+
+
+def test_all_ignored_batch_is_nan_for_a_mean_with_zero_gradient():
+    x = torch.randn(3, 9, requires_grad=True)
+    t = torch.full((3,), IGNORE)
+    y = kbuild.cross_entropy(x, t)
+    assert y.isnan() and F.cross_entropy(x, t).isnan()
+    y.backward()
+    assert torch.equal(x.grad, torch.zeros_like(x))
+    assert kbuild.cross_entropy(x, t, reduction="sum") == 0
+
+
+def test_other_ignore_index_and_leading_dims():
+    x = torch.randn(2, 3, 10, requires_grad=True)
+    t = torch.randint(0, 10, (2, 3))
+    t[0, 1] = 7
+    y = kbuild.cross_entropy(x, t, ignore_index=7, reduction="none")
+    assert y.shape == (2, 3) and y[0, 1] == 0
+    ref = F.cross_entropy(x.reshape(-1, 10), t.reshape(-1), ignore_index=7, reduction="none")
+    assert torch.allclose(y.reshape(-1), ref, atol=1e-5)
+
+
+def test_a_target_out_of_range_names_target():
+    x, t = _inputs(4, 10, torch.float32, torch.int64)
+    for bad in (10, -1, 1000):
+        t2 = t.clone()
+        t2[2] = bad
+        with pytest.raises(ValueError, match=r"target must hold class ids in \[0, 10\)"):
+            kbuild.cross_entropy(x, t2)
+
+
+@pytest.mark.parametrize(
+    "call,error,message",
+    [
+        (lambda x, t: kbuild.cross_entropy(x.long(), t), TypeError, "logits must be"),
+        (lambda x, t: kbuild.cross_entropy("x", t), TypeError, "logits must be a torch.Tensor"),
+        (lambda x, t: kbuild.cross_entropy(x, t.float()), TypeError, "target must be torch.int32"),
+        (lambda x, t: kbuild.cross_entropy(x, t[:2]), ValueError, "target must have logits's"),
+        (lambda x, t: kbuild.cross_entropy(x[:, :1], t), ValueError, "at least 2 classes"),
+        (lambda x, t: kbuild.cross_entropy(x, t, reduction="avg"), ValueError, "reduction"),
+        (lambda x, t: kbuild.cross_entropy(x, t, label_smoothing=1.5), ValueError,
+         "label_smoothing must be in"),
+        (lambda x, t: kbuild.cross_entropy(x, t, label_smoothing="a"), TypeError,
+         "label_smoothing must be a float"),
+        (lambda x, t: kbuild.cross_entropy(x, t, lse_square_scale=-1.0), ValueError,
+         "lse_square_scale must be finite"),
+        (lambda x, t: kbuild.cross_entropy(x, t, lse_square_scale=float("nan")), ValueError,
+         "lse_square_scale"),
+        (lambda x, t: kbuild.cross_entropy(x, t, ignore_index=1.0), TypeError,
+         "ignore_index must be an int"),
+    ],
+)  # fmt: skip
+def test_checks_name_the_argument(call, error, message):
+    x, t = _inputs(4, 10, torch.float32, torch.int64)
+    with pytest.raises(error, match=message):
+        call(x, t)
+
+
+def test_compiled_with_the_op_in_the_graph():
+    """The fake serves torch.compile: the forward op and the in-place rescale appear in the
+    graphs (aot_autograd with recording compilers), and the values match eager's."""
+    torch._dynamo.reset()
+    seen: dict[str, set] = {"fw": set(), "bw": set()}
+
+    def recorder(kind):
+        def compiler(gm, example_inputs):
+            for n in gm.graph.nodes:  # an in-place op is wrapped: auto_functionalized(op, ...)
+                seen[kind] |= {str(a) for a in (n.target, *n.args[:1]) if "kbuild" in str(a)}
+            return gm
+
+        return compiler
+
+    backend = aot_autograd(fw_compiler=recorder("fw"), bw_compiler=recorder("bw"))
+    x, t = _inputs(6, 51, torch.float32, torch.int64)
+    x.requires_grad_()
+    f = torch.compile(lambda x, t: kbuild.cross_entropy(x, t, label_smoothing=0.1),
+                      backend=backend, fullgraph=True)  # fmt: skip
+    y = f(x, t)
+    y.backward()
+    x2 = x.detach().clone().requires_grad_()
+    y2 = kbuild.cross_entropy(x2, t, label_smoothing=0.1)
+    y2.backward()
+    assert any("cross_entropy_fwd" in n for n in seen["fw"]), seen
+    assert any("cross_entropy_rescale_" in n for n in seen["bw"]), seen
+    assert torch.allclose(y, y2) and torch.allclose(x.grad, x2.grad)
+    torch._dynamo.reset()
+
+
+def test_fake_gives_the_declared_outputs():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        x = torch.empty(4, 50257, dtype=torch.bfloat16)
+        t = torch.empty(4, dtype=torch.int32)
+        loss, lse, d = torch.ops.kbuild.cross_entropy_fwd(x, t, torch.empty(3), -100, True,
+                                                          True, True)  # fmt: skip
+        assert loss.shape == lse.shape == (4,) and loss.dtype == torch.float32
+        assert d.shape == x.shape and d.dtype == x.dtype
+
+
+# ----------------------------------------------------------------------------- kernels
+
+
+def _ptx(spec):
+    from kbuild.compiler import build
+    from kbuild.targets import target_for_arch
+    from kbuild.targets.nvidia import module_to_ptx
+
+    sm90 = target_for_arch("sm_90")
+    return module_to_ptx(build(spec, sm90).module, sm90).decode()
+
+
+FLOAT_ATOMICS = r"(atom|red)\.global(\.\w+)*\.(add|min|max)\.(f16|bf16|f32|f64)"
+
+
+@pytest.mark.parametrize("V,index", [(4096, "i32"), (50257, "i64"), (151936, "i32")])
+def test_forward_kernel_ptx(V, index):
+    """16-byte loads of the logits (the row body of a peeled 50257 too), one atomic max for
+    the report, no float atomics; the id read at its own width."""
+    ids = torch.int32 if index == "i32" else torch.int64
+    values = ce_ops.fwd_values(V, torch.bfloat16, ids, True, True, True, True)
+    spec = ce_ops.build_cross_entropy_fwd.spec(**values)
+    ptx = _ptx(spec)
+    assert re.search(r"ld\.global(\.\w+)*\.v4\.(b32|u32|f32)", ptx), "16-byte logits loads"
+    assert re.search(r"st\.global(\.\w+)*\.v4", ptx), "16-byte gradient stores"
+    assert re.search(r"atom\.global(\.\w+)*\.max\.[su]32", ptx), "the report"
+    assert not re.search(FLOAT_ATOMICS, ptx)
+    width = {"i32": "32", "i64": "64"}[index]
+    assert re.search(rf"ld\.global\.[bsu]{width}\b", ptx)
+
+
+def test_rescale_kernel_ptx_and_inference_kernel():
+    ptx = _ptx(ce_ops.build_cross_entropy_rescale.spec(N=50257, dtype="bf16"))
+    assert re.search(r"ld\.global(\.\w+)*\.v4", ptx) and not re.search(FLOAT_ATOMICS, ptx)
+    values = ce_ops.fwd_values(4096, torch.float32, torch.int64, False, False, False, True)
+    ptx = _ptx(ce_ops.build_cross_entropy_fwd.spec(**values))
+    assert not re.search(r"st\.global(\.\w+)*\.v4", ptx)  # no gradient written
+
+
+def test_kernels_lower_for_amd():
+    from kbuild import compiler
+    from kbuild.targets import target_for_arch
+
+    gfx = target_for_arch("gfx942")
+    values = ce_ops.fwd_values(50257, torch.bfloat16, torch.int32, True, True, True, True)
+    assert compiler.lower(ce_ops.build_cross_entropy_fwd.spec(**values), gfx)
+    assert compiler.lower(ce_ops.build_cross_entropy_rescale.spec(N=50257, dtype="bf16"), gfx)
+
+
+def test_gpu_cases_are_warmable():
+    """Every kernel tests/test_cross_entropy_gpu.py launches is in warmup_specs() (the GPU
+    machine runs offline from a cache warmed with `kbuild warmup --module kbuild.ops.loss`):
+    each GPU case's forward (training and inference) and rescale, by the values the launch
+    itself computes (`fwd_values`)."""
+    from . import test_cross_entropy_gpu as gpu
+
+    warm = set(ce_ops.warmup_specs())
+    for V, dtype, index, ls, z in gpu.CASES:
+        for grad in (True, False):
+            values = ce_ops.fwd_values(V, dtype, index, ls > 0, z > 0, grad, True)
+            assert ce_ops.build_cross_entropy_fwd.spec(**values) in warm, values
+        rescale = ce_ops.build_cross_entropy_rescale.spec(N=V, dtype=values["dtype"])
+        assert rescale in warm
+
+
+# ----------------------------------------------------------------------------- nn
+
+
+def test_nn_cross_entropy_loss_is_a_drop_in():
+    x, t = _inputs(6, 33, torch.float32, torch.int64)
+    x.requires_grad_()
+    ours = kbuild.nn.CrossEntropyLoss(label_smoothing=0.1)
+    theirs = torch.nn.CrossEntropyLoss(label_smoothing=0.1)
+    x2 = x.detach().clone().requires_grad_()
+    a, b = ours(x, t), theirs(x2, t)
+    a.backward()
+    b.backward()
+    assert torch.allclose(a, b, atol=1e-6) and torch.allclose(x.grad, x2.grad, atol=1e-6)
+    one = kbuild.nn.CrossEntropyLoss(reduction="sum")(x[0], t[0])
+    assert torch.allclose(one, F.cross_entropy(x[0], t[0], reduction="sum"), atol=1e-5)
+
+
+@pytest.mark.parametrize("given", [dict(weight=torch.ones(3)), dict(size_average=True),
+                                   dict(reduce=False)])  # fmt: skip
+def test_nn_cross_entropy_loss_refuses_what_it_lacks(given):
+    with pytest.raises(ValueError, match=f"does not take {next(iter(given))}="):
+        kbuild.nn.CrossEntropyLoss(**given)
+
+
+def test_nn_cross_entropy_loss_refuses_class_dimension_one():
+    with pytest.raises(ValueError, match=r"takes input \(N, C\) or \(C,\)"):
+        kbuild.nn.CrossEntropyLoss()(torch.randn(2, 5, 3), torch.zeros(2, 3, dtype=torch.long))
+    with pytest.raises(TypeError, match="target must be torch.int32"):
+        kbuild.nn.CrossEntropyLoss()(torch.randn(2, 5), torch.rand(2, 5))
