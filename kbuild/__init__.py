@@ -18,8 +18,8 @@ __version__ = "0.1.0"
 _DECLARE = {"Arg": "kernels.table", "Param": "kernels.table", "kernel": "kernels.declare"}
 # Describing an op (kbuild/ops/opdef.py): torch's.
 _OPDEF = ("Feature", "Ids", "Launch", "Like", "Op", "Out", "Rows", "Scalar", "Tensors")
-# Losses (kbuild/ops/loss.py): torch's.
-_LOSS = {"cross_entropy": "ops.loss"}
+# Losses (kbuild/ops/loss.py) and softmax (kbuild/ops/softmax.py): torch's.
+_LOSS = {"cross_entropy": "ops.loss", "log_softmax": "ops.softmax", "softmax": "ops.softmax"}
 __all__ = [
     "Arg",
     "Feature",
@@ -44,9 +44,11 @@ __all__ = [
     "launch",
     "layernorm",
     "linear",
+    "log_softmax",
     "nn",
     "Param",
     "rmsnorm",
+    "softmax",
 ]
 
 
