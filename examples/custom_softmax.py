@@ -15,36 +15,11 @@ import torch
 
 import kbuild
 from kbuild import Arg, Launch, Like, Op, Out, Param, Rows
-from kbuild.kernels.config import RowBudget
-from kbuild.kernels.row_plan import plan_rows
+from kbuild.kernels.row_plan import row_kernel
 
 # vectorize: 16-byte accesses (the op passes True where its tensors start 16-byte aligned);
 # rows of any width take them, a row that is not a whole number of vectors is peeled.
 ROW = (Param("N", "int"), Param("dtype", "dtype"), Param("vectorize", "bool", True))
-
-
-def row_kernel(name, N, dtype, vectorize, target, rows_held, overrides):
-    """A kernel of one row group per block (or cluster) as the shared row plan chooses, for
-    `rows_held` fp32 rows kept in registers; returns it and the row's shape. `overrides`:
-    plan fields forced for tuning (threads_per_row, cluster: bench/bench_custom_softmax.py)."""
-    from kbuild.dsl import Kernel
-
-    budget = RowBudget(words_per_elem=float(rows_held))
-    plan = plan_rows(N, dtype, target, vectorize=vectorize, budget=budget, persistent=False,
-                     **overrides)  # fmt: skip
-    k = Kernel(name, target, plan.row.block, cluster=plan.row.cluster,
-               exchange=plan.exchange or "barrier")  # fmt: skip
-    k.meta.update(rows_per_block=plan.row.rows_per_block, cluster=plan.row.cluster)
-    return k, plan.row
-
-
-def rows_of(t, base, dtype: str, **pad):
-    """A thread's f32 values of its row at a chunk's start: held from one load where the row
-    fits in registers, read again on every pass (t.over_chunks) where it does not."""
-    from kbuild.dsl import widen
-
-    held = None if t.cfg.chunked else widen(t.load(base, dtype, **pad))
-    return lambda start: held if held is not None else widen(t.load(base, dtype, start, **pad))
 
 
 @kbuild.kernel("user_softmax_fwd", params=ROW, args=(Arg("x"), Arg("y"), Arg("M", "i64")),
@@ -66,11 +41,13 @@ def build_softmax_fwd(N: int, dtype: str, target, vectorize: bool = True, **over
         thread_sum,
     )
 
-    k, row = row_kernel("user_softmax_fwd", N, dtype, vectorize, target, 1, overrides)
+    # one row group per block (or cluster), planned for one fp32 row held in registers
+    k, row = row_kernel("user_softmax_fwd", N, dtype, target, vectorize=vectorize, rows_held=1,
+                        **overrides)  # fmt: skip
     with k:
         x, y, M = k.ptr("x"), k.ptr("y"), k.i64("M")
         t = RowTile(k, row, M)
-        v = rows_of(t, x, dtype, pad=NEG_INF)  # columns past N: -inf, which exp makes 0
+        v = t.values(x, dtype, pad=NEG_INF)  # its f32 values; past N: -inf, which exp makes 0
 
         if row.chunked:  # each chunk read twice: its exp(x - m) is taken again to write y
 
@@ -106,11 +83,12 @@ def build_softmax_bwd(N: int, dtype: str, target, vectorize: bool = True, **over
     for registers), writes dx."""
     from kbuild.dsl import RowTile, const, thread_sum
 
-    k, row = row_kernel("user_softmax_bwd", N, dtype, vectorize, target, 2, overrides)
+    k, row = row_kernel("user_softmax_bwd", N, dtype, target, vectorize=vectorize, rows_held=2,
+                        **overrides)  # fmt: skip
     with k:
         yp, dyp, dxp, M = k.ptr("y"), k.ptr("dy"), k.ptr("dx"), k.i64("M")
         t = RowTile(k, row, M)
-        y, dy = rows_of(t, yp, dtype), rows_of(t, dyp, dtype)
+        y, dy = t.values(yp, dtype), t.values(dyp, dtype)
         pairs = lambda c: zip(y(c), dy(c), strict=True)  # noqa: E731
         dot = t.over_chunks(lambda c, d: [d[0] + thread_sum([a * b for a, b in pairs(c)])],
                             [const(-0.0)])  # fmt: skip

@@ -282,6 +282,15 @@ class RowTile:
             lambda: from_lanes([element(j) for j in range(vec)]),
         )
 
+    def values(self, base: V, dtype: str, *, pad: float = 0.0):
+        """This thread's f32 values of its row of `base` as a function of a chunk's start:
+        loaded once and held where the row fits in registers, loaded again on each pass
+        (`over_chunks`) where it does not. `pad` as for `load`."""
+        held = None if self.cfg.chunked else widen(self.load(base, dtype, pad=pad))
+        if held is not None:
+            return lambda start: held
+        return lambda start: widen(self.load(base, dtype, start, pad=pad))
+
     def load_row(
         self, base: V, row: V, dtype: str, start: V | int = 0, *, pad: float = 0.0
     ) -> list[V]:

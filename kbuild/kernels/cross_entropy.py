@@ -25,35 +25,13 @@ usual `loss.backward()` of a mean or a sum reads no logits' worth of memory at a
 
 from __future__ import annotations
 
-from .config import RowBudget
 from .declare import kernel
-from .row_plan import plan_rows
+from .row_plan import row_kernel
 from .table import Arg, Param
 
 BAD_TARGET = 1  # the flag's code for a target outside [0, V)
 
 ROW = (Param("N", "int", bounds=(2, None)), Param("dtype", "dtype"))
-
-
-def _row_kernel(name: str, N: int, dtype: str, vectorize: bool, target):
-    """A kernel of one row per block (or cluster), one fp32 row's worth held in registers."""
-    from kbuild.dsl import Kernel
-
-    plan = plan_rows(N, dtype, target, vectorize=vectorize, budget=RowBudget(words_per_elem=1.0),
-                     persistent=False)  # fmt: skip
-    k = Kernel(name, target, plan.row.block, cluster=plan.row.cluster,
-               exchange=plan.exchange or "barrier")  # fmt: skip
-    k.meta.update(rows_per_block=plan.row.rows_per_block, cluster=plan.row.cluster)
-    return k, plan.row
-
-
-def _rows_of(t, base, dtype: str, **pad):
-    """A thread's f32 values of its row at a chunk's start: held from one load where the row
-    fits in registers, read again on every pass where it does not."""
-    from kbuild.dsl import widen
-
-    held = None if t.cfg.chunked else widen(t.load(base, dtype, **pad))
-    return lambda start: held if held is not None else widen(t.load(base, dtype, start, **pad))
 
 
 def _pair_and_sum(a, b):
@@ -94,7 +72,7 @@ def build_cross_entropy_fwd(N, dtype, index_dtype, target, smoothing=False, z_lo
         to_f32,
     )
 
-    k, row = _row_kernel("cross_entropy_fwd", N, dtype, vectorize, target)
+    k, row = row_kernel("cross_entropy_fwd", N, dtype, target, vectorize=vectorize)
     with k:
         logits, targets, coefs, loss_out, lse_out = (
             k.ptr(n) for n in ("logits", "target", "coefs", "loss", "lse")
@@ -113,7 +91,7 @@ def build_cross_entropy_fwd(N, dtype, index_dtype, target, smoothing=False, z_lo
         safe = select(skip, const(0, "i64"), tid)  # a column that exists
         picked = to_f32(t.load_at(logits, safe, dtype))  # x[t]
 
-        v = _rows_of(t, logits, dtype, pad=NEG_INF)  # past the row: -inf, which exp makes 0
+        v = t.values(logits, dtype, pad=NEG_INF)  # past the row: -inf, which exp makes 0
 
         def own(c, state):  # this thread's (max, sum of exp(x - max)[, sum of x]) so far
             values = v(c)
@@ -177,7 +155,7 @@ def build_cross_entropy_rescale(N, dtype, target, vectorize=True):
     """dlogits[r] *= dloss[r] / coefs[0] in place, skipping rows where the two are equal."""
     from kbuild.dsl import RowTile, const, get_llvm_ptr, if_then, load, ne, widen
 
-    k, row = _row_kernel("cross_entropy_rescale", N, dtype, vectorize, target)
+    k, row = row_kernel("cross_entropy_rescale", N, dtype, target, vectorize=vectorize)
     with k:
         dlogits, dloss, coefs = k.ptr("dlogits"), k.ptr("dloss"), k.ptr("coefs")
         t = RowTile(k, row, k.i64("M"))

@@ -248,3 +248,22 @@ def all_16_bit(dtypes: list[str]) -> bool:
 def wider(*dtypes: str | None) -> str:
     """The widest of several I/O dtypes: it sets the vector width a row tile uses."""
     return max((d for d in dtypes if d), key=lambda d: ELEMENT_BYTES[d])
+
+
+def row_kernel(
+    name: str, N: int, dtype: str, target: Target, *, vectorize: bool = True,
+    rows_held: float = 1.0, **overrides,
+):  # fmt: skip
+    """A kernel of one row group per block (or cluster), its launch shape as `plan_rows`
+    chooses for `rows_held` fp32 rows of `dtype` kept in registers (`overrides`: the tuning
+    keywords); returns the dsl.Kernel, not yet entered, and the row's shape (for RowTile).
+    The row kernels written as users write theirs (softmax, cross-entropy) start here."""
+    from ..dsl import Kernel  # MLIR: only builders reach this
+
+    budget = RowBudget(words_per_elem=float(rows_held))
+    plan = plan_rows(N, dtype, target, vectorize=vectorize, budget=budget, persistent=False,
+                     **overrides)  # fmt: skip
+    k = Kernel(name, target, plan.row.block, cluster=plan.row.cluster,
+               exchange=plan.exchange or "barrier")  # fmt: skip
+    k.meta.update(rows_per_block=plan.row.rows_per_block, cluster=plan.row.cluster)
+    return k, plan.row

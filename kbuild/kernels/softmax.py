@@ -15,9 +15,8 @@ its gradient dy once (twice when chunked) and write dx in y's dtype.
 
 from __future__ import annotations
 
-from .config import RowBudget
 from .declare import kernel
-from .row_plan import plan_rows
+from .row_plan import row_kernel
 from .table import Arg, Param
 
 ROW = (Param("N", "int", bounds=(1, None)), Param("dtype", "dtype"))
@@ -25,27 +24,6 @@ FWD_PARAMS = (*ROW, Param("out_dtype", "dtype?", None), Param("vectorize", "bool
 BWD_PARAMS = (*ROW, Param("vectorize", "bool", True))
 FWD_ARGS = (Arg("x"), Arg("y"), Arg("M", "i64"))
 BWD_ARGS = (Arg("y"), Arg("dy"), Arg("dx"), Arg("M", "i64"))
-
-
-def _row_kernel(name: str, N: int, dtype: str, vectorize: bool, target, rows_held: int):
-    """A kernel of one row group per block (or cluster), `rows_held` fp32 rows in registers."""
-    from kbuild.dsl import Kernel
-
-    budget = RowBudget(words_per_elem=float(rows_held))
-    plan = plan_rows(N, dtype, target, vectorize=vectorize, budget=budget, persistent=False)
-    k = Kernel(name, target, plan.row.block, cluster=plan.row.cluster,
-               exchange=plan.exchange or "barrier")  # fmt: skip
-    k.meta.update(rows_per_block=plan.row.rows_per_block, cluster=plan.row.cluster)
-    return k, plan.row
-
-
-def _rows_of(t, base, dtype: str, **pad):
-    """A thread's f32 values of its row at a chunk's start: held from one load where the row
-    fits in registers, read again on every pass where it does not."""
-    from kbuild.dsl import widen
-
-    held = None if t.cfg.chunked else widen(t.load(base, dtype, **pad))
-    return lambda start: held if held is not None else widen(t.load(base, dtype, start, **pad))
 
 
 def _forward(name: str, log: bool, N, dtype, target, out_dtype, vectorize):
@@ -65,11 +43,11 @@ def _forward(name: str, log: bool, N, dtype, target, out_dtype, vectorize):
     from kbuild.dsl import log as ln
 
     out = out_dtype or dtype
-    k, row = _row_kernel(name, N, dtype, vectorize, target, 1)
+    k, row = row_kernel(name, N, dtype, target, vectorize=vectorize, rows_held=1)
     with k:
         x, y, M = k.ptr("x"), k.ptr("y"), k.i64("M")
         t = RowTile(k, row, M)
-        v = _rows_of(t, x, dtype, pad=NEG_INF)  # columns past N: -inf, which exp makes 0
+        v = t.values(x, dtype, pad=NEG_INF)  # columns past N: -inf, which exp makes 0
 
         if row.chunked:  # each chunk read twice: y is taken from x again
 
@@ -118,11 +96,11 @@ def _backward(name: str, log: bool, N, dtype, target, vectorize):
     """The shared backward: one row sum (y dy, or dy), then dx."""
     from kbuild.dsl import RowTile, const, exp, thread_sum
 
-    k, row = _row_kernel(name, N, dtype, vectorize, target, 2)
+    k, row = row_kernel(name, N, dtype, target, vectorize=vectorize, rows_held=2)
     with k:
         yp, dyp, dxp, M = k.ptr("y"), k.ptr("dy"), k.ptr("dx"), k.i64("M")
         t = RowTile(k, row, M)
-        y, dy = _rows_of(t, yp, dtype), _rows_of(t, dyp, dtype)  # padding 0: adds nothing
+        y, dy = t.values(yp, dtype), t.values(dyp, dtype)  # padding 0: adds nothing
         pairs = lambda c: zip(y(c), dy(c), strict=True)  # noqa: E731
         if log:  # sum(dy); dx = dy - exp(y) sum(dy)
             part = lambda c: thread_sum(dy(c))  # noqa: E731
