@@ -4,7 +4,8 @@
 #   rm -rf .kbuild-aot .kbuild-before
 #   kbuild warmup --arch sm_90 --manifest tests --manifest bench \
 #       --module examples/custom_softmax.py --module bench/math_accuracy.py \
-#       --module bench/bench_rows.py --module kbuild.ops.loss --cache-dir .kbuild-aot
+#       --module bench/bench_rows.py --module kbuild.ops.loss --module kbuild.ops.softmax \
+#       --cache-dir .kbuild-aot
 #   for n in 4097 5123 50257; do kbuild warmup --arch sm_90 --hidden $n --dtype bf16 \
 #       --cache-dir .kbuild-aot; done
 #   mkdir .kbuild-before && git archive <commit before the change> | tar -x -C .kbuild-before
@@ -19,7 +20,7 @@
 # 65537, the example's 4097 / 50257 / 3001) and the example's one-reduction softmax;
 # bench_rows.py (odd widths against the aligned ones, the long-row cluster alternatives);
 # host.py (the generic op's forward); models.py with the two host-bound GPT-2 shapes;
-# kbuild.cross_entropy's kernels (tests/test_cross_entropy_gpu.py, in gpu_tests).
+# kbuild.cross_entropy's and kbuild.softmax / log_softmax's kernels (their _gpu tests).
 # Results under $OUT (or ./gpu-results). Each step writes its own file and log; a failing
 # step does not stop the next. With no step named, all four run.
 set -uo pipefail
