@@ -108,7 +108,9 @@ def test_row_scalars_refuse_an_unknown_dtype():
     plan = plan_rows(4096, "bf16", SM90, persistent=False)
     with Kernel("test_row_api_bad", SM90, plan.row.block) as k:
         t = RowTile(k, plan.row, k.i64("M"))
-        with pytest.raises(ValueError, match="RowTile.load_row_scalar: dtype must be one of"):
+        with pytest.raises(
+            ValueError, match="RowTile.load_row_scalar: unknown dtype 'int64'; one of"
+        ):
             t.load_row_scalar(k.ptr("x"), "int64")
 
 

@@ -21,14 +21,21 @@ def _callable(f: object, fn: str, what: str) -> None:
         raise TypeError(f"{fn}: {what} must be a function (a lambda), got {describe(f)}")
 
 
-def if_then(cond: V, body: Callable[[], None]) -> None:
-    """Run `body` where `cond` holds; nothing is produced."""
+def if_then(cond: V, body: Callable[[], None], otherwise: Callable[[], None] | None = None) -> None:
+    """Run `body` where `cond` holds (and `otherwise`, if given, where it does not); nothing
+    is produced."""
     need_flag(cond, "dsl.if_then")
     _callable(body, "dsl.if_then", "body")
-    op = scf.IfOp(cond.value)
+    if otherwise is not None:
+        _callable(otherwise, "dsl.if_then", "otherwise")
+    op = scf.IfOp(cond.value, [], has_else=otherwise is not None)
     with ir.InsertionPoint(op.then_block):
         body()
         scf.YieldOp([])
+    if otherwise is not None:
+        with ir.InsertionPoint(op.else_block):
+            otherwise()
+            scf.YieldOp([])
 
 
 def _branch_value(v: object, fn: str, what: str) -> V:

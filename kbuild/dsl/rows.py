@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from mlir import ir
-from mlir.dialects import scf, vector
+from mlir.dialects import vector
 
 from ..dtypes import ELEMENT_BYTES
 from .control import if_else, if_then, loop
@@ -40,6 +40,7 @@ from .values import (
     cast,
     const,
     describe,
+    dtype_name,
     hsum,
     i64,
     minimum,
@@ -58,17 +59,6 @@ def lanes(v: V) -> list[V]:
     if not isinstance(v.type, ir.VectorType):
         return [v]
     return [V(vector.extract(v.value, [], [i])) for i in range(v.width)]
-
-
-def _branch(cond: V, then, otherwise) -> None:
-    """then() where `cond` holds, else otherwise(); nothing is produced."""
-    op = scf.IfOp(cond.value, [], has_else=True)
-    with ir.InsertionPoint(op.then_block):
-        then()
-        scf.YieldOp([])
-    with ir.InsertionPoint(op.else_block):
-        otherwise()
-        scf.YieldOp([])
 
 
 def from_lanes(elements: list[V]) -> V:
@@ -375,7 +365,7 @@ class RowTile:
 
         def write() -> None:
             ptr = get_llvm_ptr(base, offset + col, dtype)
-            _branch(self._whole(col), lambda: store(value, ptr, aligned), by_element)
+            if_then(self._whole(col), lambda: store(value, ptr, aligned), by_element)
 
         if valid is None:
             write()
@@ -432,13 +422,13 @@ class RowTile:
     def load_row_scalar(self, base: V, dtype: str = "f32") -> V:
         """Element `row` of a one-per-row array (a saved rstd or mean; "i32" / "i64" a row's
         target id), read by every thread of the row, raw in `dtype`."""
-        _check_dtype("RowTile.load_row_scalar", dtype)
+        dtype_name(dtype, "RowTile.load_row_scalar", ELEMENT_BYTES)
         return load(get_llvm_ptr(base, self.row, dtype), dtype)
 
     def store_row_scalar(self, base: V, value: V, dtype: str = "f32") -> None:
         """Write one value per row (rstd, mean, a loss) as `dtype`, from the row's first
         thread, where the row exists (not a row past M)."""
-        _check_dtype("RowTile.store_row_scalar", dtype)
+        dtype_name(dtype, "RowTile.store_row_scalar", ELEMENT_BYTES)
         first = self.lane < 1
         guard = first if self.valid is None else first & self.valid
         value = cast(value, dtype)
@@ -448,7 +438,7 @@ class RowTile:
         """Element `column` (an integer, from 0 to N - 1: the caller checks it) of this row of
         `base`: a gather within the row (a cross-entropy's logit at the target), one scalar
         read by every thread of the row, raw in `dtype`. A cluster's blocks each read it."""
-        _check_dtype("RowTile.load_at", dtype)
+        dtype_name(dtype, "RowTile.load_at", ELEMENT_BYTES)
         start = self.offset_in(rows) - self.first  # the row's start, not this block's slice
         return load(get_llvm_ptr(base, start + i64(column), dtype), dtype)
 
@@ -540,11 +530,6 @@ class RowTile:
     def _mark(self, point: str) -> None:
         if self.k.trace is not None:
             self.k.trace.mark(point)
-
-
-def _check_dtype(where: str, dtype: str) -> None:
-    if dtype not in ELEMENT_BYTES:
-        raise ValueError(f"{where}: dtype must be one of {sorted(ELEMENT_BYTES)}, not {dtype!r}")
 
 
 def widen(values: list[V]) -> list[V]:
