@@ -11,6 +11,7 @@ def covered(cfg: RowConfig, phase_of_row) -> list[list[int]]:
     guarded elements, as RowTile computes them (columns shifted back by the phase, elements
     kept where 0 <= column < the slice's end); asserts every vector access is aligned."""
     from kbuild.dsl.rows import thread_columns  # imports MLIR, which the GPU machine lacks
+
     counts = []
     for phase in range(cfg.vec) if cfg.peel else [0]:  # aligned rows all start at 0
         hits = [0] * cfg.N
