@@ -17,13 +17,15 @@ from kbuild.ops import loss as ce_ops
 IGNORE = -100
 
 
-def _fp64(x, t, reduction, ls, z, ignore_index=IGNORE):
-    """torch's cross-entropy in fp64 plus the z-loss (Liger / PaLM: z * lse^2 per valid row)."""
+def _fp64(x, t, reduction, ls, z, ignore_index=IGNORE, cap=None):
+    """torch's cross-entropy in fp64 plus the z-loss (Liger / PaLM: z * lse^2 per valid row),
+    of the logits soft-capped by `cap` (Gemma 2: cap * tanh(x / cap)) where given."""
     xd = x.detach().double().reshape(-1, x.shape[-1]).requires_grad_()
     flat = t.reshape(-1).long()
-    rows = F.cross_entropy(xd, flat, reduction="none", label_smoothing=ls,
+    xc = xd if cap is None else cap * torch.tanh(xd / cap)
+    rows = F.cross_entropy(xc, flat, reduction="none", label_smoothing=ls,
                            ignore_index=ignore_index)  # fmt: skip
-    lse = torch.logsumexp(xd, -1)
+    lse = torch.logsumexp(xc, -1)
     rows = rows + torch.where(flat != ignore_index, z * lse * lse, 0.0)
     if reduction == "mean":
         out = rows.sum() / (flat != ignore_index).sum()
@@ -80,8 +82,9 @@ def test_gradient_is_written_by_the_forward_and_rescaled_in_place():
     """The forward's gradient (scaled by 1 / n_valid for a mean) is what the backward returns:
     `loss.backward()` leaves it as it is, another incoming gradient rescales it."""
     x, t = _inputs(5, 37, torch.float32, torch.int64)
-    coefs = torch.tensor([0.25, 0.0, 0.0])
-    loss, lse, d = torch.ops.kbuild.cross_entropy_fwd(x, t, coefs, IGNORE, False, False, True)
+    coefs = torch.tensor([0.25, 0.0, 0.0, 0.0])
+    loss, lse, d = torch.ops.kbuild.cross_entropy_fwd(x, t, coefs, IGNORE, False, False, False,
+                                                      True)  # fmt: skip
     ref, xd = _fp64(x, t, "mean", 0.0, 0.0)
     ref.backward()
     assert torch.allclose(d.double(), xd.grad, atol=1e-6)  # 1 / n_valid = 1 / 4 = coefs[0]
@@ -207,8 +210,8 @@ def test_fake_gives_the_declared_outputs():
     with FakeTensorMode():
         x = torch.empty(4, 50257, dtype=torch.bfloat16)
         t = torch.empty(4, dtype=torch.int32)
-        loss, lse, d = torch.ops.kbuild.cross_entropy_fwd(x, t, torch.empty(3), -100, True,
-                                                          True, True)  # fmt: skip
+        loss, lse, d = torch.ops.kbuild.cross_entropy_fwd(x, t, torch.empty(4), -100, True,
+                                                          True, True, True)  # fmt: skip
         assert loss.shape == lse.shape == (4,) and loss.dtype == torch.float32
         assert d.shape == x.shape and d.dtype == x.dtype
 
@@ -270,9 +273,9 @@ def test_gpu_cases_are_warmable():
     from . import test_cross_entropy_gpu as gpu
 
     warm = set(ce_ops.warmup_specs())
-    for V, dtype, index, ls, z in gpu.CASES:
+    for V, dtype, index, ls, z, cap in gpu.CASES:
         for grad in (True, False):
-            values = ce_ops.fwd_values(V, dtype, index, ls > 0, z > 0, grad, True)
+            values = ce_ops.fwd_values(V, dtype, index, ls > 0, z > 0, grad, True, cap is not None)
             assert ce_ops.build_cross_entropy_fwd.spec(**values) in warm, values
         rescale = ce_ops.build_cross_entropy_rescale.spec(N=V, dtype=values["dtype"])
         assert rescale in warm
@@ -307,3 +310,103 @@ def test_nn_cross_entropy_loss_refuses_class_dimension_one():
         kbuild.nn.CrossEntropyLoss()(torch.randn(2, 5, 3), torch.zeros(2, 3, dtype=torch.long))
     with pytest.raises(TypeError, match="target must be torch.int32"):
         kbuild.nn.CrossEntropyLoss()(torch.randn(2, 5), torch.rand(2, 5))
+
+
+# ----------------------------------------------------------------------------- soft cap, in place
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_softcap_values_and_gradients_match_fp64(dtype, reduction):
+    """Logits of scale 20 under a cap of 15: tanh bends most of them, so the loss and the
+    gradient without the cap, or without its factor 1 - tanh^2, are far off (checked)."""
+    x, t = _inputs(6, 203, dtype, torch.int64, scale=20.0)
+    x.requires_grad_()
+    y = kbuild.cross_entropy(x, t, reduction=reduction, softcap=15.0, lse_square_scale=1e-3)
+    ref, xd = _fp64(x, t, reduction, 0.0, 1e-3, cap=15.0)
+    w = torch.linspace(0.5, 2.0, y.numel()).view(y.shape) if reduction == "none" else 1.0
+    (y.float() * w).sum().backward()
+    (ref * w).sum().backward()
+    tol = TOL[dtype]
+    assert torch.allclose(y.double(), ref, rtol=tol, atol=tol)
+    scale = xd.grad.abs().max()
+    assert (x.grad.double() - xd.grad).abs().max() <= tol * scale
+    uncapped, xu = _fp64(x, t, reduction, 0.0, 1e-3)
+    (uncapped * w).sum().backward()
+    assert (uncapped - ref).abs().max() > 10 * tol * ref.abs().max()
+    assert (xu.grad - xd.grad).abs().max() > 10 * tol * scale
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_inplace_backward_writes_the_gradient_over_the_logits(reduction):
+    """The same loss and gradient as the default path, bitwise (one reference, one rounding),
+    and the gradient is the logits' own storage afterwards."""
+    x, t = _inputs(6, 77, torch.bfloat16, torch.int64)
+    a = x.clone().requires_grad_()
+    b = x.clone().requires_grad_()
+    ya = kbuild.cross_entropy(a, t, reduction=reduction, label_smoothing=0.1, softcap=5.0)
+    logits = b * 1
+    yb = kbuild.cross_entropy(logits, t, reduction=reduction, label_smoothing=0.1, softcap=5.0,
+                              inplace_backward=True)  # fmt: skip
+    w = torch.linspace(0.5, 2.0, ya.numel()).view(ya.shape) if reduction == "none" else 1.0
+    (ya.float() * w).sum().backward()
+    (yb.float() * w).sum().backward()
+    assert torch.equal(ya, yb) and torch.equal(a.grad, b.grad)
+    assert torch.equal(logits, b.grad)  # the logits now hold their gradient
+
+
+def test_inplace_backward_refuses_a_leaf_and_is_caught_where_the_logits_are_saved():
+    x, t = _inputs(4, 16, torch.float32, torch.int64)
+    x.requires_grad_()
+    with pytest.raises(ValueError, match="inplace_backward writes the gradient over logits"):
+        kbuild.cross_entropy(x, t, inplace_backward=True)
+    capped = torch.tanh(x)  # tanh saves its output for its backward: overwritten, refused
+    y = kbuild.cross_entropy(capped, t, inplace_backward=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.backward()
+
+
+def test_return_z_loss_is_the_z_term_reduced_like_the_loss():
+    x, t = _inputs(6, 50, torch.float32, torch.int64, scale=10.0)
+    for reduction in REDUCTIONS:
+        y, z = kbuild.cross_entropy(x, t, reduction=reduction, lse_square_scale=1e-2,
+                                    return_z_loss=True)  # fmt: skip
+        base = kbuild.cross_entropy(x, t, reduction=reduction)
+        assert torch.allclose(y - base, z, rtol=1e-5, atol=1e-5)
+        assert not z.requires_grad
+
+
+REDUCTIONS = ("mean", "sum", "none")
+
+
+@pytest.mark.parametrize(
+    "kwargs,error,message",
+    [
+        (dict(softcap=0.0), ValueError, "softcap must be None or finite and > 0"),
+        (dict(softcap=float("inf")), ValueError, "softcap must be None or finite"),
+        (dict(softcap="30"), TypeError, "softcap must be None or a float"),
+        (dict(return_z_loss=1), TypeError, "return_z_loss must be a bool"),
+        (dict(inplace_backward="yes"), TypeError, "inplace_backward must be a bool"),
+        (dict(check_targets=None), TypeError, "check_targets must be a bool"),
+    ],
+)
+def test_new_options_are_checked(kwargs, error, message):
+    x, t = _inputs(4, 10, torch.float32, torch.int64)
+    with pytest.raises(error, match=message):
+        kbuild.cross_entropy(x, t, **kwargs)
+
+
+def test_softcap_kernel_uses_tanh_once_per_element_and_lowers_for_amd():
+    """The capped values of a held row are computed once, not again for the gradient: per
+    element the plain kernel takes two 2^x (the sum's exp and p's), the capped one a third
+    (tanh's), so at most 1.5 times the plain count; recomputing tanh would make it 2."""
+    from kbuild import compiler
+    from kbuild.targets import target_for_arch
+
+    plain = ce_ops.fwd_values(4096, torch.bfloat16, torch.int64, False, False, True, True)
+    capped = dict(plain, softcap=True)
+    n_plain = len(re.findall(r"ex2\.approx", _ptx(ce_ops.build_cross_entropy_fwd.spec(**plain))))
+    spec = ce_ops.build_cross_entropy_fwd.spec(**capped)
+    n_capped = len(re.findall(r"ex2\.approx", _ptx(spec)))
+    assert n_plain < n_capped <= n_plain * 3 // 2 + 2, (n_plain, n_capped)
+    assert compiler.lower(spec, target_for_arch("gfx942"))

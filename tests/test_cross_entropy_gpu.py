@@ -13,11 +13,11 @@ from kbuild.ops.loss import GPU_DTYPES, GPU_OPTIONS, GPU_V
 pytestmark = pytest.mark.gpu
 
 CASES = [
-    (V, dtype, index, ls, z)
+    (V, dtype, index, ls, z, cap)
     for V in GPU_V
     for dtype in GPU_DTYPES
     for index in (torch.int32, torch.int64)
-    for ls, z in GPU_OPTIONS
+    for ls, z, cap in GPU_OPTIONS
 ]
 TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 
@@ -30,21 +30,24 @@ def _case(V, dtype, index, M=37, seed=0):
     return x, t
 
 
-def _fp64(x, t, reduction, ls, z):
+def _fp64(x, t, reduction, ls, z, cap=None):
     from tests.test_cross_entropy_cpu import _fp64 as ref
 
-    return ref(x, t, reduction, ls, z)
+    return ref(x, t, reduction, ls, z, cap=cap)
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
-@pytest.mark.parametrize("V,dtype,index,ls,z", CASES)
-def test_values_and_gradients_match_fp64(V, dtype, index, ls, z, reduction):
+@pytest.mark.parametrize("V,dtype,index,ls,z,cap", CASES)
+def test_values_and_gradients_match_fp64(V, dtype, index, ls, z, cap, reduction):
+    """x scaled by 4 with a cap of 30: tanh bends the largest logits by a few percent, so a
+    kernel without the cap (or its gradient factor) is far outside the tolerance."""
     import kbuild
 
     x, t = _case(V, dtype, index)
     x.requires_grad_()
-    y = kbuild.cross_entropy(x, t, reduction=reduction, label_smoothing=ls, lse_square_scale=z)
-    ref, xd = _fp64(x, t, reduction, ls, z)
+    y = kbuild.cross_entropy(x, t, reduction=reduction, label_smoothing=ls, lse_square_scale=z,
+                             softcap=cap)  # fmt: skip
+    ref, xd = _fp64(x, t, reduction, ls, z, cap)
     w = torch.rand(y.shape, device="cuda", dtype=torch.float64) if reduction == "none" else 1.0
     (y.double() * w).sum().backward()
     (ref * w).sum().backward()
@@ -86,3 +89,64 @@ def test_bitwise_repeats(V):
         outs.append((y.detach(), xr.grad))
     for y, g in outs[1:]:
         assert torch.equal(y, outs[0][0]) and torch.equal(g, outs[0][1])
+
+
+@pytest.mark.parametrize("V", [1000, 50257, 151936])
+@pytest.mark.parametrize("cap", [None, 30.0])
+def test_inplace_backward_matches_and_holds_no_second_copy(V, cap):
+    """inplace_backward: the same loss and gradient bitwise as the default path, and the
+    gradient lives in the logits' own memory (no logits-sized tensor is kept)."""
+    import kbuild
+
+    x, t = _case(V, torch.bfloat16, torch.int64, M=64)
+    w = x.detach().clone().requires_grad_()
+    ref = kbuild.cross_entropy(w * 1, t, label_smoothing=0.1, softcap=cap)
+    ref.backward()
+    v = x.detach().clone().requires_grad_()
+    logits = v * 1
+    ptr = logits.data_ptr()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    y = kbuild.cross_entropy(logits, t, label_smoothing=0.1, softcap=cap, inplace_backward=True)
+    held = torch.cuda.memory_allocated() - before
+    assert held < logits.numel() * logits.element_size() // 4  # no second copy
+    y.backward()
+    assert logits.data_ptr() == ptr
+    assert torch.equal(y, ref) and torch.equal(v.grad, w.grad)
+
+
+def test_check_targets_false_does_not_synchronise_and_ignores_the_row():
+    import kbuild
+
+    x, t = _case(4096, torch.bfloat16, torch.int32)
+    t[5] = 4096
+    rows = kbuild.cross_entropy(x, t, reduction="none", check_targets=False)
+    assert rows[5] == 0
+
+
+def test_captured_into_a_cuda_graph():
+    """No host read and no host-to-device copy per call: the forward and backward capture,
+    and replays give the eager values."""
+    import kbuild
+
+    x, t = _case(50257, torch.bfloat16, torch.int64, M=64)
+    kbuild.cross_entropy(x.clone().requires_grad_(), t, label_smoothing=0.1)  # warm
+    static = x.clone().requires_grad_()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            static.grad = None
+            kbuild.cross_entropy(static, t, label_smoothing=0.1).backward()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    static.grad = None
+    with torch.cuda.graph(graph):
+        y = kbuild.cross_entropy(static, t, label_smoothing=0.1)
+        y.backward()
+    graph.replay()
+    ref_x = x.clone().requires_grad_()
+    ref = kbuild.cross_entropy(ref_x, t, label_smoothing=0.1)
+    ref.backward()
+    torch.cuda.synchronize()
+    assert torch.equal(y, ref) and torch.equal(static.grad, ref_x.grad)

@@ -4,10 +4,12 @@ backward's row rescale (kbuild/ops/loss.py is the op and its design).
 `cross_entropy_fwd`, one row per block (or cluster) as `row_plan.plan_rows` chooses, rows of
 any width (odd V peeled by the row layer):
 
+    x     = c tanh(x_in / c)          with a soft cap c (Gemma 2), else x = x_in
     m, s  = online (max, sum of exp(x - m)) over the row      (one reduction, softmax_pair)
     lse   = m + log(s)
     loss  = (1 - eps) (lse - x[t]) + eps (lse - mean(x)) + z lse^2
     dx_j  = g (p_j (1 + 2 z lse) - (1 - eps) [j == t] - eps / V),   p_j = exp(x_j - lse)
+    dx_in = dx (1 - (x / c)^2)        with the soft cap (d/dx_in of c tanh(x_in / c))
 
 eps the label smoothing (torch's definition), z the z-loss scale (PaLM's, Liger's
 `lse_square_scale`), g the gradient scale the forward assumes (coefs[0]: 1 / n_valid for a
@@ -15,8 +17,15 @@ mean, 1 for a sum). A row whose target is ignore_index has loss 0 and dx 0. A ta
 [0, V) that is not ignore_index raises the int32 at `flag` to BAD_TARGET (dsl.report, an
 atomic max) and the row is treated as ignored. The logits are read once where a row fits in
 registers (twice for rows chunked through them: the second pass recomputes exp), dx written
-once. `smoothing` / `z_loss` are compile-time switches for their terms (their values are
-runtime, coefs[1] and coefs[2]: no recompile per value); `ignore_index` is a runtime i64.
+once. `smoothing` / `z_loss` / `softcap` are compile-time switches for their terms (their
+values are runtime, coefs[1], coefs[2] and coefs[3]: no recompile per value); `ignore_index`
+is a runtime i64.
+
+`dlogits` may be `logits` itself (the gradient written in place): every element is read
+before it is written, by the thread that writes it, and x[t] is read before the row's
+reduction, which every thread of the row passes before any of them writes. Rows past M (a
+block of several rows) read what the real row's threads may have overwritten, but they
+store nothing.
 
 `cross_entropy_rescale`: dx[r] *= dloss[r] / g in place, for the rows whose incoming gradient
 differs from the g the forward assumed; a row where it is equal costs one scalar read (the
@@ -44,13 +53,14 @@ def _pair_and_sum(a, b):
 @kernel(
     "cross_entropy_fwd",
     params=(*ROW, Param("index_dtype", "index"), Param("smoothing", "bool", False),
-            Param("z_loss", "bool", False), Param("grad", "bool", True),
+            Param("z_loss", "bool", False), Param("softcap", "bool", False),
+            Param("grad", "bool", True),
             Param("vectorize", "bool", True)),
     args=(Arg("logits"), Arg("target"), Arg("coefs"), Arg("loss"), Arg("lse"),
           Arg("dlogits", when="grad"), Arg("flag"), Arg("M", "i64"), Arg("ignore_index", "i64")),
 )  # fmt: skip
 def build_cross_entropy_fwd(N, dtype, index_dtype, target, smoothing=False, z_loss=False,
-                            grad=True, vectorize=True):  # fmt: skip
+                            softcap=False, grad=True, vectorize=True):  # fmt: skip
     """Per row: loss and lse (fp32), and with `grad` dlogits (dtype) scaled by coefs[0]
     (module docstring); without it (inference) the logits are read once and nothing else."""
     from kbuild.dsl import (
@@ -67,6 +77,7 @@ def build_cross_entropy_fwd(N, dtype, index_dtype, target, smoothing=False, z_lo
         report,
         select,
         softmax_pair,
+        tanh,
         thread_max,
         thread_sum,
         to_f32,
@@ -89,9 +100,29 @@ def build_cross_entropy_fwd(N, dtype, index_dtype, target, smoothing=False, z_lo
         report(flag, bad, BAD_TARGET)  # a row past M repeats row M - 1: the same answer
         skip = ignored | bad
         safe = select(skip, const(0, "i64"), tid)  # a column that exists
-        picked = to_f32(t.load_at(logits, safe, dtype))  # x[t]
+        coef = [load(get_llvm_ptr(coefs, const(i, "i64"), "f32"), "f32") for i in range(4)]
+        if softcap:  # x = c tanh(x_in / c), c = coefs[3]
+            cap, inv_cap = coef[3], 1.0 / coef[3]
 
-        v = t.values(logits, dtype, pad=NEG_INF)  # past the row: -inf, which exp makes 0
+            def capped(a):
+                return cap * tanh(a * inv_cap)
+
+        picked = to_f32(t.load_at(logits, safe, dtype))  # x[t]
+        picked = capped(picked) if softcap else picked
+
+        raw = t.values(logits, dtype, pad=NEG_INF)  # past the row: -inf, which exp makes 0
+        v = raw
+        if softcap:  # capped where the row is (the padding stays -inf), once where held
+
+            def v(c):
+                return [
+                    capped(a) if g is None else select(g, capped(a), NEG_INF)
+                    for a, g in zip(raw(c), t.inside(c), strict=True)
+                ]
+
+            if not t.cfg.chunked:
+                held = v(0)
+                v = lambda c: held  # noqa: E731
 
         def own(c, state):  # this thread's (max, sum of exp(x - max)[, sum of x]) so far
             values = v(c)
@@ -115,9 +146,9 @@ def build_cross_entropy_fwd(N, dtype, index_dtype, target, smoothing=False, z_lo
         lse = m + log(s)
 
         # loss = (1 - eps)(lse - x[t]) + eps (lse - mean x) + z lse^2
-        c0 = load(get_llvm_ptr(coefs, const(0, "i64"), "f32"), "f32")  # the gradient scale g
-        eps = load(get_llvm_ptr(coefs, const(1, "i64"), "f32"), "f32") if smoothing else None
-        z = load(get_llvm_ptr(coefs, const(2, "i64"), "f32"), "f32") if z_loss else None
+        c0 = coef[0]  # the gradient scale g
+        eps = coef[1] if smoothing else None
+        z = coef[2] if z_loss else None
         nll = lse - picked
         loss = nll if eps is None else (1.0 - eps) * nll + eps * (lse - totals[2] * (1.0 / N))
         if z is not None:
@@ -138,7 +169,8 @@ def build_cross_entropy_fwd(N, dtype, index_dtype, target, smoothing=False, z_lo
             out = []
             for a, col in zip(v(c), cols, strict=True):
                 d = exp(a - lse) * p_scale - select(eq(col, safe), hit, 0.0)
-                out.append(d if floor is None else d - floor)
+                d = d if floor is None else d - floor
+                out.append(d * (1.0 - a * inv_cap * (a * inv_cap)) if softcap else d)
             t.store(dlogits, out, dtype, c)
             return []
 

@@ -2,7 +2,7 @@
 
     loss = kbuild.cross_entropy(logits, target)               # (M, V) or (..., V), ids (...)
     loss = kbuild.cross_entropy(logits, target, reduction="sum", label_smoothing=0.1,
-                                lse_square_scale=1e-4, ignore_index=-100)
+                                lse_square_scale=1e-4, softcap=30.0, ignore_index=-100)
 
 The design: the forward writes the gradient. One kernel per call (kernels/cross_entropy.py)
 reads each row of logits once, takes one online (max, sum-exp) reduction, and writes the
@@ -14,12 +14,14 @@ rescales that gradient in place, row by row, only where the incoming gradient di
 the one assumed: `loss.backward()` of a mean or a sum costs one scalar read per row. Under
 autograd that is the physical floor (the logits read once, their gradient written once); the
 other design (save lse, recompute softmax in the backward) reads the logits twice. Its cost
-is memory: the gradient is held from the forward to the backward (the size of the logits;
-the logits themselves are usually dead by then). For reduction="none" followed by a weighted
-sum the rescale reads and writes the gradient again (as a recompute would read the logits
-and write it).
+is memory: the gradient is held from the forward to the backward, the size of the logits.
+`inplace_backward=True` writes it over the logits instead (`kbuild::cross_entropy_fwd_`),
+which saves that memory where nothing else needs the logits (the usual case: an lm_head's
+matmul saves its inputs, not its output); where something does, autograd refuses its
+backward ("modified by an inplace operation") rather than computing with gradients.
 
-Definitions. loss_r = (1 - eps) (lse_r - x_r[t_r]) + eps (lse_r - mean_j x_r[j]) +
+Definitions. With a soft cap c (Gemma 2's `final_logit_softcapping`) the logits are first
+x = c tanh(x_in / c). loss_r = (1 - eps) (lse_r - x_r[t_r]) + eps (lse_r - mean_j x_r[j]) +
 z lse_r^2: eps is torch's `label_smoothing` (the target distribution (1 - eps) one-hot +
 eps / V); z is `lse_square_scale`, the z-loss of PaLM (Chowdhery et al. 2022, 1e-4 there)
 as Liger-Kernel defines it (added to each row's loss; torch has no such option). Log-sum-exp
@@ -27,17 +29,20 @@ and every sum are fp32 whatever the logits' dtype; the loss has the logits' dtyp
 the gradient too. A row whose target is `ignore_index` adds 0 to the loss and gets a zero
 gradient; a mean over no valid row is NaN (torch's 0 / 0).
 
-A target outside [0, V) that is not ignore_index is reported by the kernel into an int32
-flag (dsl.report) and the call raises ValueError naming `target`. Reading the flag waits for
-the kernel: every CUDA call synchronises the host with its stream once (a few microseconds
-of host time and no more overlap of the host with that kernel; it cannot be captured in a
-CUDA graph). The gradient is deterministic: no float atomics, bitwise the same every run.
-Running the backward twice (retain_graph=True) is refused by autograd: the saved gradient is
-rescaled in place the first time.
+Targets. A target outside [0, V) that is not ignore_index is reported by the kernel into an
+int32 flag (dsl.report; the row is then treated as ignored) and, with `check_targets=True`
+(the default), the call raises ValueError naming `target`. Reading the flag waits for the
+kernel: each such call synchronises the host with its stream once (a few microseconds of
+host time, and the host no longer runs ahead of that kernel). `check_targets=False` skips
+the read; so does a call captured into a CUDA graph, where a read cannot be made. The
+gradient is deterministic: no float atomics, bitwise the same every run. Running the
+backward twice (retain_graph=True) is refused by autograd: the saved gradient is rescaled in
+place the first time.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
@@ -63,13 +68,17 @@ def _bad_target(V: int, ignore_index: int) -> ValueError:
     )
 
 
-def cross_entropy_reference(logits, target, coefs, ignore_index, smoothing, z_loss, grad):
+def cross_entropy_reference(logits, target, coefs, ignore_index, smoothing, z_loss, softcap,
+                            grad, check_targets=True):  # fmt: skip
     """fp32 math, one rounding of the gradient to the logits' dtype: what CPU tensors run,
-    and the kernel's contract. coefs = (gradient scale, label smoothing, z-loss scale)."""
+    and the kernel's contract. coefs = (gradient scale, label smoothing, z-loss scale, soft
+    cap). A bad target raises on CPU whatever `check_targets` says (the check is free here)."""
     V = logits.shape[-1]
     x = logits.reshape(-1, V).float()
     t = target.reshape(-1).long()
-    g, eps, z = coefs.float().unbind()
+    g, eps, z, cap = coefs.float().unbind()
+    if softcap:
+        x = cap * torch.tanh(x / cap)
     ignored = t == ignore_index
     bad = ~ignored & ((t < 0) | (t >= V))
     if bool(bad.any()):
@@ -90,6 +99,8 @@ def cross_entropy_reference(logits, target, coefs, ignore_index, smoothing, z_lo
     d[torch.arange(len(t)), safe] -= hit
     if smoothing:
         d -= (scale * eps * (1.0 / V))[:, None]
+    if softcap:
+        d *= 1 - (x / cap) ** 2
     return loss, lse, d.to(logits.dtype).reshape(logits.shape)
 
 
@@ -98,8 +109,8 @@ def _check(bound) -> None:
     if V < 2:
         raise ValueError(f"logits must have at least 2 classes in its last dimension; got {V}")
     coefs = bound["coefs"]
-    if coefs.shape != (3,) or coefs.dtype != torch.float32:
-        raise ValueError(f"coefs must be a float32 tensor of 3; got {coefs.dtype} {coefs.shape}")
+    if coefs.shape != (4,) or coefs.dtype != torch.float32:
+        raise ValueError(f"coefs must be a float32 tensor of 4; got {coefs.dtype} {coefs.shape}")
 
 
 # ----------------------------------------------------------------------------- CUDA
@@ -109,34 +120,132 @@ def _aligned(*tensors: torch.Tensor) -> bool:
     return all(t.data_ptr() % 16 == 0 for t in tensors if t.numel())
 
 
-def _fwd_cuda(logits, target, coefs, ignore_index, smoothing, z_loss, grad):
+def _fwd_cuda(logits, target, coefs, ignore_index, smoothing, z_loss, softcap, grad,
+              check_targets=True):  # fmt: skip
     V = logits.shape[-1]
     M = logits.numel() // V
     with device_guard(logits):
-        x, t, c = logits.contiguous(), target.contiguous(), coefs.contiguous()
-        loss = x.new_empty(M, dtype=torch.float32)
-        lse = x.new_empty(M, dtype=torch.float32)
+        x = logits.contiguous()
+        loss, lse = _new_rows(x, M)
         d = torch.empty_like(x) if grad else x.new_empty(0)
-        if M == 0:
-            return loss, lse, d
         flag = torch.zeros(1, dtype=torch.int32, device=x.device)
-        args = [x, t, c, loss, lse, *([d] if grad else []), flag, M, int(ignore_index)]
-        launch_kernel(
-            build_cross_entropy_fwd,
-            lambda launcher: rows_grid(launcher, M),
-            *args,
-            **fwd_values(V, x.dtype, t.dtype, smoothing, z_loss, grad, _aligned(x, d)),
-        )
-        if int(flag.item()) == BAD_TARGET:  # waits for the kernel (module docstring)
-            raise _bad_target(V, ignore_index)
+        _launch_fwd(x, target, coefs, loss, lse, d if grad else None, flag, ignore_index,
+                    smoothing, z_loss, softcap)  # fmt: skip
+        if check_targets:
+            raise_on_bad_targets(flag, V, ignore_index)
     return loss, lse, d
 
 
-def fwd_values(V, dtype, index_dtype, smoothing, z_loss, grad, vectorize) -> dict:
+def _new_rows(x: torch.Tensor, M: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return (x.new_empty(M, dtype=torch.float32), x.new_empty(M, dtype=torch.float32))
+
+
+def _launch_fwd(x, target, coefs, loss, lse, d, flag, ignore_index, smoothing, z_loss,
+                softcap) -> None:  # fmt: skip
+    """The forward kernel on (M, V) contiguous logits `x`; `d` None (no gradient), a new
+    tensor, or `x` itself (in place)."""
+    V = x.shape[-1]
+    M = x.numel() // V
+    if M == 0:
+        return
+    grad = d is not None
+    args = [x, target.contiguous(), coefs.contiguous(), loss, lse, *([d] if grad else []),
+            flag, M, int(ignore_index)]  # fmt: skip
+    launch_kernel(
+        build_cross_entropy_fwd,
+        lambda launcher: rows_grid(launcher, M),
+        *args,
+        **fwd_values(
+            V,
+            x.dtype,
+            target.dtype,
+            smoothing,
+            z_loss,
+            grad,
+            _aligned(x, *([d] if grad else [])),
+            softcap,
+        ),  # fmt: skip
+    )
+
+
+def raise_on_bad_targets(flag: torch.Tensor, V: int, ignore_index: int) -> None:
+    """ValueError where a kernel reported a target outside [0, V) into `flag` (waits for it);
+    nothing while the stream is being captured into a CUDA graph (no read can be made)."""
+    if torch.cuda.is_current_stream_capturing():
+        return
+    if int(flag.item()) == BAD_TARGET:
+        raise _bad_target(V, ignore_index)
+
+
+def fwd_values(V, dtype, index_dtype, smoothing, z_loss, grad, vectorize, softcap=False) -> dict:
     """The forward kernel's table values for a call (the launch's and warmup_specs')."""
     return dict(N=V, dtype=DTYPE_NAMES[dtype], index_dtype=INDEX_NAMES[index_dtype],
-                smoothing=bool(smoothing), z_loss=bool(z_loss), grad=bool(grad),
-                vectorize=bool(vectorize))  # fmt: skip
+                smoothing=bool(smoothing), z_loss=bool(z_loss), softcap=bool(softcap),
+                grad=bool(grad), vectorize=bool(vectorize))  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- in place
+
+
+@torch.library.custom_op("kbuild::cross_entropy_fwd_", mutates_args=("logits", "flag"))
+def cross_entropy_fwd_(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    coefs: torch.Tensor,
+    flag: torch.Tensor,
+    ignore_index: int,
+    smoothing: bool,
+    z_loss: bool,
+    softcap: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The forward with the gradient written over `logits` (contiguous (..., V)): per-row loss
+    and lse (fp32). A bad target raises `flag` to BAD_TARGET (the caller reads it: several
+    calls may share one flag); on CPU it raises at once."""
+    loss, lse, d = cross_entropy_reference(logits, target, coefs, ignore_index, smoothing,
+                                           z_loss, softcap, True)  # fmt: skip
+    logits.copy_(d)
+    return loss, lse
+
+
+@cross_entropy_fwd_.register_kernel("cuda")
+def _fwd_inplace_cuda(logits, target, coefs, flag, ignore_index, smoothing, z_loss, softcap):
+    V = logits.shape[-1]
+    if not logits.is_contiguous():
+        raise ValueError("logits must be contiguous to take its gradient in place")
+    with device_guard(logits):
+        loss, lse = _new_rows(logits, logits.numel() // V)
+        _launch_fwd(logits, target, coefs, loss, lse, logits, flag, ignore_index, smoothing,
+                    z_loss, softcap)  # fmt: skip
+    return loss, lse
+
+
+@cross_entropy_fwd_.register_fake
+def _fwd_inplace_fake(logits, target, coefs, flag, ignore_index, smoothing, z_loss, softcap):
+    M = logits.numel() // logits.shape[-1]
+    return _new_rows(logits, M)
+
+
+class _InPlace(torch.autograd.Function):
+    """cross_entropy with `inplace_backward`: the forward writes the gradient over the logits
+    and the backward rescales it there (module docstring)."""
+
+    @staticmethod
+    def forward(ctx, logits, target, coefs, ignore_index, smoothing, z_loss, softcap, check):
+        flag = torch.zeros(1, dtype=torch.int32, device=logits.device)
+        loss, lse = cross_entropy_fwd_(logits, target, coefs, flag, ignore_index, smoothing,
+                                       z_loss, softcap)  # fmt: skip
+        if check and logits.is_cuda:
+            raise_on_bad_targets(flag, logits.shape[-1], ignore_index)
+        ctx.save_for_backward(logits, coefs)
+        ctx.mark_non_differentiable(lse)
+        return loss, lse
+
+    @staticmethod
+    def backward(ctx, dloss, dlse):
+        d, coefs = ctx.saved_tensors
+        if d.numel():
+            _rescale(d, dloss, coefs)
+        return d, None, None, None, None, None, None, None
 
 
 # ----------------------------------------------------------------------------- rescale
@@ -182,10 +291,11 @@ def _setup(ctx, inputs, output) -> None:
 
 def _backward(ctx, dloss, dlse, ddlogits):
     d, coefs = ctx.saved_tensors
+    nothing = (None,) * 8
     if dloss is None or not d.numel():
-        return None, None, None, None, None, None, None
+        return None, *nothing
     _rescale(d, dloss.expand(d.numel() // d.shape[-1]) if dloss.dim() == 0 else dloss, coefs)
-    return d.view(ctx.shape), None, None, None, None, None, None
+    return d.view(ctx.shape), *nothing
 
 
 # The forward op: per-row loss and lse (fp32) and, with `grad`, the gradient (kernel above).
@@ -198,7 +308,9 @@ CROSS_ENTROPY = Op(
         Scalar("ignore_index", "int", -100),
         Scalar("smoothing", "bool", False),
         Scalar("z_loss", "bool", False),
+        Scalar("softcap", "bool", False),
         Scalar("grad", "bool", True),
+        Scalar("check_targets", "bool", True),
     ),
     outputs=(
         Out("loss", rows="logits"),
@@ -215,7 +327,8 @@ CROSS_ENTROPY = Op(
 # ----------------------------------------------------------------------------- public
 
 
-def _check_options(ignore_index, reduction, label_smoothing, lse_square_scale) -> None:
+def check_options(ignore_index, reduction, label_smoothing, lse_square_scale, softcap) -> None:
+    """The options cross_entropy and linear_cross_entropy share, each named when refused."""
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
         raise TypeError(f"ignore_index must be an int, got {ignore_index!r}")
     if reduction not in REDUCTIONS:
@@ -227,6 +340,39 @@ def _check_options(ignore_index, reduction, label_smoothing, lse_square_scale) -
         if not (0.0 <= value <= high) or math.isnan(value) or math.isinf(value):
             limit = "in [0, 1]" if high == 1.0 else "finite and >= 0"
             raise ValueError(f"{name} must be {limit}; got {value}")
+    if softcap is not None:
+        if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+            raise TypeError(f"softcap must be None or a float, got {softcap!r}")
+        if not (softcap > 0 and math.isfinite(softcap)):
+            raise ValueError(f"softcap must be None or finite and > 0; got {softcap}")
+
+
+_EXTRA: dict = {}  # (device, eps, z, cap) -> coefs[1:] on that device, made once
+
+
+def make_coefs(target: torch.Tensor, ignore_index: int, mean: bool, label_smoothing: float,
+               lse_square_scale: float, softcap: float | None):  # fmt: skip
+    """The kernels' coefs (gradient scale, label smoothing, z-loss scale, soft cap) on
+    target's device, and n_valid (a device tensor) for a mean, else None. The constant part
+    is made once per device and value (no host-to-device copy per call, so a call can be
+    captured into a CUDA graph); a mean's scale 1 / n_valid is counted on the device."""
+    key = (target.device, float(label_smoothing), float(lse_square_scale), float(softcap or 0))
+    extra = _EXTRA.get(key)
+    if extra is None:
+        extra = torch.tensor(key[1:], dtype=torch.float32).to(target.device)
+        if len(_EXTRA) < 64:
+            _EXTRA[key] = extra
+    if not mean:
+        return torch.cat([extra.new_ones(1), extra]), None
+    n_valid = (target != ignore_index).sum()
+    return torch.cat([(1.0 / n_valid.float()).reshape(1), extra]), n_valid
+
+
+def _reduce(rows: torch.Tensor, target: torch.Tensor, reduction: str, n_valid) -> torch.Tensor:
+    if reduction == "none":
+        return rows.view(target.shape)
+    total = rows.sum()
+    return total / n_valid if reduction == "mean" else total
 
 
 def cross_entropy(
@@ -236,41 +382,59 @@ def cross_entropy(
     reduction: str = "mean",
     label_smoothing: float = 0.0,
     lse_square_scale: float = 0.0,
-) -> torch.Tensor:
+    softcap: float | None = None,
+    return_z_loss: bool = False,
+    inplace_backward: bool = False,
+    check_targets: bool = True,
+):
     """Cross-entropy of `logits` (M, V) or (..., V), float32 / float16 / bfloat16, against
     class ids `target` (M,) or (...), int32 / int64, as torch.nn.functional.cross_entropy
-    with the class dimension last, plus a z-loss `lse_square_scale * lse^2` per row (see the
-    module docstring for the definitions, the design and the synchronisation it costs).
+    with the class dimension last, plus a z-loss `lse_square_scale * lse^2` per row and an
+    optional logit soft cap `softcap * tanh(logits / softcap)` (see the module docstring for
+    the definitions, the design and the synchronisation `check_targets` costs).
 
     Returns the mean over the rows whose target is not `ignore_index` ("mean"), the sum
-    ("sum"), or each row's loss in target's shape ("none"), in the logits' dtype. Saved for
-    backward: the gradient itself, written by the forward (logits-sized), and the 3 fp32
+    ("sum"), or each row's loss in target's shape ("none"), in the logits' dtype; with
+    `return_z_loss`, the pair (loss, z_loss), z_loss the z-loss term of it reduced the same
+    way (for logging; no gradient flows through it). Saved for backward: the gradient itself,
+    written by the forward (logits-sized; with `inplace_backward`, written over the logits,
+    which then hold it: the logits must be contiguous and not a leaf), and the 4 fp32
     coefficients; nothing else."""
     check_input("logits", logits)
-    _check_options(ignore_index, reduction, label_smoothing, lse_square_scale)
+    check_options(ignore_index, reduction, label_smoothing, lse_square_scale, softcap)
     Ids("target", rows_of="logits").check(target, {"logits": logits})
     if logits.shape[-1] < 2:
         raise ValueError(
             f"logits must have at least 2 classes in its last dimension; got {logits.shape[-1]}"
         )
-    valid = target != ignore_index
-    if reduction == "mean":
-        n_valid = valid.sum()
-        scale = (1.0 / n_valid.float()).reshape(1)
-    else:
-        n_valid = None
-        scale = torch.ones(1, dtype=torch.float32, device=logits.device)
-    extra = torch.tensor([label_smoothing, lse_square_scale], dtype=torch.float32)
-    coefs = torch.cat([scale, extra.to(logits.device, non_blocking=True)])
+    for name, value in (("return_z_loss", return_z_loss), ("inplace_backward", inplace_backward),
+                        ("check_targets", check_targets)):  # fmt: skip
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be a bool, got {value!r}")
+    coefs, n_valid = make_coefs(target, ignore_index, reduction == "mean", label_smoothing,
+                                lse_square_scale, softcap)  # fmt: skip
     grad = torch.is_grad_enabled() and logits.requires_grad
-    loss, _, _ = CROSS_ENTROPY(logits, target, coefs, ignore_index, label_smoothing > 0,
-                               lse_square_scale > 0, grad)  # fmt: skip
-    if reduction == "none":
-        return loss.view(target.shape).to(logits.dtype)
-    total = loss.sum()
-    if reduction == "mean":
-        total = total / n_valid
-    return total.to(logits.dtype)
+    options = (ignore_index, label_smoothing > 0, lse_square_scale > 0, softcap is not None)
+    if inplace_backward and grad:
+        if logits.is_leaf or not logits.is_contiguous():
+            raise ValueError(
+                "inplace_backward writes the gradient over logits, which must be contiguous and "
+                "not a leaf tensor (its values would be lost to the caller)"
+            )
+        rows, lse = _InPlace.apply(logits, target, coefs, *options, check_targets)
+    else:
+        rows, lse, _ = CROSS_ENTROPY(logits, target, coefs, *options, grad, check_targets)
+    loss = _reduce(rows, target, reduction, n_valid).to(logits.dtype)
+    if not return_z_loss:
+        return loss
+    return loss, _z_loss(lse, target, ignore_index, lse_square_scale, reduction, n_valid, logits)
+
+
+def _z_loss(lse, target, ignore_index, z, reduction, n_valid, logits) -> torch.Tensor:
+    """The z-loss part of the loss, reduced as the loss is (no gradient)."""
+    lse = lse.detach()
+    rows = torch.where(target.reshape(-1) != ignore_index, z * lse * lse, 0.0)
+    return _reduce(rows, target, reduction, n_valid).to(logits.dtype)
 
 
 # ----------------------------------------------------------------------------- warming
@@ -279,21 +443,33 @@ def cross_entropy(
 # them): vocabularies not a multiple of 8 among them (peeled rows), and a long row.
 GPU_V = (2, 7, 1000, 4096, 50257, 151936)
 GPU_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-GPU_OPTIONS = ((0.0, 0.0), (0.1, 0.0), (0.0, 1e-4), (0.1, 1e-4))  # (label_smoothing, z)
+# (label_smoothing, lse_square_scale, softcap) of the GPU cases
+GPU_OPTIONS = ((0.0, 0.0, None), (0.1, 0.0, None), (0.0, 1e-4, None), (0.1, 1e-4, None),
+               (0.0, 0.0, 30.0), (0.1, 1e-4, 30.0))  # fmt: skip
+
+
+def vocab_specs(V: int, dtypes=GPU_DTYPES) -> list:
+    """Every cross-entropy kernel a vocabulary of V can launch from 16-byte-aligned tensors
+    in `dtypes`: each option's switch, training and inference, both id dtypes, and the
+    rescale (`kbuild warmup --vocab V`; linear_cross_entropy launches the same kernels)."""
+    specs = []
+    for dtype in dtypes:
+        for index in INDEX_NAMES:
+            for switches in itertools.product((False, True), repeat=3):
+                for grad in (True, False):
+                    values = fwd_values(V, dtype, index, *switches[:2], grad, True, switches[2])
+                    specs.append(build_cross_entropy_fwd.spec(**values))
+        specs.append(build_cross_entropy_rescale.spec(N=V, dtype=DTYPE_NAMES[dtype]))
+    return specs
 
 
 def warmup_specs():
     """What `kbuild warmup --module kbuild.ops.loss` compiles: every kernel the GPU tests
-    launch (aligned tensors), training and inference, both index dtypes."""
-    specs = []
-    for V in GPU_V:
-        for dtype in GPU_DTYPES:
-            for index in INDEX_NAMES:
-                for smoothing, z in GPU_OPTIONS:
-                    for grad in (True, False):
-                        values = fwd_values(V, dtype, index, smoothing, z, grad, True)
-                        specs.append(build_cross_entropy_fwd.spec(**values))
-            specs.append(
-                build_cross_entropy_rescale.spec(N=V, dtype=DTYPE_NAMES[dtype], vectorize=True)
-            )
+    launch, and the benchmarks' (bench/bench_loss.py) vocabularies in bf16."""
+    specs = [s for V in GPU_V for s in vocab_specs(V)]
+    specs += [s for V in BENCH_V for s in vocab_specs(V, (torch.bfloat16,))]
     return list(dict.fromkeys(specs))
+
+
+# The vocabularies bench/bench_loss.py measures: Llama-2, GPT-2, Mistral, Llama-3, Qwen, Gemma
+BENCH_V = (32000, 50257, 32768, 128256, 151936, 256000)
