@@ -359,6 +359,8 @@ GPU_CASES = [
     (1, 5, 3, 1, 10, 6, torch.float32, torch.float32, False, 1, False),  # odd spans: vec 1
     (1, 5, 3, 1, 10, 6, torch.bfloat16, torch.float32, True, 2, False),  # pairs, vec 1
 ]
+# The GPU test's misaligned q (one element into its storage): the forward at vec 1
+MISALIGNED = (64, 64, torch.bfloat16, torch.bfloat16, False)
 
 
 def case_tensors(case, device="cuda", seed: int = 0):
@@ -420,4 +422,6 @@ def warmup_specs():
             for cs in dict.fromkeys((dtype, torch.float32)):
                 case = (1, 8, Hq, Hk, D, rd, dtype, cs, False, 1, True)
                 specs += specs_for(*case_tensors(case, "meta"), False, 1)
+    D, rd, dtype, cs, interleaved = MISALIGNED
+    specs.append(build_rope.spec(*rope_values(dtype, cs, D, rd, interleaved, False, 1)))
     return list(dict.fromkeys(specs))
