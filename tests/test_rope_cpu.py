@@ -482,3 +482,15 @@ def test_gpu_cases_are_warmable():
     for case in gpu.CASES:
         for spec in rope_ops.specs_for(*rope_ops.case_tensors(case, "meta"), case[8], case[9]):
             assert spec in warm, spec.short()
+    # the misaligned q (one element into its storage) and the tables shared by the batch
+    case = (2, 5, 4, 2, *rope_ops.MISALIGNED, 1, False)
+    _, k, cos, sin = rope_ops.case_tensors(case, "meta")
+    base = torch.empty(2 * 4 * 5 * 64 + 1, dtype=torch.bfloat16, device="meta")
+    q = base[1:].view(2, 4, 5, 64)
+    specs = rope_ops.specs_for(q, k, cos, sin)
+    assert specs[0].kwargs["vec"] == 1 and set(specs) <= warm
+    case = (3, 9, 4, 2, 64, 64, torch.bfloat16, torch.float32, False, 1, True)
+    q, k, cos, sin = rope_ops.case_tensors(case, "meta")
+    for shared in ((1,), ()):
+        tables = (t[0].reshape(*shared, 9, 64) for t in (cos, sin))
+        assert set(rope_ops.specs_for(q, k, *tables)) <= warm
