@@ -1,0 +1,183 @@
+"""A causal LM's training loss by kbuild's fused linear cross-entropy, the logits never built.
+
+The CausalLM instance gets a forward that, given `labels`, runs the base model (`model.model`,
+GPT-2's `model.transformer`) with every other argument as the stock forward passes them, then
+`causal_lm_loss` on the last hidden states and `lm_head`'s weight: Hugging Face's
+ForCausalLMLoss (labels shifted left, -100 padded; `shift_labels`, `ignore_index` and
+`num_items_in_batch` from the keyword arguments as there), with Gemma 2/3's
+`config.final_logit_softcapping`. It returns the stock output class with `logits=None`: the
+logits are not returned when labels are (as Liger's fused loss does); `return_dict=False` gives
+the tuple. Without labels it is the stock forward, unchanged.
+
+Only families whose CausalLM forward is exactly lm_head, optional softcap, ForCausalLMLoss are
+taken (`FAMILIES`): a family that adds to the loss (MoE router losses) or scales its logits
+might pass a check on random weights. The check: stock forward and patched on a probe batch
+with labels (some -100), in eval mode, their losses compared.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+import torch.nn.functional as F
+
+from . import bind, check
+from .report import PatchReport, Swap
+
+# model_type -> (the base model's attribute, whether final_logit_softcapping applies)
+FAMILIES = {
+    "llama": ("model", False),
+    "mistral": ("model", False),
+    "qwen2": ("model", False),
+    "qwen3": ("model", False),
+    "gemma": ("model", False),
+    "gemma2": ("model", True),
+    "gemma3_text": ("model", True),
+    "phi3": ("model", False),
+    "gpt2": ("transformer", False),
+}
+
+
+def causal_lm_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor | None,
+    bias: torch.Tensor | None = None,
+    softcap: float | None = None,
+    ignore_index: int = -100,
+    num_items_in_batch: torch.Tensor | int | None = None,
+    shift_labels: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """transformers' ForCausalLMLoss of logits = softcap(hidden @ weight.T + bias), computed
+    by kbuild.ops.loss.linear_cross_entropy without the logits.
+
+    hidden (B, T, H) any float dtype; weight (V, H); labels (B, T) ids (ignored where
+    `shift_labels` (B, T) is given: the targets as they are). Targets are labels shifted left by
+    one, the last position `ignore_index`. The mean over targets that are not ignore_index, or
+    with `num_items_in_batch` the sum divided by it (gradient accumulation across batches).
+    Returns a 0-d fp32 loss; the gradient flows to hidden, weight and bias."""
+    from ..ops.loss import linear_cross_entropy
+
+    if shift_labels is None:
+        shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    target = shift_labels.reshape(-1).to(hidden.device)
+    h = hidden.reshape(-1, hidden.shape[-1])
+    reduction = "mean" if num_items_in_batch is None else "sum"
+    loss = linear_cross_entropy(
+        h, weight, target, bias, ignore_index=ignore_index, reduction=reduction, softcap=softcap
+    )
+    if num_items_in_batch is not None:
+        if torch.is_tensor(num_items_in_batch):
+            num_items_in_batch = num_items_in_batch.to(loss.device)
+        loss = loss / num_items_in_batch
+    return loss
+
+
+def _forward(stock, names: tuple[str, ...], base: str, softcap: bool, output):
+    """The patched CausalLM forward (module docstring); `names`: stock's positional names."""
+    labels_at = names.index("labels")
+
+    def forward(self, *args, **kwargs):
+        labels = args[labels_at] if len(args) > labels_at else kwargs.get("labels")
+        if labels is None:
+            return stock(self, *args, **kwargs)
+        if len(args) > len(names):
+            raise TypeError(f"forward takes {len(names)} positional arguments, got {len(args)}")
+        kwargs.update(zip(names, args, strict=False))
+        del kwargs["labels"]
+        return_dict = kwargs.pop("return_dict", None)
+        if return_dict is None:
+            return_dict = self.config.return_dict
+        logits_to_keep = kwargs.pop("logits_to_keep", 0)
+        outputs = getattr(self, base)(**kwargs)
+        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        head = self.lm_head
+        loss = causal_lm_loss(
+            outputs.last_hidden_state[:, keep, :],
+            head.weight,
+            labels,
+            head.bias,
+            self.config.final_logit_softcapping if softcap else None,
+            kwargs.get("ignore_index", -100),
+            kwargs.get("num_items_in_batch"),
+            kwargs.get("shift_labels"),
+        )
+        fields = {f: getattr(outputs, f, None) for f in output.__dataclass_fields__}
+        result = output(**{**fields, "loss": loss, "logits": None})
+        return result if return_dict else result.to_tuple()
+
+    return forward
+
+
+def _refusal(model: torch.nn.Module) -> str | None:
+    family = getattr(getattr(model, "config", None), "model_type", None)
+    if family not in FAMILIES:
+        return f"family {family!r} is not one whose CausalLM forward kbuild's loss replicates"
+    from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
+
+    # model.loss_function as PreTrainedModel resolves it, without its warning for loss_type None
+    chosen = getattr(model, "_loss_function", None)
+    if chosen is None:
+        chosen = LOSS_MAPPING.get(getattr(model, "loss_type", None), ForCausalLMLoss)
+    if chosen is not ForCausalLMLoss:
+        return "its loss_function is not transformers' ForCausalLMLoss"
+    head = model.lm_head
+    if type(head) is not torch.nn.Linear or head._forward_hooks or head._forward_pre_hooks:
+        return "lm_head is not a hook-free torch.nn.Linear"
+    if not isinstance(getattr(model, FAMILIES[family][0], None), torch.nn.Module):
+        return f"no base model at .{FAMILIES[family][0]}"
+    return bind.refusal(model)
+
+
+def _probe_check(model, forward, dtype) -> str | None:
+    embed = model.get_input_embeddings()
+    vocab = min(embed.weight.shape[0], model.lm_head.out_features)
+    ids = torch.randint(0, vocab, (2, 8), generator=check.generator(8))
+    labels = ids.clone()
+    labels[0, 2:4] = -100
+    ids, labels = ids.to(embed.weight.device), labels.to(embed.weight.device)
+    stock = type(model).forward
+    with check.evaluating(model):
+        return check.compare(
+            lambda: stock(model, input_ids=ids, labels=labels, use_cache=False).loss,
+            lambda: forward(model, input_ids=ids, labels=labels, use_cache=False).loss,
+            check.TOL[dtype],
+        )
+
+
+def patch_loss(model: torch.nn.Module, report: PatchReport) -> None:
+    """Every CausalLM in `model` (a module with `lm_head`) of a family in FAMILIES, after the
+    check (module docstring)."""
+    for path, module in model.named_modules():
+        if not isinstance(getattr(module, "lm_head", None), torch.nn.Module):
+            continue
+        why = _refusal(module)
+        at = check.where(module.lm_head)
+        why = why or (at if isinstance(at, str) else None)
+        if why is None:
+            from transformers.modeling_outputs import (
+                CausalLMOutputWithCrossAttentions,
+                CausalLMOutputWithPast,
+            )
+
+            base, softcap = FAMILIES[module.config.model_type]
+            output = (
+                CausalLMOutputWithCrossAttentions
+                if base == "transformer"
+                else CausalLMOutputWithPast
+            )
+            stock = type(module).forward
+            params = inspect.signature(stock).parameters.values()
+            names = tuple(p.name for p in params if p.kind is p.POSITIONAL_OR_KEYWORD)[1:]
+            if "labels" not in names or "logits_to_keep" not in names:
+                why = "its forward takes no labels or logits_to_keep"
+            else:
+                forward = _forward(stock, names, base, softcap, output)
+                why = _probe_check(module, forward, at[1])
+        if why is not None:
+            report.keep(path, "loss", why)
+            continue
+        cap = module.config.final_logit_softcapping if softcap else None
+        what = "linear_cross_entropy" + (f"(softcap={cap:g})" if cap else "")
+        report.add(Swap(path, "loss", what), bind.bind(module, forward, f"loss {what}"))
