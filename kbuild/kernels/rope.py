@@ -121,6 +121,21 @@ def head_layout(D: int, rd: int, dtype: str, cs_dtype: str, interleaved: bool, v
     return HeadLayout(D, rd, interleaved, vec, width, rotating, passing, heads)
 
 
+def _partner_sines(s_a, s_b, inverse):
+    """What each element's partner is multiplied by, for the first elements of the pairs and
+    for the second: forward (-s_a, s_b), inverse (the transpose) (s_b, -s_a)."""
+    if inverse:
+        return s_b, [-v for v in s_a]
+    return [-v for v in s_a], s_b
+
+
+def _turned(x, partner, c, m):
+    """c x + m partner, lane by lane (fp32): each element of its pair rotated."""
+    from kbuild.dsl import fma
+
+    return [fma(mi, p, ci * xi) for xi, p, ci, mi in zip(x, partner, c, m, strict=True)]
+
+
 @kernel("rope", params=PARAMS, args=ARGS)
 def build_rope(D, rd, dtype, cs_dtype, target, interleaved=False, inverse=False, vec=1):
     """q_out, k_out = q, k rotated by (cos, sin) (by their transpose with `inverse`): module
@@ -129,7 +144,6 @@ def build_rope(D, rd, dtype, cs_dtype, target, interleaved=False, inverse=False,
         Kernel,
         cast,
         const,
-        fma,
         from_lanes,
         get_llvm_ptr,
         if_then,
@@ -197,37 +211,23 @@ def build_rope(D, rd, dtype, cs_dtype, target, interleaved=False, inverse=False,
             column = unit * width
             if interleaved:  # one vector of adjacent pairs (a, b)
                 c, sn = trig("cos", column), trig("sin", column)
-                # the sines each lane takes times its partner: forward -s_a, +s_b; inverse
-                # +s_b, -s_a (the transpose)
-                m = []
-                for i in range(0, width, 2):
-                    m += [sn[i + 1], -sn[i]] if inverse else [-sn[i], sn[i + 1]]
+                m_a, m_b = _partner_sines(sn[0::2], sn[1::2], inverse)
+                m = [v for pair in zip(m_a, m_b, strict=True) for v in pair]
 
                 def one(x, out, at_x, at_out):
                     v = read(x, at_x + column, dtype, width, aligned)
-                    partner = [v[i ^ 1] for i in range(width)]
-                    y = [
-                        fma(mi, p, ci * vi) for mi, p, ci, vi in zip(m, partner, c, v, strict=True)
-                    ]
+                    y = _turned(v, [v[i ^ 1] for i in range(width)], c, m)
                     write(y, out, at_out + column, width, aligned)
 
             else:  # a vector of the first half and its partner h further
                 c_a, c_b = trig("cos", column), trig("cos", column + half)
-                s_a, s_b = trig("sin", column), trig("sin", column + half)
-                m_a = s_b if inverse else [-v for v in s_a]  # times x_b, into y_a
-                m_b = [-v for v in s_a] if inverse else s_b  # times x_a, into y_b
+                m_a, m_b = _partner_sines(trig("sin", column), trig("sin", column + half), inverse)
 
                 def one(x, out, at_x, at_out):
                     x_a = read(x, at_x + column, dtype, width)
                     x_b = read(x, at_x + column + half, dtype, width)
-                    y_a = [
-                        fma(m, xb, c * xa) for m, xb, c, xa in zip(m_a, x_b, c_a, x_a, strict=True)
-                    ]
-                    y_b = [
-                        fma(m, xa, c * xb) for m, xa, c, xb in zip(m_b, x_a, c_b, x_b, strict=True)
-                    ]
-                    write(y_a, out, at_out + column, width)
-                    write(y_b, out, at_out + column + half, width)
+                    write(_turned(x_a, x_b, c_a, m_a), out, at_out + column, width)
+                    write(_turned(x_b, x_a, c_b, m_b), out, at_out + column + half, width)
 
             over_heads(one)
 
