@@ -18,8 +18,13 @@ __version__ = "0.1.0"
 _DECLARE = {"Arg": "kernels.table", "Param": "kernels.table", "kernel": "kernels.declare"}
 # Describing an op (kbuild/ops/opdef.py): torch's.
 _OPDEF = ("Feature", "Ids", "Launch", "Like", "Op", "Out", "Rows", "Scalar", "Tensors")
-# Losses (kbuild/ops/loss.py) and softmax (kbuild/ops/softmax.py): torch's.
-_LOSS = {"cross_entropy": "ops.loss", "log_softmax": "ops.softmax", "softmax": "ops.softmax"}
+# Losses (kbuild/ops/loss.py, linear_loss.py) and softmax (kbuild/ops/softmax.py): torch's.
+_LOSS = {
+    "cross_entropy": "ops.loss",
+    "linear_cross_entropy": "ops.linear_loss",
+    "log_softmax": "ops.softmax",
+    "softmax": "ops.softmax",
+}
 __all__ = [
     "Arg",
     "Feature",
@@ -44,6 +49,7 @@ __all__ = [
     "launch",
     "layernorm",
     "linear",
+    "linear_cross_entropy",
     "log_softmax",
     "nn",
     "Param",

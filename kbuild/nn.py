@@ -125,7 +125,8 @@ class CrossEntropyLoss(torch.nn.CrossEntropyLoss):
     (..., C)) and probability targets (kbuild's check names target)."""
 
     def __init__(self, weight=None, size_average=None, ignore_index=-100, reduce=None,
-                 reduction="mean", label_smoothing=0.0, lse_square_scale=0.0):  # fmt: skip
+                 reduction="mean", label_smoothing=0.0, lse_square_scale=0.0,
+                 softcap=None):  # fmt: skip
         for name, value in (("weight", weight), ("size_average", size_average),
                             ("reduce", reduce)):  # fmt: skip
             if value is not None:
@@ -136,6 +137,7 @@ class CrossEntropyLoss(torch.nn.CrossEntropyLoss):
         super().__init__(ignore_index=ignore_index, reduction=reduction,
                          label_smoothing=label_smoothing)  # fmt: skip
         self.lse_square_scale = lse_square_scale
+        self.softcap = softcap
 
     def forward(self, input: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         from .ops.loss import cross_entropy
@@ -147,7 +149,54 @@ class CrossEntropyLoss(torch.nn.CrossEntropyLoss):
                 "kbuild.cross_entropy on (..., C) logits instead)"
             )
         return cross_entropy(input, target, self.ignore_index, self.reduction,
-                             self.label_smoothing, self.lse_square_scale)  # fmt: skip
+                             self.label_smoothing, self.lse_square_scale,
+                             self.softcap)  # fmt: skip
+
+
+class LinearCrossEntropy(Module):
+    """An LM head and its loss in one: forward(hidden (..., H), target (...)) is
+    cross_entropy(hidden @ weight.T + bias, target) by kbuild.linear_cross_entropy, which
+    never holds the logits of all tokens (kbuild/ops/linear_loss.py). Its `weight` (V, H)
+    can be tied to an embedding or taken from a model's lm_head (`from_linear`); the options
+    are kbuild.cross_entropy's, `chunk_size` the rows per chunk (None: chosen)."""
+
+    def __init__(self, in_features: int, num_classes: int, bias: bool = False,
+                 ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
+                 lse_square_scale: float = 0.0, softcap: float | None = None,
+                 chunk_size: int | None = None, device=None, dtype=None):  # fmt: skip
+        super().__init__()
+        kinds = dict(device=device, dtype=dtype)
+        self.weight = torch.nn.Parameter(torch.empty(num_classes, in_features, **kinds))
+        self.bias = torch.nn.Parameter(torch.empty(num_classes, **kinds)) if bias else None
+        torch.nn.init.normal_(self.weight, std=in_features**-0.5)
+        if self.bias is not None:
+            torch.nn.init.zeros_(self.bias)
+        self.options = dict(ignore_index=ignore_index, reduction=reduction,
+                            label_smoothing=label_smoothing, lse_square_scale=lse_square_scale,
+                            softcap=softcap, chunk_size=chunk_size)  # fmt: skip
+
+    @classmethod
+    def from_linear(cls, head: torch.nn.Linear, **options) -> LinearCrossEntropy:
+        """The loss of an existing head, sharing its Parameters (no copy)."""
+        ours = cls.__new__(cls)
+        Module.__init__(ours)
+        ours.weight, ours.bias = head.weight, head.bias
+        ours.options = dict(ignore_index=-100, reduction="mean", label_smoothing=0.0,
+                            lse_square_scale=0.0, softcap=None, chunk_size=None)  # fmt: skip
+        unknown = set(options) - set(ours.options)
+        if unknown:
+            raise TypeError(f"LinearCrossEntropy.from_linear: unknown option {sorted(unknown)[0]}")
+        ours.options.update(options)
+        return ours
+
+    def forward(self, hidden: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        from .ops.linear_loss import linear_cross_entropy
+
+        return linear_cross_entropy(hidden, self.weight, target, self.bias, **self.options)
+
+    def extra_repr(self) -> str:
+        V, H = self.weight.shape
+        return f"in_features={H}, num_classes={V}, bias={self.bias is not None}"
 
 
 class GPT2Embedding(Module):

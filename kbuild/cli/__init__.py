@@ -3,6 +3,7 @@
 kbuild warmup --arch sm_90 --manifest tests --cache-dir .kbuild-aot
 kbuild warmup --arch gfx942 --hidden 4096 --dtype bf16     # every kernel of a model width
 kbuild warmup --hidden 2048 --head-dim 128                  # ... with a QK-norm (Qwen3)
+kbuild warmup --vocab 128256 --vocab 50257                  # cross-entropy of these vocabularies
 kbuild warmup --arch sm_90 --from run.jsonl                 # what KBUILD_RECORD=run.jsonl saw
 kbuild demo                       # compile the standard set; with a GPU also run and time it
 kbuild cache list | path | clear | info | export FILE | import FILE | prune --max-size 2G
@@ -236,6 +237,13 @@ def _specs_from(args) -> list[KernelSpec]:
             raise CLIError(f"--hidden: {err}") from None
         for name in declared:
             specs += _declared_op_specs(name, args.hidden, args.dtype)
+    for V in args.vocab or []:
+        from ..kernels.cross_entropy import vocab_specs
+
+        try:
+            specs += vocab_specs(V, (args.dtype,))
+        except ValueError as err:
+            raise CLIError(f"--vocab {V}: {err}") from None
     for text in args.spec or []:
         try:
             spec = KernelSpec.from_json(json.loads(text))
@@ -249,10 +257,13 @@ def _cmd_warmup(args) -> int:
     check_arch(args.arch)
     specs = _specs_from(args)
     if not specs:
-        raise CLIError("nothing to warm: give --manifest, --module, --spec, --from or --hidden")
+        raise CLIError(
+            "nothing to warm: give --manifest, --module, --spec, --from, --hidden or --vocab"
+        )
     root = cache_root(args)
     start = time.perf_counter()
-    warmup(specs, args.arch, root, args.jobs, modules=tuple(args.module or ()))
+    modules = tuple(args.module or ()) + (("kbuild.kernels.cross_entropy",) if args.vocab else ())
+    warmup(specs, args.arch, root, args.jobs, modules=modules)
     elapsed = time.perf_counter() - start
     print(f"{plural(len(specs), 'kernel')} for {args.arch} in {root} ({elapsed:.1f} s)")
     return 0
@@ -319,6 +330,14 @@ def _add_warmup_options(p: argparse.ArgumentParser) -> None:
         help="specs recorded with KBUILD_RECORD=FILE (JSON lines)",
     )
     p.add_argument("--hidden", type=positive_int, help="every kernel of a model of this width")
+    p.add_argument(
+        "--vocab",
+        type=positive_int,
+        action="append",
+        metavar="V",
+        help="every cross-entropy kernel of a vocabulary of V in --dtype (kbuild.cross_entropy, "
+        "kbuild.linear_cross_entropy)",
+    )
     p.add_argument("--dtype", default="bf16", choices=("bf16", "f16", "f32"))
     p.add_argument("--weight-dtype", choices=("bf16", "f16", "f32"))
     p.add_argument(

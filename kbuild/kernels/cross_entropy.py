@@ -34,11 +34,14 @@ usual `loss.backward()` of a mean or a sum reads no logits' worth of memory at a
 
 from __future__ import annotations
 
+import itertools
+
 from .declare import kernel
 from .row_plan import row_kernel
 from .table import Arg, Param
 
 BAD_TARGET = 1  # the flag's code for a target outside [0, V)
+INDEX_DTYPES = ("i32", "i64")
 
 ROW = (Param("N", "int", bounds=(2, None)), Param("dtype", "dtype"))
 
@@ -58,11 +61,14 @@ def _pair_and_sum(a, b):
             Param("vectorize", "bool", True)),
     args=(Arg("logits"), Arg("target"), Arg("coefs"), Arg("loss"), Arg("lse"),
           Arg("dlogits", when="grad"), Arg("flag"), Arg("M", "i64"), Arg("ignore_index", "i64")),
+    tunable=True,
 )  # fmt: skip
 def build_cross_entropy_fwd(N, dtype, index_dtype, target, smoothing=False, z_loss=False,
-                            softcap=False, grad=True, vectorize=True):  # fmt: skip
+                            softcap=False, grad=True, vectorize=True, **overrides):  # fmt: skip
     """Per row: loss and lse (fp32), and with `grad` dlogits (dtype) scaled by coefs[0]
-    (module docstring); without it (inference) the logits are read once and nothing else."""
+    (module docstring); without it (inference) the logits are read once and nothing else.
+    `overrides`: launch-plan keywords (cluster=, threads_per_row=), for benchmarks to time
+    other plans than the one chosen."""
     from kbuild.dsl import (
         NEG_INF,
         RowTile,
@@ -83,7 +89,7 @@ def build_cross_entropy_fwd(N, dtype, index_dtype, target, smoothing=False, z_lo
         to_f32,
     )
 
-    k, row = row_kernel("cross_entropy_fwd", N, dtype, target, vectorize=vectorize)
+    k, row = row_kernel("cross_entropy_fwd", N, dtype, target, vectorize=vectorize, **overrides)
     with k:
         logits, targets, coefs, loss_out, lse_out = (
             k.ptr(n) for n in ("logits", "target", "coefs", "loss", "lse")
@@ -204,3 +210,20 @@ def build_cross_entropy_rescale(N, dtype, target, vectorize=True):
 
         if_then(ne(d, g), rescale)  # row-uniform: the whole row, or none of it
     return k
+
+
+def vocab_specs(V: int, dtypes=("f32", "f16", "bf16")) -> list:
+    """Every cross-entropy kernel a vocabulary of V launches from 16-byte-aligned logits of
+    `dtypes`: each switch of the options (smoothing, z-loss, soft cap), training and
+    inference, both id dtypes, and the rescale (`kbuild warmup --vocab V`;
+    kbuild.linear_cross_entropy launches the same kernels)."""
+    specs = []
+    for dtype in dtypes:
+        for index in INDEX_DTYPES:
+            for smoothing, z_loss, softcap in itertools.product((False, True), repeat=3):
+                for grad in (True, False):
+                    specs.append(build_cross_entropy_fwd.spec(
+                        N=V, dtype=dtype, index_dtype=index, smoothing=smoothing, z_loss=z_loss,
+                        softcap=softcap, grad=grad, vectorize=True))  # fmt: skip
+        specs.append(build_cross_entropy_rescale.spec(N=V, dtype=dtype, vectorize=True))
+    return specs

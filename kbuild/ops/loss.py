@@ -42,7 +42,6 @@ place the first time.
 
 from __future__ import annotations
 
-import itertools
 import math
 
 import torch
@@ -51,6 +50,7 @@ from ..kernels.cross_entropy import (
     BAD_TARGET,
     build_cross_entropy_fwd,
     build_cross_entropy_rescale,
+    vocab_specs,
 )
 from .common import DTYPE_NAMES, INDEX_NAMES, check_input, device_guard
 from .launch import launch_kernel, rows_grid
@@ -197,30 +197,34 @@ def cross_entropy_fwd_(
     smoothing: bool,
     z_loss: bool,
     softcap: bool,
+    grad: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The forward with the gradient written over `logits` (contiguous (..., V)): per-row loss
-    and lse (fp32). A bad target raises `flag` to BAD_TARGET (the caller reads it: several
-    calls may share one flag); on CPU it raises at once."""
+    """The forward with the gradient (where `grad`) written over `logits` (contiguous
+    (..., V)): per-row loss and lse (fp32). A bad target raises `flag` to BAD_TARGET (the
+    caller reads it: several calls may share one flag); on CPU it raises at once."""
     loss, lse, d = cross_entropy_reference(logits, target, coefs, ignore_index, smoothing,
-                                           z_loss, softcap, True)  # fmt: skip
-    logits.copy_(d)
+                                           z_loss, softcap, grad)  # fmt: skip
+    if grad:
+        logits.copy_(d)
     return loss, lse
 
 
 @cross_entropy_fwd_.register_kernel("cuda")
-def _fwd_inplace_cuda(logits, target, coefs, flag, ignore_index, smoothing, z_loss, softcap):
+def _fwd_inplace_cuda(logits, target, coefs, flag, ignore_index, smoothing, z_loss, softcap,
+                      grad=True):  # fmt: skip
     V = logits.shape[-1]
     if not logits.is_contiguous():
         raise ValueError("logits must be contiguous to take its gradient in place")
     with device_guard(logits):
         loss, lse = _new_rows(logits, logits.numel() // V)
-        _launch_fwd(logits, target, coefs, loss, lse, logits, flag, ignore_index, smoothing,
-                    z_loss, softcap)  # fmt: skip
+        _launch_fwd(logits, target, coefs, loss, lse, logits if grad else None, flag,
+                    ignore_index, smoothing, z_loss, softcap)  # fmt: skip
     return loss, lse
 
 
 @cross_entropy_fwd_.register_fake
-def _fwd_inplace_fake(logits, target, coefs, flag, ignore_index, smoothing, z_loss, softcap):
+def _fwd_inplace_fake(logits, target, coefs, flag, ignore_index, smoothing, z_loss, softcap,
+                      grad=True):  # fmt: skip
     M = logits.numel() // logits.shape[-1]
     return _new_rows(logits, M)
 
@@ -244,7 +248,7 @@ class _InPlace(torch.autograd.Function):
     def backward(ctx, dloss, dlse):
         d, coefs = ctx.saved_tensors
         if d.numel():
-            _rescale(d, dloss, coefs)
+            rescale_(d, dloss, coefs)
         return d, None, None, None, None, None, None, None
 
 
@@ -252,7 +256,7 @@ class _InPlace(torch.autograd.Function):
 
 
 @torch.library.custom_op("kbuild::cross_entropy_rescale_", mutates_args=("dlogits",))
-def _rescale(dlogits: torch.Tensor, dloss: torch.Tensor, coefs: torch.Tensor) -> None:
+def rescale_(dlogits: torch.Tensor, dloss: torch.Tensor, coefs: torch.Tensor) -> None:
     """dlogits[r] *= dloss[r] / coefs[0] where dloss[r] != coefs[0] (the rows' incoming
     gradient against the one the forward assumed), in place."""
     V = dlogits.shape[-1]
@@ -262,7 +266,7 @@ def _rescale(dlogits: torch.Tensor, dloss: torch.Tensor, coefs: torch.Tensor) ->
     d.copy_(torch.where(rows[:, None], d.float() * factor[:, None], d.float()).to(d.dtype))
 
 
-@_rescale.register_kernel("cuda")
+@rescale_.register_kernel("cuda")
 def _rescale_cuda(dlogits, dloss, coefs) -> None:
     V = dlogits.shape[-1]
     M = dlogits.numel() // V
@@ -278,7 +282,7 @@ def _rescale_cuda(dlogits, dloss, coefs) -> None:
         )  # fmt: skip
 
 
-@_rescale.register_fake
+@rescale_.register_fake
 def _rescale_fake(dlogits, dloss, coefs) -> None:
     return None
 
@@ -294,7 +298,7 @@ def _backward(ctx, dloss, dlse, ddlogits):
     nothing = (None,) * 8
     if dloss is None or not d.numel():
         return None, *nothing
-    _rescale(d, dloss.expand(d.numel() // d.shape[-1]) if dloss.dim() == 0 else dloss, coefs)
+    rescale_(d, dloss.expand(d.numel() // d.shape[-1]) if dloss.dim() == 0 else dloss, coefs)
     return d.view(ctx.shape), *nothing
 
 
@@ -427,14 +431,17 @@ def cross_entropy(
     loss = _reduce(rows, target, reduction, n_valid).to(logits.dtype)
     if not return_z_loss:
         return loss
-    return loss, _z_loss(lse, target, ignore_index, lse_square_scale, reduction, n_valid, logits)
+    return loss, z_loss_of(lse, target, ignore_index, lse_square_scale, reduction, logits.dtype)
 
 
-def _z_loss(lse, target, ignore_index, z, reduction, n_valid, logits) -> torch.Tensor:
-    """The z-loss part of the loss, reduced as the loss is (no gradient)."""
+def z_loss_of(lse, target, ignore_index, z, reduction, dtype) -> torch.Tensor:
+    """The z-loss part of a loss, z lse^2 over the rows whose target is not ignore_index,
+    reduced as the loss is, in `dtype` (for logging: no gradient)."""
     lse = lse.detach()
-    rows = torch.where(target.reshape(-1) != ignore_index, z * lse * lse, 0.0)
-    return _reduce(rows, target, reduction, n_valid).to(logits.dtype)
+    valid = target.reshape(-1) != ignore_index
+    rows = torch.where(valid, z * lse * lse, 0.0)
+    n_valid = valid.sum() if reduction == "mean" else None
+    return _reduce(rows, target, reduction, n_valid).to(dtype)
 
 
 # ----------------------------------------------------------------------------- warming
@@ -448,26 +455,11 @@ GPU_OPTIONS = ((0.0, 0.0, None), (0.1, 0.0, None), (0.0, 1e-4, None), (0.1, 1e-4
                (0.0, 0.0, 30.0), (0.1, 1e-4, 30.0))  # fmt: skip
 
 
-def vocab_specs(V: int, dtypes=GPU_DTYPES) -> list:
-    """Every cross-entropy kernel a vocabulary of V can launch from 16-byte-aligned tensors
-    in `dtypes`: each option's switch, training and inference, both id dtypes, and the
-    rescale (`kbuild warmup --vocab V`; linear_cross_entropy launches the same kernels)."""
-    specs = []
-    for dtype in dtypes:
-        for index in INDEX_NAMES:
-            for switches in itertools.product((False, True), repeat=3):
-                for grad in (True, False):
-                    values = fwd_values(V, dtype, index, *switches[:2], grad, True, switches[2])
-                    specs.append(build_cross_entropy_fwd.spec(**values))
-        specs.append(build_cross_entropy_rescale.spec(N=V, dtype=DTYPE_NAMES[dtype]))
-    return specs
-
-
 def warmup_specs():
     """What `kbuild warmup --module kbuild.ops.loss` compiles: every kernel the GPU tests
     launch, and the benchmarks' (bench/bench_loss.py) vocabularies in bf16."""
     specs = [s for V in GPU_V for s in vocab_specs(V)]
-    specs += [s for V in BENCH_V for s in vocab_specs(V, (torch.bfloat16,))]
+    specs += [s for V in BENCH_V for s in vocab_specs(V, ("bf16",))]
     return list(dict.fromkeys(specs))
 
 

@@ -1,0 +1,328 @@
+"""Fused linear cross-entropy: `kbuild.linear_cross_entropy(hidden, weight, target, ...)`, the
+loss of an LM head `cross_entropy(hidden @ weight.T + bias, target)` without ever holding the
+logits of all tokens.
+
+    loss = kbuild.linear_cross_entropy(hidden, lm_head.weight, labels)      # (..., H), (V, H)
+    loss = kbuild.linear_cross_entropy(hidden, w, labels, softcap=30.0, lse_square_scale=1e-4)
+
+The design. Tokens go in chunks of `chunk_size` rows, in a fixed order. Per chunk:
+    logits = hidden_c @ weight.T (+ bias)             torch's matmul, (rows, V) in hidden's dtype
+    cross_entropy_fwd_(logits)                        kbuild's kernel: the chunk's loss and lse,
+                                                      and d loss / d logits written over logits
+    dhidden_c  = dlogits @ weight                     torch's matmuls: fp32 accumulation inside
+    dweight   += dlogits.T @ hidden_c                 (cuBLAS), one rounding per chunk
+    dbias     += column sums of dlogits (fp32)
+For a mean or a sum the gradients are computed in the forward, scaled as `loss.backward()`
+needs them (1 / n_valid, counted on the device, or 1); the backward multiplies them by the
+incoming gradient (a scalar on the device: no synchronisation; it reads and writes d(weight)
+once more, which an incoming gradient that is exactly 1 does not need but a check would
+cost a synchronisation). For reduction="none" the forward computes the loss only and the
+backward runs the chunks again with each row's incoming gradient (kernels/cross_entropy.py's
+rescale), one more matmul per chunk.
+
+Memory. At most one chunk of logits lives at a time (the gradient takes its place), plus
+d(hidden) (the size of hidden) and d(weight) (the size of the weight, in its dtype), both
+held from the forward to the backward: Liger-Kernel's fused linear cross-entropy keeps the
+same. The chunk is chosen so its logits are about the size of `hidden` (at least 64 rows,
+and no more than a quarter of the device's free memory); `chunk_size` overrides it.
+
+Precision. The logits are rounded to hidden's dtype once (the matmul's output), the loss and
+log-sum-exp are fp32, the gradient of a chunk's logits is rounded to their dtype once. d(weight)
+accumulates across chunks in the weight's dtype: fp32 for an fp32 weight; for a 16-bit weight
+each chunk's fp32 product is added to a 16-bit running sum, one rounding per chunk (an fp32
+accumulator would cost 4 bytes x V x H more: 2.1 GB at Llama-3-8B's head). Fixed chunk order
+and no atomics: bitwise the same every run on the same device.
+
+Works under autograd, torch.compile(fullgraph=True) (the forward and the recompute are custom
+ops with fakes) and CUDA graphs (no host read unless `check_targets` finds a bad target, and
+none at all under capture: see kbuild/ops/loss.py on targets).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from .common import check_input, device_guard
+from .loss import (
+    check_options,
+    cross_entropy_fwd_,
+    make_coefs,
+    raise_on_bad_targets,
+    rescale_,
+    z_loss_of,
+)
+from .opdef import Ids
+
+MIN_ROWS = 64  # the smallest chunk chosen: fewer rows make the matmuls inefficient
+
+# ----------------------------------------------------------------------------- chunks
+
+
+def chunk_rows(M: int, V: int, H: int, itemsize: int, device: torch.device) -> int:
+    """Rows per chunk: the chunk's logits (rows x V) about the size of hidden (M x H), so the
+    loss never takes much more memory than its input; at least MIN_ROWS, at most M, and on a
+    GPU no more than a quarter of the free memory."""
+    rows = max(MIN_ROWS, (M * H) // V // MIN_ROWS * MIN_ROWS)
+    if device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
+        free, _ = torch.cuda.mem_get_info(device)
+        rows = min(rows, max(MIN_ROWS, free // 4 // (V * itemsize)))
+    return max(1, min(rows, M))
+
+
+def _chunks(hidden: torch.Tensor, weight: torch.Tensor, chunk: int) -> list[tuple[int, int]]:
+    M = hidden.shape[0]
+    if chunk <= 0:
+        chunk = chunk_rows(M, weight.shape[0], hidden.shape[1], hidden.element_size(),
+                           hidden.device)  # fmt: skip
+    return [(s, min(M, s + chunk)) for s in range(0, M, chunk)]
+
+
+def _logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.mm(h, weight.t()) if bias is None else torch.addmm(bias, h, weight.t())
+
+
+def _pass(hidden, weight, bias, target, coefs, options, chunk, wants, dloss=None):
+    """One pass over the chunks: the rows' loss and lse (fp32) and the gradients in `wants`
+    (d hidden, d weight, d bias: each a tensor or an empty one), scaled by coefs[0], or with
+    `dloss` by each row's incoming gradient. Returns the flag the kernels report into."""
+    ignore_index, smoothing, z_loss, softcap = options
+    M = hidden.shape[0]
+    loss, lse = (hidden.new_empty(M, dtype=torch.float32) for _ in range(2))
+    dh, dw, db = wants
+    grad = bool(dh.numel() or dw.numel() or db.numel())
+    flag = torch.zeros(1, dtype=torch.int32, device=hidden.device)
+    for start, end in _chunks(hidden, weight, chunk):
+        h, t = hidden[start:end], target[start:end]
+        logits = _logits(h, weight, bias)  # becomes its own gradient below
+        loss[start:end], lse[start:end] = cross_entropy_fwd_(
+            logits, t, coefs, flag, ignore_index, smoothing, z_loss, softcap, grad
+        )
+        if not grad:
+            continue
+        if dloss is not None:
+            rescale_(logits, dloss[start:end], coefs)
+        if dh.numel():
+            torch.mm(logits, weight, out=dh[start:end])
+        if dw.numel():
+            dw.addmm_(logits.t(), h)
+        if db.numel():
+            db += logits.sum(0, dtype=torch.float32)
+    return loss, lse, flag
+
+
+def _on_device(t: torch.Tensor):
+    """The device guard of a CUDA tensor; nothing for a CPU one (these ops run on both)."""
+    return device_guard(t) if t.is_cuda else contextlib.nullcontext()
+
+
+def _wants(hidden, weight, bias, grad_hidden, grad_weight, grad_bias, make=None):
+    """(d hidden, d weight, d bias fp32): new tensors where asked, else empty ones (distinct:
+    a custom op's outputs may not alias). `make(shape, like, dtype)` makes them (zeros)."""
+    make = make or (lambda shape, like, dtype: like.new_zeros(shape, dtype=dtype))
+    return (
+        make(hidden.shape if grad_hidden else 0, hidden, hidden.dtype),
+        make(weight.shape if grad_weight else 0, weight, weight.dtype),
+        make(weight.shape[0] if grad_bias and bias is not None else 0, hidden, torch.float32),
+    )
+
+
+def _empty(shape, like, dtype):
+    return like.new_empty(shape, dtype=dtype)
+
+
+# ----------------------------------------------------------------------------- the ops
+
+
+@torch.library.custom_op("kbuild::linear_cross_entropy", mutates_args=())
+def _forward(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    target: torch.Tensor,
+    ignore_index: int,
+    label_smoothing: float,
+    lse_square_scale: float,
+    softcap: float,
+    reduction: str,
+    grad_hidden: bool,
+    grad_weight: bool,
+    grad_bias: bool,
+    chunk: int,
+    check_targets: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """hidden (M, H), weight (V, H), bias (V,) or None, target (M,) -> the loss (fp32: () for
+    a mean or sum, (M,) for "none"), each row's lse (M,) fp32, and for a mean or a sum the
+    gradients asked for (module docstring), each empty where not asked. softcap 0: none."""
+    mean = reduction == "mean"
+    cap = softcap or None
+    coefs, n_valid = make_coefs(target, ignore_index, mean, label_smoothing, lse_square_scale,
+                                cap)  # fmt: skip
+    options = (ignore_index, label_smoothing > 0, lse_square_scale > 0, cap is not None)
+    asked = (grad_hidden, grad_weight, grad_bias) if reduction != "none" else (False,) * 3
+    wants = _wants(hidden, weight, bias, *asked)
+    with _on_device(hidden):
+        rows, lse, flag = _pass(hidden, weight, bias, target, coefs, options, chunk, wants)
+    if check_targets and hidden.is_cuda:
+        raise_on_bad_targets(flag, weight.shape[0], ignore_index)
+    if reduction == "none":
+        loss = rows
+    else:
+        loss = rows.sum() / n_valid if mean else rows.sum()
+    return loss, lse, *wants
+
+
+@_forward.register_fake
+def _forward_fake(hidden, weight, bias, target, ignore_index, label_smoothing,
+                  lse_square_scale, softcap, reduction, grad_hidden, grad_weight, grad_bias,
+                  chunk, check_targets):  # fmt: skip
+    M = hidden.shape[0]
+    loss = hidden.new_empty((M,) if reduction == "none" else (), dtype=torch.float32)
+    asked = (grad_hidden, grad_weight, grad_bias) if reduction != "none" else (False,) * 3
+    wants = _wants(hidden, weight, bias, *asked, make=_empty)
+    return loss, hidden.new_empty(M, dtype=torch.float32), *wants
+
+
+@torch.library.custom_op("kbuild::linear_cross_entropy_backward", mutates_args=())
+def _recompute(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    target: torch.Tensor,
+    dloss: torch.Tensor,
+    ignore_index: int,
+    label_smoothing: float,
+    lse_square_scale: float,
+    softcap: float,
+    grad_hidden: bool,
+    grad_weight: bool,
+    grad_bias: bool,
+    chunk: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """reduction="none"'s backward: the chunks again, each row's gradient scaled by its
+    incoming `dloss` (M,) fp32."""
+    cap = softcap or None
+    coefs, _ = make_coefs(target, ignore_index, False, label_smoothing, lse_square_scale, cap)
+    options = (ignore_index, label_smoothing > 0, lse_square_scale > 0, cap is not None)
+    wants = _wants(hidden, weight, bias, grad_hidden, grad_weight, grad_bias)
+    with _on_device(hidden):
+        _pass(hidden, weight, bias, target, coefs, options, chunk, wants, dloss)
+    return wants
+
+
+@_recompute.register_fake
+def _recompute_fake(hidden, weight, bias, target, dloss, ignore_index, label_smoothing,
+                    lse_square_scale, softcap, grad_hidden, grad_weight, grad_bias,
+                    chunk):  # fmt: skip
+    return _wants(hidden, weight, bias, grad_hidden, grad_weight, grad_bias, make=_empty)
+
+
+def _setup(ctx, inputs, output) -> None:
+    hidden, weight, bias, target = inputs[:4]
+    ctx.options = inputs[4:8]
+    ctx.reduction, ctx.chunk = inputs[8], inputs[12]
+    ctx.asked = inputs[9:12]
+    ctx.bias_dtype = None if bias is None else bias.dtype
+    if ctx.reduction == "none":
+        ctx.save_for_backward(hidden, weight, bias, target)
+    else:
+        ctx.save_for_backward(*output[2:])
+
+
+def _backward(ctx, dloss, dlse, *unused):
+    if ctx.reduction == "none":
+        hidden, weight, bias, target = ctx.saved_tensors
+        dh, dw, db = _recompute(hidden, weight, bias, target, dloss.float().contiguous(),
+                                *ctx.options, *ctx.asked, ctx.chunk)  # fmt: skip
+    else:
+        dh, dw, db = ctx.saved_tensors
+        g = dloss.float()
+        dh = dh * g if dh.numel() else dh
+        if dw.numel():
+            dw.mul_(g)  # in place: no second weight-sized tensor
+        db = db * g if db.numel() else db
+    grads = (
+        dh if ctx.asked[0] else None,
+        dw if ctx.asked[1] else None,
+        db.to(ctx.bias_dtype) if ctx.asked[2] and ctx.bias_dtype is not None else None,
+    )
+    return *grads, *(None,) * 11
+
+
+_forward.register_autograd(_backward, setup_context=_setup)
+
+
+# ----------------------------------------------------------------------------- public
+
+
+def linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+    lse_square_scale: float = 0.0,
+    softcap: float | None = None,
+    chunk_size: int | None = None,
+    return_z_loss: bool = False,
+    check_targets: bool = True,
+):
+    """cross_entropy(hidden @ weight.T + bias, target) without the logits of all tokens.
+
+    hidden (..., H) float32 / float16 / bfloat16; weight (V, H) and bias (V,) of its dtype and
+    device; target (...) int32 / int64 class ids. The options are kbuild.cross_entropy's
+    (kbuild/ops/loss.py); `chunk_size` is the rows per chunk (default: chosen from the shapes
+    and the free memory, module docstring). Returns the loss in hidden's dtype: the mean over
+    rows whose target is not `ignore_index`, the sum, or each row's ("none", target's shape);
+    with `return_z_loss`, (loss, z_loss) as kbuild.cross_entropy gives them. Saved for backward:
+    d(hidden) and d(weight) (and d(bias)), computed by the forward, for a mean or a sum; hidden,
+    weight, bias and target for "none" (the backward recomputes the chunks' logits)."""
+    check_input("hidden", hidden)
+    check_input("weight", weight)
+    check_options(ignore_index, reduction, label_smoothing, lse_square_scale, softcap)
+    H = hidden.shape[-1]
+    if weight.dim() != 2 or weight.shape[1] != H:
+        raise ValueError(
+            f"weight must be (V, H) with H = hidden's last dimension {H}; got {tuple(weight.shape)}"
+        )
+    V = weight.shape[0]
+    if V < 2:
+        raise ValueError(f"weight must have at least 2 rows (classes); got {V}")
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t is None:
+            continue
+        check_input(name, t)
+        if t.dtype != hidden.dtype or t.device != hidden.device:
+            raise ValueError(
+                f"{name} must have hidden's dtype and device ({hidden.dtype}, {hidden.device}); "
+                f"got {t.dtype}, {t.device}"
+            )
+    if bias is not None and bias.shape != (V,):
+        raise ValueError(f"bias must be (V,) = ({V},); got {tuple(bias.shape)}")
+    Ids("target", rows_of="hidden").check(target, {"hidden": hidden})
+    if chunk_size is not None and (
+        isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1
+    ):
+        raise ValueError(f"chunk_size must be None or an int >= 1; got {chunk_size!r}")
+    for name, value in (("return_z_loss", return_z_loss), ("check_targets", check_targets)):
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be a bool, got {value!r}")
+    grad = torch.is_grad_enabled()
+    asked = (
+        grad and hidden.requires_grad,
+        grad and weight.requires_grad,
+        grad and bias is not None and bias.requires_grad,
+    )
+    flat = hidden.reshape(-1, H)
+    loss, lse, *_ = _forward(
+        flat, weight, bias, target.reshape(-1), ignore_index, float(label_smoothing),
+        float(lse_square_scale), float(softcap or 0.0), reduction, *asked, chunk_size or 0,
+        check_targets,
+    )  # fmt: skip
+    loss = (loss.view(target.shape) if reduction == "none" else loss).to(hidden.dtype)
+    if not return_z_loss:
+        return loss
+    return loss, z_loss_of(lse, target, ignore_index, lse_square_scale, reduction, hidden.dtype)

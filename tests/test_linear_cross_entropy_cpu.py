@@ -1,0 +1,211 @@
+"""kbuild.linear_cross_entropy on CPU (its chunk loop runs as on the GPU, with the kernel's
+reference for the kernel) against an fp64 torch reference of the unfused path, for every
+option and reduction; its chunking, determinism, checks, torch.compile and nn drop-in."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kbuild
+import kbuild.nn
+from kbuild.ops import linear_loss
+
+IGNORE = -100
+TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
+
+
+def _inputs(M=37, H=24, V=103, dtype=torch.float32, bias=False, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(M, H, generator=g).to(dtype).requires_grad_()
+    w = (torch.randn(V, H, generator=g) * 0.7).to(dtype).requires_grad_()
+    b = (torch.randn(V, generator=g)).to(dtype).requires_grad_() if bias else None
+    t = torch.randint(0, V, (M,), generator=g)
+    t[3] = IGNORE
+    return h, w, b, t
+
+
+def _fp64(h, w, b, t, reduction, ls=0.0, z=0.0, cap=None):
+    """The unfused path in fp64: logits, soft cap, torch's cross-entropy, z-loss."""
+    hd, wd = (a.detach().double().requires_grad_() for a in (h, w))
+    bd = None if b is None else b.detach().double().requires_grad_()
+    x = F.linear(hd, wd, bd)
+    x = x if cap is None else cap * torch.tanh(x / cap)
+    lse = torch.logsumexp(x, -1)
+    flat = t.reshape(-1)
+    rows = F.cross_entropy(x.reshape(-1, x.shape[-1]), flat, reduction="none",
+                           label_smoothing=ls, ignore_index=IGNORE)  # fmt: skip
+    rows = rows + torch.where(flat != IGNORE, z * lse.reshape(-1) ** 2, 0.0)
+    if reduction == "mean":
+        out = rows.sum() / (flat != IGNORE).sum()
+    else:
+        out = rows.sum() if reduction == "sum" else rows.view(t.shape)
+    return out, (hd, wd, bd)
+
+
+def _check_grads(ours, theirs, tol):
+    for a, r in zip(ours, theirs, strict=True):
+        if a is None:
+            continue
+        scale = r.grad.abs().max()
+        assert (a.grad.double() - r.grad).abs().max() <= tol * scale, (a.shape, scale)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("ls,z,cap", [(0.0, 0.0, None), (0.1, 1e-2, None), (0.0, 0.0, 4.0),
+                                      (0.1, 1e-2, 4.0)])  # fmt: skip
+@pytest.mark.parametrize("bias", [False, True])
+def test_values_and_gradients_match_the_unfused_fp64_path(reduction, ls, z, cap, bias):
+    """Chunks of 8 rows over 37 (a short last chunk), an ignored row: a chunk loop that
+    drops, repeats or misplaces a chunk, a gradient not scaled by the incoming one, or a
+    bias gradient summed wrongly fails."""
+    h, w, b, t = _inputs(bias=bias)
+    y = kbuild.linear_cross_entropy(h, w, t, b, reduction=reduction, label_smoothing=ls,
+                                    lse_square_scale=z, softcap=cap, chunk_size=8)  # fmt: skip
+    ref, leaves = _fp64(h, w, b, t, reduction, ls, z, cap)
+    wt = torch.linspace(0.5, 2.0, y.numel(), dtype=torch.float64).view(y.shape)
+    wt = wt if reduction == "none" else 2.5  # an incoming gradient other than 1
+    (y.double() * wt).sum().backward()
+    (ref * wt).sum().backward()
+    assert y.shape == ref.shape and y.dtype == h.dtype
+    assert torch.allclose(y.double(), ref, rtol=1e-5, atol=1e-5)
+    _check_grads((h, w, b), leaves, TOL[torch.float32])
+    assert h.grad[3].abs().max() == 0  # the ignored row
+
+
+def test_bf16_and_leading_dimensions():
+    g = torch.Generator().manual_seed(1)
+    h = torch.randn(2, 9, 32, generator=g).bfloat16().requires_grad_()
+    w = (torch.randn(77, 32, generator=g) * 0.5).bfloat16().requires_grad_()
+    t = torch.randint(0, 77, (2, 9), generator=g)
+    y = kbuild.linear_cross_entropy(h, w, t, reduction="none", chunk_size=5)
+    ref, leaves = _fp64(h, w, None, t, "none")
+    assert y.shape == (2, 9) and y.dtype == torch.bfloat16
+    (y.double().sum()).backward()
+    ref.sum().backward()
+    assert torch.allclose(y.double(), ref, rtol=2e-2, atol=2e-2)
+    _check_grads((h, w), leaves[:2], TOL[torch.bfloat16])
+
+
+def test_the_result_does_not_depend_on_the_chunk_in_fp32_and_repeats_bitwise():
+    h, w, b, t = _inputs(M=50, bias=True)
+    runs = []
+    for chunk in (None, 7, 50, 64, 7):
+        for a in (h, w, b):
+            a.grad = None
+        y = kbuild.linear_cross_entropy(h, w, t, b, label_smoothing=0.1, chunk_size=chunk)
+        y.backward()
+        runs.append((y.detach().clone(), h.grad.clone(), w.grad.clone(), b.grad.clone()))
+    for run in runs[1:]:
+        for a, r in zip(run, runs[0], strict=True):
+            assert torch.allclose(a, r, rtol=1e-5, atol=1e-6)
+    for a, r in zip(runs[1], runs[4], strict=True):  # the same chunk twice: bitwise
+        assert torch.equal(a, r)
+
+
+def test_only_the_gradients_asked_for_are_computed():
+    h, w, b, t = _inputs(bias=True)
+    w.requires_grad_(False)  # a frozen head
+    y = kbuild.linear_cross_entropy(h, w, t, b)
+    y.backward()
+    assert w.grad is None and h.grad is not None and b.grad is not None
+    with torch.no_grad():
+        z = kbuild.linear_cross_entropy(h, w, t, b)
+    assert torch.allclose(z, y.detach())
+
+
+def test_chunk_rows_follows_the_hidden_size():
+    """The chunk's logits about the size of hidden, at least MIN_ROWS, at most M."""
+    cpu = torch.device("cpu")
+    assert linear_loss.chunk_rows(8192, 128256, 4096, 2, cpu) == 256  # Llama-3-8B: 64 MiB
+    assert linear_loss.chunk_rows(16384, 128256, 4096, 2, cpu) == 512
+    assert linear_loss.chunk_rows(8192, 256000, 2304, 2, cpu) == 64  # Gemma: the floor
+    assert linear_loss.chunk_rows(10, 50257, 768, 2, cpu) == 10
+
+
+def test_z_loss_returned_on_request():
+    h, w, b, t = _inputs()
+    y, z = kbuild.linear_cross_entropy(h, w, t, lse_square_scale=1e-2, return_z_loss=True)
+    base = kbuild.linear_cross_entropy(h, w, t)
+    assert torch.allclose(y - base, z, atol=1e-5) and z > 0
+
+
+def test_a_target_out_of_range_names_target():
+    h, w, b, t = _inputs()
+    t[5] = 103
+    with pytest.raises(ValueError, match=r"target must hold class ids in \[0, 103\)"):
+        kbuild.linear_cross_entropy(h, w, t)
+
+
+@pytest.mark.parametrize(
+    "change,error,message",
+    [
+        (dict(weight=torch.ones(10, 5)), ValueError, "weight must be \\(V, H\\) with H"),
+        (dict(weight=torch.ones(1, 24)), ValueError, "at least 2 rows"),
+        (dict(weight=torch.ones(103, 24, dtype=torch.bfloat16)), ValueError,
+         "weight must have hidden's dtype"),
+        (dict(bias=torch.ones(5)), ValueError, "bias must be \\(V,\\)"),
+        (dict(target=torch.zeros(5, dtype=torch.int64)), ValueError, "target must have hidden's"),
+        (dict(chunk_size=0), ValueError, "chunk_size must be None or an int >= 1"),
+        (dict(softcap=-1.0), ValueError, "softcap must be None or finite and > 0"),
+        (dict(reduction="avg"), ValueError, "reduction must be one of"),
+        (dict(hidden=torch.ones(37, 24, dtype=torch.int64)), TypeError, "hidden must be"),
+    ],
+)  # fmt: skip
+def test_checks_name_the_argument(change, error, message):
+    h, w, b, t = _inputs()
+    args = dict(hidden=h, weight=w, target=t, bias=b)
+    args.update(change)
+    with pytest.raises(error, match=message):
+        kbuild.linear_cross_entropy(**args)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_compiled_fullgraph_matches_eager(reduction):
+    torch._dynamo.reset()
+    h, w, b, t = _inputs(bias=True)
+    f = torch.compile(
+        lambda h, w, t, b: kbuild.linear_cross_entropy(h, w, t, b, reduction=reduction,
+                                                       softcap=4.0, chunk_size=8),
+        backend="aot_eager", fullgraph=True,
+    )  # fmt: skip
+    y = f(h, w, t, b)
+    y.sum().backward()
+    grads = [a.grad.clone() for a in (h, w, b)]
+    for a in (h, w, b):
+        a.grad = None
+    y2 = kbuild.linear_cross_entropy(h, w, t, b, reduction=reduction, softcap=4.0, chunk_size=8)
+    y2.sum().backward()
+    assert torch.equal(y, y2)
+    for g, a in zip(grads, (h, w, b), strict=True):
+        assert torch.equal(g, a.grad)
+    torch._dynamo.reset()
+
+
+def test_fake_gives_the_outputs_shapes():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        h = torch.empty(64, 4096, dtype=torch.bfloat16)
+        w = torch.empty(128256, 4096, dtype=torch.bfloat16)
+        t = torch.empty(64, dtype=torch.int64)
+        out = torch.ops.kbuild.linear_cross_entropy(h, w, None, t, -100, 0.0, 0.0, 0.0, "mean",
+                                                    True, True, False, 0, True)  # fmt: skip
+        assert out[0].shape == () and out[1].shape == (64,)
+        assert out[2].shape == h.shape and out[3].shape == w.shape and out[4].numel() == 0
+
+
+def test_nn_linear_cross_entropy_shares_the_heads_parameters():
+    head = torch.nn.Linear(24, 103, bias=True)
+    loss = kbuild.nn.LinearCrossEntropy.from_linear(head, label_smoothing=0.1)
+    assert loss.weight is head.weight and loss.bias is head.bias
+    h = torch.randn(2, 5, 24)
+    t = torch.randint(0, 103, (2, 5))
+    ref = F.cross_entropy(head(h).reshape(-1, 103), t.reshape(-1), label_smoothing=0.1)
+    assert torch.allclose(loss(h, t), ref, atol=1e-5)
+    fresh = kbuild.nn.LinearCrossEntropy(24, 103, softcap=30.0)
+    assert fresh.weight.shape == (103, 24) and fresh.bias is None
+    assert "num_classes=103" in repr(fresh)
+    with pytest.raises(TypeError, match="unknown option"):
+        kbuild.nn.LinearCrossEntropy.from_linear(head, smoothing=0.1)
