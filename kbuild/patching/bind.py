@@ -8,6 +8,7 @@ __dict__), so other instances of the class, in this model or another, keep the c
 
 from __future__ import annotations
 
+import sys
 import types
 from collections.abc import Callable
 
@@ -40,16 +41,38 @@ def bind(module: torch.nn.Module, fn: Callable, tag: str) -> Callable[[], None]:
 
 
 def with_globals(fn: types.FunctionType, replace: dict[str, object]) -> types.FunctionType:
-    """A copy of `fn` whose global names in `replace` resolve to the given objects: the other
-    globals are a snapshot of fn's module taken now. The code object is copied too, since
-    torch.compile caches its transformed code per code object, and one code object run under
-    two globals dicts would replay the first one's compiled frame in the second."""
-    scope = dict(fn.__globals__)
-    scope.update(replace)
+    """A copy of `fn` whose global names in `replace` resolve to the given objects, the others
+    to a snapshot of fn's module taken the first time (`_shadow`).
+
+    The code object is copied too: torch.compile caches its transformed code per code object,
+    and one code object run under two globals would replay one's compiled frame in the other."""
+    scope = _shadow(fn.__globals__, replace).__dict__
     new = types.FunctionType(
         fn.__code__.replace(), scope, fn.__name__, fn.__defaults__, fn.__closure__
     )
     new.__kwdefaults__ = fn.__kwdefaults__
-    new.__qualname__, new.__doc__, new.__module__ = fn.__qualname__, fn.__doc__, fn.__module__
+    new.__qualname__, new.__doc__ = fn.__qualname__, fn.__doc__
     new.__dict__.update(fn.__dict__)
     return new
+
+
+_SHADOWS: dict[tuple, types.ModuleType] = {}
+
+
+def _shadow(scope: dict, replace: dict[str, object]) -> types.ModuleType:
+    """A module holding a copy of `scope` with `replace` applied, registered in sys.modules
+    under its own name: torch.compile reaches the globals of a function it inlines through
+    sys.modules[fn.__globals__["__name__"]], so a bare dict named as the original module would
+    be read (and guarded) as the original. One per (module, replacements) in the process."""
+    source = scope.get("__name__", "unnamed")
+    key = (source, tuple((name, id(value)) for name, value in sorted(replace.items())))
+    if key not in _SHADOWS:
+        name = f"kbuild.patching.shadow{len(_SHADOWS)}.{source}"
+        module = types.ModuleType(name)
+        hidden = ("__name__", "__spec__", "__loader__", "__package__", "__builtins__")
+        module.__dict__.update({k: v for k, v in scope.items() if k not in hidden})
+        module.__dict__.update(replace)
+        module.__builtins__ = scope.get("__builtins__", __builtins__)
+        sys.modules[name] = module
+        _SHADOWS[key] = module
+    return _SHADOWS[key]

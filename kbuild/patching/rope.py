@@ -28,13 +28,21 @@ NAME = "apply_rotary_pos_emb"
 _SIGNATURES = (("q", "k", "cos", "sin", "unsqueeze_dim"),)
 
 
+_WRAPPERS: dict = {}
+
+
 def _kbuild_rope():
+    """apply_rotary_pos_emb's signature on kbuild's rope: one per rope function in the process,
+    so each modeling module needs one shadow (bind.with_globals)."""
     from ..ops.rope import rope
 
-    def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
-        return rope(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
+    if rope not in _WRAPPERS:
 
-    return apply_rotary_pos_emb
+        def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+            return rope(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
+
+        _WRAPPERS[rope] = apply_rotary_pos_emb
+    return _WRAPPERS[rope]
 
 
 def _rotary_dims(model: torch.nn.Module) -> set[int]:
