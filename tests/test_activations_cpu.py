@@ -220,6 +220,18 @@ def test_the_ops_check_their_arguments():
         dense.backward(torch.ones(2, 4), torch.ones(2, 4), torch.ones(2, 3))
 
 
+def test_the_dense_ops_are_declarations_only():
+    """The dense forms and GELU, forward and backward, are all declarations: the C++ generic
+    kernel runs them where the extension loads. The fused and strided forms launch from
+    Python (the module docstring says why)."""
+    for dense, strided, fused in (act.SWIGLU, act.GEGLU):
+        assert dense.native_program() is not None
+        assert dense.backward.native_program() is not None
+        assert strided.native_program() is None and fused.native_program() is None
+    assert act.GELU.native_program() is not None
+    assert act.GELU.backward.native_program() is not None
+
+
 def test_empty_inputs():
     for shape in ((0, 8), (3, 0)):
         gu = torch.ones(shape[0], 2 * shape[1], requires_grad=True)

@@ -127,42 +127,35 @@ def _gated(name: str, kind: str, layout: str, backward: bool, N, dtype, target, 
         outs = [k.ptr(n) for n in names]
         t = RowTile(k, row, k.i64("M"))
         grouped = GroupedRows(k, N) if layout == "strided" else None
-        pair = None if layout != "fused" else (t.row * 2, t.row * 2 + 1)  # rows of (2M, I)
+        # gate's and up's rows: of the (2M, I) view of gate_up, or this row (None)
+        rows = (t.row * 2, t.row * 2 + 1) if layout == "fused" else (None, None)
+        # where dgate and dup go: the two rows of d(gate_up), or this row of each
+        targets = list(zip((outs[0], outs[0]) if layout == "fused" else outs, rows, strict=False))
 
-        def read(c):  # (gate, up) f32 vectors at chunk c
-            if pair is None:
-                return (
-                    widen(t.load(gate, dtype, c, grouped)),
-                    widen(t.load(up, dtype, c, grouped)),
-                )
-            return widen(t.load_row(gate, pair[0], dtype, c)), widen(
-                t.load_row(up, pair[1], dtype, c)
-            )
+        def read(base, r, c):  # gate's or up's f32 vectors at chunk c
+            if r is None:
+                return widen(t.load(base, dtype, c, grouped))
+            return widen(t.load_row(base, r, dtype, c))
 
-        def write(base, r, values, c):  # row r of the (2M, I) view, or this row
+        def write(base, r, values, c):
             if r is None:
                 return t.store(base, values, dtype, c)
             put = lambda: t.store_row(base, r, values, dtype, c)  # noqa: E731
             return put() if t.valid is None else if_then(t.valid, put)  # not a row past M
 
         def body(c, _):
-            g, u = read(c)
+            g, u = read(gate, rows[0], c), read(up, rows[1], c)
             if not backward:
-                t.store(outs[0], [activation(kind, a)[0] * b for a, b in zip(g, u, strict=True)],
-                        dtype, c)  # fmt: skip
+                y = [activation(kind, a)[0] * b for a, b in zip(g, u, strict=True)]
+                t.store(outs[0], y, dtype, c)
                 return []
-            d = widen(t.load(dy, dtype, c))
             dg, du = [], []
-            for a, b, e in zip(g, u, d, strict=True):
+            for a, b, e in zip(g, u, widen(t.load(dy, dtype, c)), strict=True):  # dy dense
                 act, slope = activation(kind, a, grad=True)
                 dg.append(e * b * slope)
                 du.append(e * act)
-            if pair is None:
-                t.store(outs[0], dg, dtype, c)
-                t.store(outs[1], du, dtype, c)
-            else:
-                write(outs[0], pair[0], dg, c)
-                write(outs[0], pair[1], du, c)
+            for (base, r), values in zip(targets, (dg, du), strict=True):
+                write(base, r, values, c)
             return []
 
         t.over_chunks(body)

@@ -17,9 +17,10 @@ The forms of (gate, up), each its own op:
   kernel and autograd run it where the extension loads);
 - up=None: gate is the fused (..., 2I) output of one gate_up projection, its first half the
   gate (`gate, up = gate_up.chunk(2, -1)`). `kbuild::swiglu_fused` reads both halves in place
-  and its backward writes d(gate_up) as one (..., 2I) tensor. Its forward launches from
-  Python: the generic C++ kernel allocates outputs of an input's shape or one value per row,
-  not of half an input's width;
+  and its backward writes d(gate_up) as one (..., 2I) tensor. Both launch from Python: the
+  generic C++ kernel allocates outputs of an input's shape or one value per row, not of half
+  an input's width, and checks no tensor against twice another's width (the backward's
+  gate_up against dy: a `check=` function);
 - strided views (the two halves of a (..., 2I) tensor passed separately, a slice of a
   wider one): `kbuild::swiglu_strided` reads them in place where both lay their rows out
   alike (`common.grouped_rows`: one stride over the outer dimensions, the same for both);
