@@ -5,6 +5,7 @@
 #   kbuild warmup --arch sm_90 --manifest tests --manifest bench \
 #       --module examples/custom_softmax.py --module bench/math_accuracy.py \
 #       --module bench/bench_rows.py --module kbuild.ops.loss --module kbuild.ops.softmax \
+#       --module bench/bench_loss.py --module kbuild.ops.rope --module kbuild.ops.activations \
 #       --cache-dir .kbuild-aot
 #   for n in 4097 5123 50257; do kbuild warmup --arch sm_90 --hidden $n --dtype bf16 \
 #       --cache-dir .kbuild-aot; done
@@ -16,11 +17,15 @@
 #   bash bench/gpu_checks.sh custom_softmax math_accuracy host
 #   bash bench/gpu_checks.sh models profile
 #   bash bench/gpu_checks.sh host_versions
+#   bash bench/gpu_checks.sh loss          (carry Liger's wheel: pip download --no-deps
+#                                          liger-kernel==0.8.5; the step installs it)
 # Owed since 2026-12-05 (no device lent that day): the GPU suite over the peeled widths (4097,
 # 65537, the example's 4097 / 50257 / 3001) and the example's one-reduction softmax;
 # bench_rows.py (odd widths against the aligned ones, the long-row cluster alternatives);
 # host.py (the generic op's forward); models.py with the two host-bound GPT-2 shapes;
-# kbuild.cross_entropy's and kbuild.softmax / log_softmax's kernels (their _gpu tests).
+# kbuild.cross_entropy's and kbuild.softmax / log_softmax's kernels (their _gpu tests);
+# bench_loss.py (cross-entropy and the fused linear cross-entropy beside torch, torch.compile,
+# Liger and quack); the RoPE and activation kernels (their _gpu tests).
 # Results under $OUT (or ./gpu-results). Each step writes its own file and log; a failing
 # step does not stop the next. With no step named, all four run.
 set -uo pipefail
@@ -49,6 +54,9 @@ for name in "${steps[@]}"; do
         rows) step rows python3 bench/bench_rows.py "$out/rows.json" ;;
         models) step models python3 bench/models.py "$out" --models gpt2-d1024-l6,gpt2-d768-l4,gpt2-124m --modes eager ;;
         profile) step profile python3 bench/model_profile.py "$out" --model gpt2-d1024-l6 ;;
+        loss)
+            ls .carry/liger_kernel-*.whl >/dev/null 2>&1 && pip install -q --no-deps .carry/liger_kernel-*.whl
+            step loss python3 bench/bench_loss.py "$out/loss.json" ;;
         *) echo "gpu_checks.sh: unknown step $name" >&2; exit 2 ;;
     esac
 done
