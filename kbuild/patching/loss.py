@@ -50,14 +50,14 @@ def causal_lm_loss(
     shift_labels: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """transformers' ForCausalLMLoss of logits = softcap(hidden @ weight.T + bias), computed
-    by kbuild.ops.loss.linear_cross_entropy without the logits.
+    by kbuild.ops.linear_loss.linear_cross_entropy without the logits.
 
     hidden (B, T, H) any float dtype; weight (V, H); labels (B, T) ids (ignored where
     `shift_labels` (B, T) is given: the targets as they are). Targets are labels shifted left by
     one, the last position `ignore_index`. The mean over targets that are not ignore_index, or
     with `num_items_in_batch` the sum divided by it (gradient accumulation across batches).
     Returns a 0-d fp32 loss; the gradient flows to hidden, weight and bias."""
-    from ..ops.loss import linear_cross_entropy
+    from ..ops.linear_loss import linear_cross_entropy
 
     if shift_labels is None:
         shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
@@ -67,6 +67,7 @@ def causal_lm_loss(
     loss = linear_cross_entropy(
         h, weight, target, bias, ignore_index=ignore_index, reduction=reduction, softcap=softcap
     )
+    loss = loss.float()  # stock's is fp32 (its logits upcast); kbuild's is hidden's dtype
     if num_items_in_batch is not None:
         if torch.is_tensor(num_items_in_batch):
             num_items_in_batch = num_items_in_batch.to(loss.device)
