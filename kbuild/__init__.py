@@ -18,12 +18,17 @@ __version__ = "0.1.0"
 _DECLARE = {"Arg": "kernels.table", "Param": "kernels.table", "kernel": "kernels.declare"}
 # Describing an op (kbuild/ops/opdef.py): torch's.
 _OPDEF = ("Feature", "Ids", "Launch", "Like", "Op", "Out", "Rows", "Scalar", "Tensors")
-# Losses (kbuild/ops/loss.py, linear_loss.py) and softmax (kbuild/ops/softmax.py): torch's.
+# Losses (kbuild/ops/loss.py, linear_loss.py), softmax (ops/softmax.py), the transformer
+# block's rotary embedding (ops/rope.py) and MLP activations (ops/activations.py): torch's.
 _LOSS = {
     "cross_entropy": "ops.loss",
     "linear_cross_entropy": "ops.linear_loss",
     "log_softmax": "ops.softmax",
     "softmax": "ops.softmax",
+    "rope": "ops.rope",
+    "swiglu": "ops.activations",
+    "geglu": "ops.activations",
+    "gelu": "ops.activations",
 }
 __all__ = [
     "Arg",
@@ -45,6 +50,8 @@ __all__ = [
     "encoder",
     "encoder_backward",
     "fused_add_rmsnorm",
+    "geglu",
+    "gelu",
     "kernel",
     "launch",
     "layernorm",
@@ -54,7 +61,9 @@ __all__ = [
     "nn",
     "Param",
     "rmsnorm",
+    "rope",
     "softmax",
+    "swiglu",
 ]
 
 

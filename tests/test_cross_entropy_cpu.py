@@ -255,11 +255,12 @@ def test_rescale_kernel_ptx_and_inference_kernel():
     assert not re.search(r"st\.global(\.\w+)*\.v4", ptx)  # no gradient written
 
 
-def test_kernels_lower_for_amd():
+@pytest.mark.parametrize("arch", ["gfx942", "gfx950"])
+def test_kernels_lower_for_amd(arch):
     from kbuild import compiler
     from kbuild.targets import target_for_arch
 
-    gfx = target_for_arch("gfx942")
+    gfx = target_for_arch(arch)
     values = ce_ops.fwd_values(50257, torch.bfloat16, torch.int32, True, True, True, True)
     assert compiler.lower(ce_ops.build_cross_entropy_fwd.spec(**values), gfx)
     assert compiler.lower(ce_ops.build_cross_entropy_rescale.spec(N=50257, dtype="bf16"), gfx)
