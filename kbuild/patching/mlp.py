@@ -129,7 +129,9 @@ def _patch_one(module, path: str, form: str, act_name: str, readings: dict, repo
     if width is None:
         return f"{_FORMS[form][0][0]} has no 2-D weight to size a probe by"
     act = getattr(module, act_name)
-    key = (type(act), repr(act), device) if isinstance(act, torch.nn.Module) else (act, device)
+    key = (form == "gpt2", device) + (
+        (type(act), repr(act)) if isinstance(act, torch.nn.Module) else (act,)
+    )
     if key not in readings:
         readings[key] = _reading(act, form, device)
     reading = readings[key]

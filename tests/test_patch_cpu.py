@@ -1,0 +1,457 @@
+"""CPU tests of kbuild.patching.patch: which modules it patches (each decided by a numerical
+check, never by name), that the patched model computes what stock does (outputs, losses,
+gradients), that the patch is per instance (another model of the class keeps stock code), what
+it leaves stock and why, and unpatch.
+
+The first part runs without transformers, on stand-ins copying the Hugging Face modules' math
+(LlamaMLP, Phi3MLP, GPT2MLP, an attention calling its module's apply_rotary_pos_emb). The
+second builds tiny random models of each family from their configs (importorskip).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import kbuild.nn
+from kbuild.ops import activations
+from kbuild.ops import rope as rope_ops
+from kbuild.patching import PatchReport, causal_lm_loss, patch
+
+from .reference import assert_close_rel
+
+D, INTER, HEADS, KV, HEAD_DIM = 64, 96, 4, 2, 16
+
+
+def _gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+# --------------------------------------------------------------------------- stand-ins
+
+
+class SiLUActivation(nn.Module):
+    def forward(self, x):
+        return F.silu(x)
+
+
+class GELUTanh(nn.Module):  # transformers' gelu_pytorch_tanh
+    def forward(self, x):
+        return F.gelu(x, approximate="tanh")
+
+
+class NewGELUActivation(nn.Module):  # transformers' gelu_new (GPT-2)
+    def forward(self, x):
+        return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x**3)))
+
+
+class SteepSiLU(nn.Module):
+    """x * sigmoid(1.1 x): close to silu, not it."""
+
+    def forward(self, x):
+        return x * torch.sigmoid(1.1 * x)
+
+
+class LlamaMLP(nn.Module):
+    """transformers' LlamaMLP (Mistral's, Qwen's, Gemma's with another act_fn)."""
+
+    def __init__(self, act=None):
+        super().__init__()
+        self.gate_proj = nn.Linear(D, INTER, bias=False)
+        self.up_proj = nn.Linear(D, INTER, bias=False)
+        self.down_proj = nn.Linear(INTER, D, bias=False)
+        self.act_fn = act if act is not None else SiLUActivation()
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+class SwappedMLP(LlamaMLP):
+    """LlamaMLP's modules, gate and up exchanged in forward: only the module check sees it."""
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.up_proj(x)) * self.gate_proj(x))
+
+
+class Phi3MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(D, 2 * INTER, bias=False)
+        self.down_proj = nn.Linear(INTER, D, bias=False)
+        self.activation_fn = SiLUActivation()
+
+    def forward(self, hidden_states):
+        up_states = self.gate_up_proj(hidden_states)
+        gate, up_states = up_states.chunk(2, dim=-1)
+        return self.down_proj(up_states * self.activation_fn(gate))
+
+
+class Conv1D(nn.Module):  # transformers' Conv1D: weight (in, out)
+    def __init__(self, nf, nx):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(nx, nf) * 0.1)
+        self.bias = nn.Parameter(torch.randn(nf) * 0.1)
+
+    def forward(self, x):
+        out = torch.addmm(self.bias, x.reshape(-1, x.shape[-1]), self.weight)
+        return out.view(*x.shape[:-1], -1)
+
+
+class GPT2MLP(nn.Module):
+    def __init__(self, act=None):
+        super().__init__()
+        self.c_fc, self.c_proj = Conv1D(4 * D, D), Conv1D(D, 4 * D)
+        self.act = act if act is not None else NewGELUActivation()
+        self.dropout = nn.Dropout(0.1)
+
+    def forward(self, hidden_states):
+        return self.dropout(self.c_proj(self.act(self.c_fc(hidden_states))))
+
+
+def rotate_half(x):
+    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2 :]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+    """transformers' Phi-3 form (partial rotary when cos is narrower than the head)."""
+    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+    r = cos.shape[-1]
+    q_rot, q_pass, k_rot, k_pass = q[..., :r], q[..., r:], k[..., :r], k[..., r:]
+    q_embed = torch.cat([(q_rot * cos) + (rotate_half(q_rot) * sin), q_pass], dim=-1)
+    k_embed = torch.cat([(k_rot * cos) + (rotate_half(k_rot) * sin), k_pass], dim=-1)
+    return q_embed, k_embed
+
+
+STOCK_ROPE = apply_rotary_pos_emb
+
+
+class Attention(nn.Module):
+    """The rotary part of a Hugging Face attention forward: q, k projected, rotated."""
+
+    def __init__(self):
+        super().__init__()
+        self.head_dim = HEAD_DIM
+        self.q_proj = nn.Linear(D, HEADS * HEAD_DIM)
+        self.k_proj = nn.Linear(D, KV * HEAD_DIM)
+
+    def forward(self, hidden_states, position_embeddings):
+        shape = (*hidden_states.shape[:-1], -1, self.head_dim)
+        q = self.q_proj(hidden_states).view(shape).transpose(1, 2)
+        k = self.k_proj(hidden_states).view(shape).transpose(1, 2)
+        cos, sin = position_embeddings
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        return q.transpose(1, 2).flatten(2), k.transpose(1, 2).flatten(2)
+
+
+class Rotary(nn.Module):
+    """transformers' default rotary embedding, `rotary` of head_dim's values rotated."""
+
+    def __init__(self, rotary=HEAD_DIM):
+        super().__init__()
+        inv = 1.0 / (10000 ** (torch.arange(0, rotary, 2, dtype=torch.float) / rotary))
+        self.register_buffer("inv_freq", inv, persistent=False)
+
+    def forward(self, x, position_ids):
+        freqs = position_ids[..., None].float() * self.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+
+
+class Layer(nn.Module):
+    def __init__(self, mlp):
+        super().__init__()
+        self.self_attn, self.mlp = Attention(), mlp
+
+    def forward(self, x, pos):
+        q, k = self.self_attn(x, pos)
+        return x + self.mlp(x + 0.1 * (q[..., :D] + k.repeat(1, 1, 2)[..., :D]))
+
+
+class Tiny(nn.Module):
+    def __init__(self, mlps=None, rotary=HEAD_DIM):
+        super().__init__()
+        mlps = mlps if mlps is not None else [LlamaMLP(), LlamaMLP()]
+        self.rotary_emb = Rotary(rotary)
+        self.layers = nn.ModuleList(Layer(m) for m in mlps)
+
+    def forward(self, x):
+        pos = self.rotary_emb(x, torch.arange(x.shape[1])[None] + 3)
+        for layer in self.layers:
+            x = layer(x, pos)
+        return x
+
+
+def _x(seed=1, T=5):
+    return torch.randn(2, T, D, generator=_gen(seed))
+
+
+def _counting(monkeypatch, module, name):
+    calls = []
+    real = getattr(module, name)
+
+    def spy(*args, **kwargs):
+        calls.append(name)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, spy)
+    return calls
+
+
+def _same_outputs_and_grads(model, stock, x, tol=1e-5):
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    out, ref = model(x1), stock(x2)
+    assert_close_rel(out, ref, tol, "output")
+    dy = torch.randn(out.shape, generator=_gen(9))
+    (out * dy).sum().backward()
+    (ref * dy).sum().backward()
+    assert_close_rel(x1.grad, x2.grad, tol, "dx")
+    for (name, p), q in zip(model.named_parameters(), stock.parameters(), strict=True):
+        assert (p.grad is None) == (q.grad is None), name
+        if p.grad is not None:
+            assert_close_rel(p.grad, q.grad, tol, name)
+
+
+# --------------------------------------------------------------------------- without transformers
+
+
+@pytest.mark.parametrize(
+    "make, what, op",
+    [
+        (lambda: LlamaMLP(), "swiglu", "swiglu"),
+        (lambda: LlamaMLP(GELUTanh()), "geglu(tanh)", "geglu"),
+        (lambda: Phi3MLP(), "swiglu", "swiglu"),
+        (lambda: GPT2MLP(), "gelu(tanh)", "gelu"),
+    ],
+    ids=["llama", "gemma", "phi3", "gpt2"],
+)
+def test_mlp_forms_patched_same_math(monkeypatch, make, what, op):
+    """Catches an MLP form not recognised, the wrong op for its activation (silu / tanh-GELU),
+    Phi-3's fused halves taken in the wrong order, a projection's bias or a gradient lost, and
+    a patch whose forward never calls the kbuild op."""
+    calls = _counting(monkeypatch, activations, op)
+    torch.manual_seed(0)
+    model = nn.Sequential(make(), make())
+    stock = copy.deepcopy(model)
+    report = patch(model, norms=False, rope=False, loss=False)
+    assert [(s.path, s.kind, s.what, s.level) for s in report.swaps] == [
+        (p, "mlp", what, "instance") for p in ("0", "1")
+    ]
+    assert report.kept == []
+    calls.clear()
+    model.eval(), stock.eval()  # GPT-2's dropout
+    _same_outputs_and_grads(model, stock, _x())
+    assert len(calls) == 2
+    if op == "gelu":
+        assert isinstance(model[0].act, kbuild.patching.TanhGELU)
+    else:
+        assert "forward" in vars(model[0]) and "forward" not in vars(stock[0])
+
+
+def test_mlp_with_other_math_left_stock():
+    """Catches a decision by structure or by name: an activation close to silu but not it,
+    erf-GELU (1e-4 from tanh-GELU: the activation check runs in fp32 for this), GPT-2's MLP
+    with erf-GELU, and gate and up exchanged in forward (only the module check sees that);
+    each kept stock with a reason naming the cause. The stock LlamaMLP beside them is patched."""
+    model = nn.ModuleDict(
+        dict(
+            steep=LlamaMLP(SteepSiLU()),
+            erf=LlamaMLP(nn.GELU()),
+            gpt2_erf=GPT2MLP(nn.GELU()),
+            swapped=SwappedMLP(),
+            llama=LlamaMLP(),
+        )
+    )
+    report = patch(model, norms=False, rope=False, loss=False)
+    assert report.paths() == ["llama"]
+    reasons = {k.path: k.reason for k in report.kept}
+    assert set(reasons) == {"steep", "erf", "gpt2_erf", "swapped"}
+    assert "SteepSiLU is neither silu nor tanh-GELU" in reasons["steep"]
+    assert "GELU is neither silu nor tanh-GELU" in reasons["erf"]
+    assert "not tanh-GELU" in reasons["gpt2_erf"]
+    assert "differs from stock" in reasons["swapped"]
+    for name in ("steep", "erf", "swapped"):
+        assert "forward" not in vars(model[name])
+    assert type(model["gpt2_erf"].act) is nn.GELU
+
+
+@pytest.mark.parametrize("rotary", [HEAD_DIM, HEAD_DIM // 2], ids=["full", "partial"])
+def test_rope_patched_per_instance(monkeypatch, rotary):
+    """Catches the rope swap made module-wide (the module's function replaced, or every
+    instance of the class patched: `other` must keep calling the stock function), outputs or
+    gradients that differ, Phi-3's partial rotation (cos narrower than the head) lost, and a
+    patched forward that does not call kbuild's rope."""
+    calls = _counting(monkeypatch, rope_ops, "rope")
+    torch.manual_seed(0)
+    model, other = Tiny(rotary=rotary), Tiny(rotary=rotary)
+    stock = copy.deepcopy(model)
+    report = patch(model, norms=False, mlp=False, loss=False)
+    assert report.paths("rope") == ["layers.0.self_attn", "layers.1.self_attn"]
+    assert all(s.level == "instance" for s in report.swaps)
+    assert globals()["apply_rotary_pos_emb"] is STOCK_ROPE
+    calls.clear()
+    _same_outputs_and_grads(model, stock, _x())
+    assert len(calls) == 2
+    calls.clear()
+    other(_x())
+    assert calls == []
+    assert "forward" not in vars(other.layers[0].self_attn)
+
+
+def _interleaved_attention_class():
+    """An Attention whose module's apply_rotary_pos_emb rotates interleaved pairs (GPT-J's)."""
+    module = types.ModuleType("interleaved_modeling")
+    module.__dict__.update(torch=torch, nn=nn, D=D, HEADS=HEADS, KV=KV, HEAD_DIM=HEAD_DIM)
+
+    def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+        cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+        cos, sin = cos[..., ::2].repeat_interleave(2, -1), sin[..., ::2].repeat_interleave(2, -1)
+
+        def rot(x):
+            return torch.stack((-x[..., 1::2], x[..., ::2]), -1).flatten(-2)
+
+        return q * cos + rot(q) * sin, k * cos + rot(k) * sin
+
+    module.apply_rotary_pos_emb = apply_rotary_pos_emb
+    forward = types.FunctionType(Attention.forward.__code__, module.__dict__, "forward")
+    return type("InterleavedAttention", (Attention,), {"forward": forward})
+
+
+def test_rope_with_other_math_left_stock():
+    """Catches a rope swap decided by the function's name: an attention whose module's
+    apply_rotary_pos_emb rotates interleaved pairs stays stock, with the reason; an attention
+    that already has an instance-level forward (accelerate's hooks put one there) is refused
+    rather than have its wrapper dropped."""
+    model = Tiny()
+    model.layers[0].self_attn = _interleaved_attention_class()()
+    hooked = model.layers[1].self_attn
+    hooked.forward = lambda *a, **k: Attention.forward(hooked, *a, **k)
+    report = patch(model, norms=False, mlp=False, loss=False)
+    assert report.paths("rope") == []
+    reasons = {k.path: k.reason for k in report.kept if k.kind == "rope"}
+    assert "differs from stock" in reasons["layers.0.self_attn"]
+    assert "instance-level forward already" in reasons["layers.1.self_attn"]
+
+
+def test_twice_then_unpatch_restores():
+    """Catches a second patch wrapping kbuild's forwards again (it patches nothing and says
+    so), and unpatch leaving a kbuild forward, norm or activation behind."""
+    model = nn.Sequential(Tiny([LlamaMLP(), GPT2MLP()]), nn.LayerNorm(D))
+    before = {n: type(m) for n, m in model.named_modules()}
+    first = patch(model, loss=False)
+    count = len(first.swaps)
+    assert sorted({s.kind for s in first.swaps}) == ["mlp", "norm", "rope"]
+    second = patch(model, loss=False)
+    assert second.swaps == []
+    assert {k.reason.split(" (")[0] for k in second.kept} == {
+        "already patched by kbuild",
+        "already kbuild's",
+    }
+    first.unpatch()
+    assert {n: type(m) for n, m in model.named_modules()} == before
+    assert not any("forward" in vars(m) for m in model.modules())
+    first.unpatch()  # idempotent
+    assert len(patch(model, loss=False).swaps) == count
+
+
+def test_meta_and_arguments():
+    """Catches a check run on the meta device (nothing to compare: kept with the reason) and
+    flags that are not bools accepted."""
+    with torch.device("meta"):
+        model = Tiny()
+    report = patch(model, loss=False)
+    assert report.swaps == [] and report.kept
+    assert all("meta device" in k.reason for k in report.kept)
+    with pytest.raises(TypeError, match="model must be"):
+        patch("model")
+    with pytest.raises(TypeError, match="rope must be a bool"):
+        patch(Tiny(), rope="module")
+
+
+def test_report_reads():
+    """Catches a report that lists 2 x 32 lines instead of one per group, or loses the kept
+    modules' reasons."""
+    model = nn.Sequential(*[LlamaMLP() for _ in range(4)], LlamaMLP(SteepSiLU()))
+    report = patch(model, norms=False, rope=False, loss=False)
+    text = str(report)
+    assert text.splitlines()[0] == "kbuild.patch(Sequential): 4 patched, 1 left stock"
+    assert "mlp   swiglu" in text and "{0..3}" in text
+    assert "  mlp   4: its activation SteepSiLU is neither" in text
+    model = nn.Module()
+    model.layers = nn.ModuleList(LlamaMLP() for _ in range(3))
+    assert "layers.{0..2}" in str(patch(model, norms=False, rope=False, loss=False))
+    assert isinstance(report, PatchReport) and bool(report)
+
+
+def test_torch_compile_no_graph_breaks():
+    """Catches a patched forward that breaks torch.compile's graph (or recompiles per layer):
+    the patched stand-in compiles to one graph, as stock does, and matches eager."""
+    torch.manual_seed(0)
+    model = Tiny([LlamaMLP(), Phi3MLP()])
+    stock = copy.deepcopy(model)
+    patch(model)
+    x = _x()
+    for m in (stock, model):
+        torch._dynamo.reset()
+        explained = torch._dynamo.explain(m)(x)
+        assert (explained.graph_count, explained.graph_break_count) == (1, 0)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    assert_close_rel(compiled(x), stock(x), 1e-5)
+    torch._dynamo.reset()
+
+
+def _hf_causal_lm_loss(logits, labels, vocab, num_items_in_batch=None, ignore_index=-100,
+                       shift_labels=None):  # fmt: skip
+    """transformers' ForCausalLMLoss (loss/loss_utils.py), copied."""
+    logits = logits.float()
+    if shift_labels is None:
+        labels = F.pad(labels, (0, 1), value=ignore_index)
+        shift_labels = labels[..., 1:].contiguous()
+    logits, shift_labels = logits.view(-1, vocab), shift_labels.view(-1)
+    reduction = "sum" if num_items_in_batch is not None else "mean"
+    loss = F.cross_entropy(logits, shift_labels, ignore_index=ignore_index, reduction=reduction)
+    return loss / num_items_in_batch if reduction == "sum" else loss
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {},
+        {"num_items_in_batch": torch.tensor(9)},
+        {"softcap": 1.5},
+        {"shift_labels": True},
+        {"ignore_index": 3},
+    ],  # fmt: skip
+    ids=["mean", "num_items", "softcap", "shift_labels", "ignore_index"],
+)
+def test_causal_lm_loss_is_hf_loss(kwargs):
+    """Catches labels not shifted (or shifted the wrong way), the last position not ignored,
+    num_items_in_batch ignored or applied as a mean, the softcap left out, shift_labels or
+    ignore_index not honoured: loss and gradients against HF's formula on the logits."""
+    V, g = 40, _gen(4)
+    hidden = torch.randn(2, 7, D, generator=g, requires_grad=True)
+    weight = (0.2 * torch.randn(V, D, generator=g)).requires_grad_()
+    labels = torch.randint(0, V, (2, 7), generator=g)
+    labels[0, :3] = kwargs.get("ignore_index", -100)
+    kwargs = dict(kwargs)
+    if kwargs.pop("shift_labels", False):
+        kwargs["shift_labels"] = torch.randint(0, V, (2, 7), generator=g)
+    cap = kwargs.pop("softcap", None)
+    ours = causal_lm_loss(hidden, weight, labels, softcap=cap, **kwargs)
+    logits = hidden @ weight.T
+    if cap is not None:
+        logits = cap * torch.tanh(logits / cap)
+    ref = _hf_causal_lm_loss(logits, labels, V, **kwargs)
+    assert ours.dtype == torch.float32
+    assert_close_rel(ours, ref, 1e-5, "loss")
+    got = torch.autograd.grad(ours, [hidden, weight])
+    want = torch.autograd.grad(ref, [hidden, weight])
+    for a, b in zip(got, want, strict=True):
+        assert_close_rel(a, b, 1e-5)
