@@ -4,6 +4,7 @@ kbuild warmup --arch sm_90 --manifest tests --cache-dir .kbuild-aot
 kbuild warmup --arch gfx942 --hidden 4096 --dtype bf16     # every kernel of a model width
 kbuild warmup --hidden 2048 --head-dim 128                  # ... with a QK-norm (Qwen3)
 kbuild warmup --vocab 128256 --vocab 50257                  # cross-entropy of these vocabularies
+kbuild warmup --model config.json                           # a Hugging Face model's kernels
 kbuild warmup --arch sm_90 --from run.jsonl                 # what KBUILD_RECORD=run.jsonl saw
 kbuild demo                       # compile the standard set; with a GPU also run and time it
 kbuild cache list | path | clear | info | export FILE | import FILE | prune --max-size 2G
@@ -237,6 +238,13 @@ def _specs_from(args) -> list[KernelSpec]:
             raise CLIError(f"--hidden: {err}") from None
         for name in declared:
             specs += _declared_op_specs(name, args.hidden, args.dtype)
+    for path in args.model or []:
+        from ..model_specs import config_specs
+
+        try:
+            specs += config_specs(path, args.dtype)
+        except ValueError as err:
+            raise CLIError(f"--model {err}") from None
     for V in args.vocab or []:
         from ..kernels.cross_entropy import vocab_specs
 
@@ -258,11 +266,18 @@ def _cmd_warmup(args) -> int:
     specs = _specs_from(args)
     if not specs:
         raise CLIError(
-            "nothing to warm: give --manifest, --module, --spec, --from, --hidden or --vocab"
+            "nothing to warm: give --manifest, --module, --spec, --from, --hidden, --vocab or "
+            "--model"
         )
     root = cache_root(args)
     start = time.perf_counter()
-    modules = tuple(args.module or ()) + (("kbuild.kernels.cross_entropy",) if args.vocab else ())
+    modules = tuple(args.module or ())
+    if args.model:
+        from ..model_specs import KERNEL_MODULES
+
+        modules += KERNEL_MODULES
+    elif args.vocab:
+        modules += ("kbuild.kernels.cross_entropy",)
     warmup(specs, args.arch, root, args.jobs, modules=modules)
     elapsed = time.perf_counter() - start
     print(f"{plural(len(specs), 'kernel')} for {args.arch} in {root} ({elapsed:.1f} s)")
@@ -337,6 +352,14 @@ def _add_warmup_options(p: argparse.ArgumentParser) -> None:
         metavar="V",
         help="every cross-entropy kernel of a vocabulary of V in --dtype (kbuild.cross_entropy, "
         "kbuild.linear_cross_entropy)",
+    )
+    p.add_argument(
+        "--model",
+        action="append",
+        metavar="CONFIG.json",
+        help="every kernel a training and an inference step of this Hugging Face model launch "
+        "once kbuild.nn.patch has put kbuild into it, in --dtype (norms, rotary embedding, MLP "
+        "activation, cross-entropy)",
     )
     p.add_argument("--dtype", default="bf16", choices=("bf16", "f16", "f32"))
     p.add_argument("--weight-dtype", choices=("bf16", "f16", "f32"))

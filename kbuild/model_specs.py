@@ -1,0 +1,114 @@
+"""Every kernel a Hugging Face model's training and inference steps launch, from its config file:
+`kbuild warmup --model config.json` (no download, no transformers: the JSON is read as it is).
+
+    specs = model_specs(read_config("config.json"), "bf16")
+
+What a model launches once kbuild.nn.patch has put kbuild into it (kbuild/patching.py):
+- the norms at its width (RMSNorm and the fused add + RMSNorm; Gemma's weight offset 1.0;
+  LayerNorm, the embedding and the bias gradients for GPT-2) and a QK-norm over heads where
+  the family has one (Qwen3, Gemma 3, OLMo 2);
+- rotary embedding of q and k (Hq, Hk heads of head_dim, partial rotary where
+  `partial_rotary_factor` says), on dense q / k and on views of a fused qkv projection, cos /
+  sin in the model's dtype and in fp32;
+- the MLP's activation at the intermediate size: SwiGLU (silu), GeGLU (gelu_pytorch_tanh,
+  gelu_new: tanh; gelu: erf), GPT-2's GELU (tanh) at 4 x hidden;
+- the cross-entropy kernels of its vocabulary (kbuild.cross_entropy and the fused linear
+  cross-entropy: the same kernels), with Gemma 2's soft cap among them.
+Importing this module imports torch (the op modules' spec helpers take meta tensors).
+"""
+
+from __future__ import annotations
+
+import json
+
+from .manifest import for_width
+from .spec import KernelSpec
+
+# The modules whose kernels a model's specs name (the warmup workers import them).
+KERNEL_MODULES = ("kbuild.kernels.cross_entropy", "kbuild.kernels.rope",
+                  "kbuild.kernels.activations")  # fmt: skip
+QK_NORM = ("qwen3", "qwen3_moe", "gemma3", "gemma3_text", "olmo2")
+GEMMA = ("gemma", "gemma2", "gemma3", "gemma3_text")
+TANH = ("gelu_pytorch_tanh", "gelu_new", "gelu_fast", "gelu_tanh")
+GATES = {"silu": "swiglu", "swish": "swiglu", "gelu": "geglu", **dict.fromkeys(TANH, "geglu")}
+
+
+def read_config(path: str) -> dict:
+    """A config.json as a dict (a multimodal config's `text_config` where it has one);
+    ValueError naming the file for anything unreadable."""
+    try:
+        with open(path) as f:
+            config = json.load(f)
+    except FileNotFoundError:
+        raise ValueError(f"{path}: no such file") from None
+    except (OSError, json.JSONDecodeError) as err:
+        raise ValueError(f"{path}: not a JSON config ({err})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path}: a config is a JSON object")
+    text = config.get("text_config")
+    if isinstance(text, dict):
+        config = {**text, "model_type": text.get("model_type", config.get("model_type"))}
+    return config
+
+
+def _field(config: dict, *names: str, default=None, what: str = "int"):
+    for name in names:
+        if config.get(name) is not None:
+            value = config[name]
+            if what == "int" and (not isinstance(value, int) or isinstance(value, bool)):
+                raise ValueError(f"{name} must be an int; the config has {value!r}")
+            return value
+    if default is None:
+        raise ValueError(f"the config has no {' / '.join(names)}")
+    return default
+
+
+def model_specs(config: dict, dtype: str = "bf16") -> list[KernelSpec]:
+    """The kernels of `config`'s model in `dtype` ("bf16", "f16", "f32"): the module
+    docstring's list, each once."""
+    import torch
+
+    from .kernels.cross_entropy import vocab_specs
+    from .ops import activations, rope
+
+    torch_dtype = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}[dtype]
+    family = str(config.get("model_type") or "")
+    H = _field(config, "hidden_size", "n_embd", "d_model")
+    V = _field(config, "vocab_size")
+    if family == "gpt2":  # LayerNorm, learned positions, GELU (tanh), tied head
+        specs = for_width(H, dtype, ops=("layernorm", "encoder", "linear"))
+        inner = _field(config, "n_inner", default=4 * H)
+        x = torch.empty(1, inner, dtype=torch_dtype, device="meta")
+        gelu = activations.GELU
+        both = gelu.kernel_values(x, True) + gelu.backward.kernel_values(x, x, True)
+        specs += [k.spec(*values) for k, values in both]
+        return list(dict.fromkeys(specs + vocab_specs(V, (dtype,))))
+    heads = _field(config, "num_attention_heads", "n_head")
+    kv = _field(config, "num_key_value_heads", default=heads)
+    D = _field(config, "head_dim", default=H // heads)
+    factor = _field(config, "partial_rotary_factor", default=1.0, what="float")
+    rd = int(D * factor) // 2 * 2
+    specs = for_width(H, dtype, ops=("rmsnorm", "fused_add_rmsnorm"),
+                      rms_offset=1.0 if family in GEMMA else 0.0,
+                      head_dim=D if family in QK_NORM else None)  # fmt: skip
+    for cs in dict.fromkeys((torch_dtype, torch.float32)):
+        for fused in (False, True):
+            case = (1, 8, heads, kv, D, rd, torch_dtype, cs, False, 1, fused)
+            specs += rope.specs_for(*rope.case_tensors(case, "meta"), False, 1)
+    act = str(_field(config, "hidden_act", "hidden_activation", default="silu", what="str"))
+    gate = GATES.get(act)
+    if gate is None:
+        raise ValueError(f"hidden_act {act!r}: kbuild's MLP activations are {sorted(GATES)}")
+    inner = _field(config, "intermediate_size")
+    specs += activations.gated_specs(gate, inner, torch_dtype,
+                                     None if gate == "swiglu" else act in TANH)  # fmt: skip
+    return list(dict.fromkeys(specs + vocab_specs(V, (dtype,))))
+
+
+def config_specs(path: str, dtype: str) -> list[KernelSpec]:
+    """model_specs of the config file at `path` (ValueError naming it)."""
+    try:
+        return model_specs(read_config(path), dtype)
+    except ValueError as err:
+        text = str(err)
+        raise ValueError(text if text.startswith(path) else f"{path}: {text}") from None
