@@ -455,3 +455,226 @@ def test_causal_lm_loss_is_hf_loss(kwargs):
     want = torch.autograd.grad(ref, [hidden, weight])
     for a, b in zip(got, want, strict=True):
         assert_close_rel(a, b, 1e-5)
+
+
+# --------------------------------------------------------------------------- Hugging Face models
+
+VOCAB = 128
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3", "gpt2"]
+
+
+@pytest.fixture
+def hf():
+    return pytest.importorskip("transformers")
+
+
+def _config(hf, kind: str):
+    """A 2-layer config of the family: GQA, Phi-3's partial rotation, Gemma 2/3's softcap at 2
+    (small enough that leaving it out changes the loss), no dropout."""
+    common = dict(hidden_size=D, intermediate_size=INTER, num_hidden_layers=2,
+                  num_attention_heads=HEADS, num_key_value_heads=KV, vocab_size=VOCAB,
+                  max_position_embeddings=64, bos_token_id=0, eos_token_id=0)  # fmt: skip
+    gemma = dict(head_dim=HEAD_DIM, final_logit_softcapping=2.0)
+    config = {
+        "llama": lambda: hf.LlamaConfig(**common),
+        "mistral": lambda: hf.MistralConfig(**common),
+        "qwen2": lambda: hf.Qwen2Config(**common),
+        "qwen3": lambda: hf.Qwen3Config(head_dim=HEAD_DIM, **common),
+        "gemma": lambda: hf.GemmaConfig(head_dim=HEAD_DIM, **common),
+        "gemma2": lambda: hf.Gemma2Config(**gemma, **common),
+        "gemma3": lambda: hf.Gemma3TextConfig(sliding_window=4, **gemma, **common),
+        "phi3": lambda: hf.Phi3Config(partial_rotary_factor=0.5, pad_token_id=0, **common),
+        "gpt2": lambda: hf.GPT2Config(
+            n_embd=D,
+            n_layer=2,
+            n_head=HEADS,
+            vocab_size=VOCAB,
+            n_positions=64,
+            bos_token_id=0,
+            eos_token_id=0,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+        ),  # fmt: skip
+        "granite": lambda: hf.GraniteConfig(logits_scaling=4.0, **common),
+    }[kind]()
+    return config
+
+
+def _model(hf, kind: str):
+    torch.manual_seed(0)
+    model = hf.AutoModelForCausalLM.from_config(_config(hf, kind), attn_implementation="sdpa")
+    with torch.no_grad():  # norm weights away from their init (1 or 0), so the math shows
+        for name, p in model.named_parameters():
+            if "norm" in name or "ln_" in name:
+                p.add_(torch.randn(p.shape, generator=_gen(1)) * 0.3)
+    return model
+
+
+def _ids(seed=2, batch=2, seq=12):
+    return torch.randint(0, VOCAB, (batch, seq), generator=_gen(seed))
+
+
+def _spies(monkeypatch):
+    from kbuild.ops import linear_loss
+
+    calls = []
+    for module, names in ((activations, ("swiglu", "geglu", "gelu")), (rope_ops, ("rope",)),
+                          (linear_loss, ("linear_cross_entropy",))):  # fmt: skip
+        for name in names:
+            calls_of = _counting(monkeypatch, module, name)
+            calls.append(calls_of)
+    return calls
+
+
+@pytest.mark.parametrize("kind", FAMILIES)
+def test_family_patched_same_model(hf, monkeypatch, kind):
+    """Catches a family whose norms, MLPs, attention or loss are not all patched, a patched
+    model whose logits (no labels), loss or gradients (labels) differ from stock, Gemma 2/3's
+    softcap left out of the fused loss, logits returned with labels, and a patch that reaches
+    another model of the same class in the process (it must call no kbuild op)."""
+    spies = _spies(monkeypatch)
+    stock = _model(hf, kind)
+    model, other = copy.deepcopy(stock), copy.deepcopy(stock)
+    report = patch(model)
+    layers = 2
+    norms = [n for n, m in stock.named_modules() if "Norm" in type(m).__name__]
+    assert report.paths("norm") == norms
+    assert len(report.paths("mlp")) == layers
+    assert len(report.paths("rope")) == (0 if kind == "gpt2" else layers)
+    assert report.paths("loss") == [""]
+    assert report.kept == [] and all(s.level == "instance" for s in report.swaps)
+    if kind in ("gemma2", "gemma3"):
+        assert [s.what for s in report.swaps if s.kind == "loss"] == [
+            "linear_cross_entropy(softcap=2)"
+        ]
+
+    for calls in spies:
+        calls.clear()
+    ids = _ids()
+    assert_close_rel(other(input_ids=ids).logits, stock(input_ids=ids).logits, 0, "other")
+    other(input_ids=ids, labels=ids).loss.backward()
+    assert all(calls == [] for calls in spies)
+    other.zero_grad()
+
+    assert_close_rel(model(input_ids=ids).logits, stock(input_ids=ids).logits, 1e-5, "logits")
+    ours, ref = model(input_ids=ids, labels=ids), stock(input_ids=ids, labels=ids)
+    assert ours.logits is None
+    assert abs(ours.loss.item() - ref.loss.item()) < 1e-5 * ref.loss.item()
+    ours.loss.backward()
+    ref.loss.backward()
+    for (name, p), q in zip(model.named_parameters(), stock.parameters(), strict=True):
+        if q.grad is not None:
+            assert_close_rel(p.grad, q.grad, 1e-4, name)
+    used = {calls[0] for calls in spies if calls}
+    want = {"linear_cross_entropy", "gelu" if kind == "gpt2" else "rope"}
+    want.add(
+        {"gemma": "geglu", "gemma2": "geglu", "gemma3": "geglu", "gpt2": "gelu"}.get(kind, "swiglu")
+    )
+    assert used == want
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_forward_arguments_kept(hf, kind):
+    """Catches a patched forward that drops or misreads the stock forward's arguments:
+    positional labels, return_dict=False (a tuple, loss first), num_items_in_batch (a sum over
+    it), shift_labels, an attention mask with padding; and without labels the stock path itself
+    (cache, logits_to_keep, greedy generation)."""
+    stock = _model(hf, kind)
+    model = copy.deepcopy(stock)
+    patch(model)
+    ids = _ids()
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    cases = [
+        dict(labels=labels, attention_mask=mask),
+        dict(labels=labels, num_items_in_batch=torch.tensor(7)),
+        dict(labels=labels, shift_labels=torch.roll(labels, -1, 1)),
+        dict(labels=labels, return_dict=False),
+    ]
+    for kwargs in cases:
+        ours, ref = model(input_ids=ids, **kwargs), stock(input_ids=ids, **kwargs)
+        ours, ref = (ours[0], ref[0]) if isinstance(ref, tuple) else (ours.loss, ref.loss)
+        assert abs(ours.item() - ref.item()) < 1e-5 * abs(ref.item()), kwargs
+    if kind == "llama":  # positional labels: (input_ids, mask, positions, cache, embeds, labels)
+        ours = model(ids, None, None, None, None, labels).loss
+        assert abs(ours.item() - stock(input_ids=ids, labels=labels).loss.item()) < 1e-4
+    ours = model(input_ids=ids, use_cache=True, logits_to_keep=1)
+    ref = stock(input_ids=ids, use_cache=True, logits_to_keep=1)
+    assert ours.logits.shape == (2, 1, VOCAB) and ours.past_key_values is not None
+    assert_close_rel(ours.logits, ref.logits, 1e-5)
+    prompt = ids[:1, :4]
+    generate = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert torch.equal(model.generate(prompt, **generate), stock.generate(prompt, **generate))
+
+
+def test_hf_module_with_other_math_left_stock(hf):
+    """Catches a swap decided by the model's family: one Gemma layer whose act_fn is erf-GELU
+    (not the family's tanh-GELU) keeps its stock MLP, with the reason, and the model still
+    computes stock's logits; a family whose CausalLM forward kbuild's loss does not replicate
+    (Granite scales its logits) keeps its stock loss while its norms, MLPs and rope are patched
+    by their checks."""
+    stock = _model(hf, "gemma")
+    stock.model.layers[1].mlp.act_fn = nn.GELU()
+    model = copy.deepcopy(stock)
+    report = patch(model)
+    assert report.paths("mlp") == ["model.layers.0.mlp"]
+    (kept,) = report.kept
+    assert kept.path == "model.layers.1.mlp" and "neither silu nor tanh-GELU" in kept.reason
+    ids = _ids()
+    assert_close_rel(model(input_ids=ids).logits, stock(input_ids=ids).logits, 1e-5)
+
+    stock = _model(hf, "granite")
+    model = copy.deepcopy(stock)
+    report = patch(model)
+    assert [(k.path, k.kind) for k in report.kept] == [("", "loss")]
+    assert "'granite'" in report.kept[0].reason
+    assert {s.kind for s in report.swaps} == {"norm", "mlp", "rope"}
+    ours, ref = model(input_ids=ids, labels=ids), stock(input_ids=ids, labels=ids)
+    assert abs(ours.loss.item() - ref.loss.item()) < 1e-5 * ref.loss.item()
+    assert ours.logits is not None
+
+
+def test_hf_unpatch_and_compile(hf):
+    """Catches unpatch leaving a kbuild forward or module in the model, and a patched model
+    that breaks torch.compile's graph where stock does not (with labels, stock GPT-2 breaks
+    once at its loss; the patched loss does not), or compiles to other values."""
+    stock = _model(hf, "llama")
+    model = copy.deepcopy(stock)
+    report = patch(model)
+    types_before = [type(m) for m in stock.modules()]
+    report.unpatch()
+    assert [type(m) for m in model.modules()] == types_before
+    assert not any("forward" in vars(m) for m in model.modules())
+    patch(model)
+    ids = _ids()
+    counts = []
+    for m in (stock, model):
+        torch._dynamo.reset()
+        counts.append(torch._dynamo.explain(m)(input_ids=ids, labels=ids).graph_break_count)
+    assert counts[1] <= counts[0], counts
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="aot_eager")
+    loss = compiled(input_ids=ids, labels=ids).loss
+    loss.backward()
+    ref = stock(input_ids=ids, labels=ids).loss
+    ref.backward()
+    torch._dynamo.reset()
+    assert abs(loss.item() - ref.item()) < 1e-5 * ref.item()
+    for (name, p), q in zip(model.named_parameters(), stock.parameters(), strict=True):
+        assert_close_rel(p.grad, q.grad, 1e-4, name)
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma2", "phi3", "gpt2"])
+def test_bf16_checks_pass(hf, kind):
+    """Catches tolerances too tight for bf16 (stock rounds each intermediate to bf16, kbuild
+    once): every check passes in bf16 on CPU, and logits and loss agree to bf16 noise."""
+    stock = _model(hf, kind).to(torch.bfloat16)
+    model = copy.deepcopy(stock)
+    report = patch(model)
+    assert report.kept == [] and len(report.swaps) >= 8
+    ids = _ids()
+    assert_close_rel(model(input_ids=ids).logits, stock(input_ids=ids).logits, 3e-2, "logits")
+    ours, ref = model(input_ids=ids, labels=ids).loss, stock(input_ids=ids, labels=ids).loss
+    assert abs(ours.item() - ref.item()) < 1e-2 * ref.item()  # kbuild's loss is bf16-rounded
