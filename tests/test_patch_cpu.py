@@ -468,28 +468,29 @@ def hf():
     return pytest.importorskip("transformers")
 
 
-def _config(hf, kind: str):
-    """A 2-layer config of the family: GQA, Phi-3's partial rotation, Gemma 2/3's softcap at 2
-    (small enough that leaving it out changes the loss), no dropout."""
-    common = dict(hidden_size=D, intermediate_size=INTER, num_hidden_layers=2,
-                  num_attention_heads=HEADS, num_key_value_heads=KV, vocab_size=VOCAB,
-                  max_position_embeddings=64, bos_token_id=0, eos_token_id=0)  # fmt: skip
-    gemma = dict(head_dim=HEAD_DIM, final_logit_softcapping=2.0)
+def hf_model(hf, kind: str, width=D, inter=INTER, head_dim=HEAD_DIM, vocab=VOCAB, cap=2.0):
+    """A 2-layer fp32 model of the family on CPU, random weights, its norm weights moved away
+    from their init (1 or 0) so the math shows: GQA, Phi-3's partial rotation, Gemma 2/3's
+    softcap `cap` (2 here: small enough that leaving it out changes the loss), no dropout."""
+    common = dict(hidden_size=width, intermediate_size=inter, num_hidden_layers=2,
+                  num_attention_heads=HEADS, num_key_value_heads=KV, vocab_size=vocab,
+                  max_position_embeddings=256, bos_token_id=0, eos_token_id=0)  # fmt: skip
+    gemma = dict(head_dim=head_dim, final_logit_softcapping=cap)
     config = {
         "llama": lambda: hf.LlamaConfig(**common),
         "mistral": lambda: hf.MistralConfig(**common),
         "qwen2": lambda: hf.Qwen2Config(**common),
-        "qwen3": lambda: hf.Qwen3Config(head_dim=HEAD_DIM, **common),
-        "gemma": lambda: hf.GemmaConfig(head_dim=HEAD_DIM, **common),
+        "qwen3": lambda: hf.Qwen3Config(head_dim=head_dim, **common),
+        "gemma": lambda: hf.GemmaConfig(head_dim=head_dim, **common),
         "gemma2": lambda: hf.Gemma2Config(**gemma, **common),
         "gemma3": lambda: hf.Gemma3TextConfig(sliding_window=4, **gemma, **common),
         "phi3": lambda: hf.Phi3Config(partial_rotary_factor=0.5, pad_token_id=0, **common),
         "gpt2": lambda: hf.GPT2Config(
-            n_embd=D,
+            n_embd=width,
             n_layer=2,
             n_head=HEADS,
-            vocab_size=VOCAB,
-            n_positions=64,
+            vocab_size=vocab,
+            n_positions=256,
             bos_token_id=0,
             eos_token_id=0,
             resid_pdrop=0.0,
@@ -498,13 +499,9 @@ def _config(hf, kind: str):
         ),  # fmt: skip
         "granite": lambda: hf.GraniteConfig(logits_scaling=4.0, **common),
     }[kind]()
-    return config
-
-
-def _model(hf, kind: str):
     torch.manual_seed(0)
-    model = hf.AutoModelForCausalLM.from_config(_config(hf, kind), attn_implementation="sdpa")
-    with torch.no_grad():  # norm weights away from their init (1 or 0), so the math shows
+    model = hf.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name or "ln_" in name:
                 p.add_(torch.randn(p.shape, generator=_gen(1)) * 0.3)
@@ -534,7 +531,7 @@ def test_family_patched_same_model(hf, monkeypatch, kind):
     softcap left out of the fused loss, logits returned with labels, and a patch that reaches
     another model of the same class in the process (it must call no kbuild op)."""
     spies = _spies(monkeypatch)
-    stock = _model(hf, kind)
+    stock = hf_model(hf, kind)
     model, other = copy.deepcopy(stock), copy.deepcopy(stock)
     report = patch(model)
     layers = 2
@@ -580,7 +577,7 @@ def test_forward_arguments_kept(hf, kind):
     positional labels, return_dict=False (a tuple, loss first), num_items_in_batch (a sum over
     it), shift_labels, an attention mask with padding; and without labels the stock path itself
     (cache, logits_to_keep, greedy generation)."""
-    stock = _model(hf, kind)
+    stock = hf_model(hf, kind)
     model = copy.deepcopy(stock)
     patch(model)
     ids = _ids()
@@ -615,7 +612,7 @@ def test_hf_module_with_other_math_left_stock(hf):
     computes stock's logits; a family whose CausalLM forward kbuild's loss does not replicate
     (Granite scales its logits) keeps its stock loss while its norms, MLPs and rope are patched
     by their checks."""
-    stock = _model(hf, "gemma")
+    stock = hf_model(hf, "gemma")
     stock.model.layers[1].mlp.act_fn = nn.GELU()
     model = copy.deepcopy(stock)
     report = patch(model)
@@ -625,7 +622,7 @@ def test_hf_module_with_other_math_left_stock(hf):
     ids = _ids()
     assert_close_rel(model(input_ids=ids).logits, stock(input_ids=ids).logits, 1e-5)
 
-    stock = _model(hf, "granite")
+    stock = hf_model(hf, "granite")
     model = copy.deepcopy(stock)
     report = patch(model)
     assert [(k.path, k.kind) for k in report.kept] == [("", "loss")]
@@ -640,7 +637,7 @@ def test_hf_unpatch_and_compile(hf):
     """Catches unpatch leaving a kbuild forward or module in the model, and a patched model
     that breaks torch.compile's graph where stock does not (with labels, stock GPT-2 breaks
     once at its loss; the patched loss does not), or compiles to other values."""
-    stock = _model(hf, "llama")
+    stock = hf_model(hf, "llama")
     model = copy.deepcopy(stock)
     report = patch(model)
     types_before = [type(m) for m in stock.modules()]
@@ -670,7 +667,7 @@ def test_hf_unpatch_and_compile(hf):
 def test_bf16_checks_pass(hf, kind):
     """Catches tolerances too tight for bf16 (stock rounds each intermediate to bf16, kbuild
     once): every check passes in bf16 on CPU, and logits and loss agree to bf16 noise."""
-    stock = _model(hf, kind).to(torch.bfloat16)
+    stock = hf_model(hf, kind).to(torch.bfloat16)
     model = copy.deepcopy(stock)
     report = patch(model)
     assert report.kept == [] and len(report.swaps) >= 8

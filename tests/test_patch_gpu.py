@@ -17,6 +17,8 @@ import torch
 
 from kbuild.patching import patch
 
+from .test_patch_cpu import hf_model
+
 pytestmark = pytest.mark.gpu
 transformers = pytest.importorskip("transformers")
 
@@ -24,38 +26,8 @@ VOCAB = 512
 
 
 def _model(kind: str, vocab: int = VOCAB):
-    common = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, vocab_size=vocab,
-                  max_position_embeddings=256, bos_token_id=0, eos_token_id=0)  # fmt: skip
-    config = {
-        "llama": lambda: transformers.LlamaConfig(**common),
-        "qwen3": lambda: transformers.Qwen3Config(head_dim=64, **common),
-        "gemma2": lambda: transformers.Gemma2Config(
-            head_dim=64, final_logit_softcapping=30.0, **common
-        ),
-        "phi3": lambda: transformers.Phi3Config(
-            partial_rotary_factor=0.5, pad_token_id=0, **common
-        ),
-        "gpt2": lambda: transformers.GPT2Config(
-            n_embd=256,
-            n_layer=2,
-            n_head=4,
-            vocab_size=vocab,
-            n_positions=256,
-            bos_token_id=0,
-            eos_token_id=0,
-            resid_pdrop=0.0,
-            embd_pdrop=0.0,
-            attn_pdrop=0.0,
-        ),  # fmt: skip
-    }[kind]()
-    config.use_cache = False
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
-    with torch.no_grad():  # norm weights away from their init (1 or 0), so the math shows
-        for name, p in model.named_parameters():
-            if "norm" in name or "ln_" in name:
-                p.add_(torch.randn_like(p) * 0.3)
+    model = hf_model(transformers, kind, width=256, inter=512, head_dim=64, vocab=vocab, cap=30.0)
+    model.config.use_cache = False
     return model.to(device="cuda", dtype=torch.bfloat16)
 
 
