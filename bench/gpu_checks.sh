@@ -6,6 +6,7 @@
 #       --module examples/custom_softmax.py --module bench/math_accuracy.py \
 #       --module bench/bench_rows.py --module kbuild.ops.loss --module kbuild.ops.softmax \
 #       --module bench/bench_loss.py --module kbuild.ops.rope --module kbuild.ops.activations \
+#       --module bench/bench_block.py \
 #       --cache-dir .kbuild-aot
 #   for n in 4097 5123 50257; do kbuild warmup --arch sm_90 --hidden $n --dtype bf16 \
 #       --cache-dir .kbuild-aot; done
@@ -52,6 +53,7 @@ for name in "${steps[@]}"; do
         host_versions) step host_versions python3 bench/host_versions.py .kbuild-before . "$out" ;;
         host) step host python3 bench/host.py "$out" ;;
         rows) step rows python3 bench/bench_rows.py "$out/rows.json" ;;
+        block) step block python3 bench/bench_block.py "$out/block.json" ;;
         models) step models python3 bench/models.py "$out" --models gpt2-d1024-l6,gpt2-d768-l4,gpt2-124m --modes eager ;;
         profile) step profile python3 bench/model_profile.py "$out" --model gpt2-d1024-l6 ;;
         loss)
