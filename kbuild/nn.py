@@ -7,7 +7,9 @@ Only `forward` differs. kbuild normalises over the last dimension only, so a
 `normalized_shape` of more than one dimension raises ValueError at construction.
 
 `swap_norms(model)` replaces a model's torch and Hugging Face style norms by these modules in
-place, each class after a numerical check that its math is kbuild's.
+place, each class after a numerical check that its math is kbuild's. `patch(model)` does that
+and more for a Hugging Face causal LM: its MLP activation, rotary embedding and loss too
+(kbuild/patching). `CrossEntropyLoss` and `LinearCrossEntropy` are the losses as modules.
 """
 
 from __future__ import annotations
@@ -424,3 +426,14 @@ def swap_norms(model: torch.nn.Module) -> list[str]:
             setattr(model.get_submodule(parent), name, new)
             swapped.append(path)
     return swapped
+
+
+def patch(model: torch.nn.Module, norms: bool = True, rope: bool = True, mlp: bool = True,
+          loss: bool = True):  # fmt: skip
+    """Put kbuild's norms, rotary embedding, MLP activation and fused linear cross-entropy into
+    a Hugging Face causal LM in place, each swap per module instance and after a numerical
+    check on the module's own device; returns a PatchReport (what was patched, what was left
+    and why; `.unpatch()` undoes it). See kbuild/patching/__init__.py."""
+    from .patching import patch as _patch
+
+    return _patch(model, norms=norms, rope=rope, mlp=mlp, loss=loss)

@@ -272,14 +272,15 @@ def linear_cross_entropy(
 ):
     """cross_entropy(hidden @ weight.T + bias, target) without the logits of all tokens.
 
-    hidden (..., H) float32 / float16 / bfloat16; weight (V, H) and bias (V,) of its dtype and
-    device; target (...) int32 / int64 class ids. The options are kbuild.cross_entropy's
-    (kbuild/ops/loss.py); `chunk_size` is the rows per chunk (default: chosen from the shapes
-    and the free memory, module docstring). Returns the loss in hidden's dtype: the mean over
-    rows whose target is not `ignore_index`, the sum, or each row's ("none", target's shape);
-    with `return_z_loss`, (loss, z_loss) as kbuild.cross_entropy gives them. Saved for backward:
-    d(hidden) and d(weight) (and d(bias)), computed by the forward, for a mean or a sum; hidden,
-    weight, bias and target for "none" (the backward recomputes the chunks' logits)."""
+        hidden (..., H) float32 / float16 / bfloat16; weight (V, H) and bias (V,) of its dtype and
+        device; target (...) int32 / int64 class ids. The options are kbuild.cross_entropy's
+        (kbuild/ops/loss.py); `chunk_size` is the rows per chunk (default: chosen from the shapes
+        and the free memory, module docstring). Returns the loss in fp32 (as Hugging Face's loss of
+    upcast logits; the op never rounds it to hidden's dtype): the mean over
+        rows whose target is not `ignore_index`, the sum, or each row's ("none", target's shape);
+        with `return_z_loss`, (loss, z_loss) as kbuild.cross_entropy gives them. Saved for backward:
+        d(hidden) and d(weight) (and d(bias)), computed by the forward, for a mean or a sum; hidden,
+        weight, bias and target for "none" (the backward recomputes the chunks' logits)."""
     check_input("hidden", hidden)
     check_input("weight", weight)
     check_options(ignore_index, reduction, label_smoothing, lse_square_scale, softcap)
@@ -322,7 +323,7 @@ def linear_cross_entropy(
         float(lse_square_scale), float(softcap or 0.0), reduction, *asked, chunk_size or 0,
         check_targets,
     )  # fmt: skip
-    loss = (loss.view(target.shape) if reduction == "none" else loss).to(hidden.dtype)
+    loss = loss.view(target.shape) if reduction == "none" else loss
     if not return_z_loss:
         return loss
-    return loss, z_loss_of(lse, target, ignore_index, lse_square_scale, reduction, hidden.dtype)
+    return loss, z_loss_of(lse, target, ignore_index, lse_square_scale, reduction, torch.float32)

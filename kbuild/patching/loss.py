@@ -67,7 +67,6 @@ def causal_lm_loss(
     loss = linear_cross_entropy(
         h, weight, target, bias, ignore_index=ignore_index, reduction=reduction, softcap=softcap
     )
-    loss = loss.float()  # stock's is fp32 (its logits upcast); kbuild's is hidden's dtype
     if num_items_in_batch is not None:
         if torch.is_tensor(num_items_in_batch):
             num_items_in_batch = num_items_in_batch.to(loss.device)
