@@ -18,8 +18,8 @@
 #   bash bench/gpu_checks.sh custom_softmax math_accuracy host
 #   bash bench/gpu_checks.sh models profile
 #   bash bench/gpu_checks.sh host_versions
-#   bash bench/gpu_checks.sh loss          (carry Liger's wheel: pip download --no-deps
-#                                          liger-kernel==0.8.5; the step installs it)
+#   bash bench/gpu_checks.sh loss block    (carry Liger's wheel in .carry: pip download
+#                                          --no-deps liger-kernel==0.8.5; installed first)
 # Owed since 2026-12-05 (no device lent that day): the GPU suite over the peeled widths (4097,
 # 65537, the example's 4097 / 50257 / 3001) and the example's one-reduction softmax;
 # bench_rows.py (odd widths against the aligned ones, the long-row cluster alternatives);
@@ -43,6 +43,8 @@ step() {  # name, command...: the command's output in $out/name.log, its status 
     echo "$name: exit $? in $((SECONDS - start)) s" | tee -a "$out/summary.txt"
 }
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,power.limit --format=csv >"$out/gpu.txt"
+# Liger-Kernel (pure Python), the peer of the loss and block steps, where its wheel was carried
+ls .carry/liger_kernel-*.whl >/dev/null 2>&1 && pip install -q --no-deps .carry/liger_kernel-*.whl
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(gpu_tests custom_softmax math_accuracy host_versions)
 for name in "${steps[@]}"; do
@@ -56,9 +58,7 @@ for name in "${steps[@]}"; do
         block) step block python3 bench/bench_block.py "$out/block.json" ;;
         models) step models python3 bench/models.py "$out" --models gpt2-d1024-l6,gpt2-d768-l4,gpt2-124m --modes eager ;;
         profile) step profile python3 bench/model_profile.py "$out" --model gpt2-d1024-l6 ;;
-        loss)
-            ls .carry/liger_kernel-*.whl >/dev/null 2>&1 && pip install -q --no-deps .carry/liger_kernel-*.whl
-            step loss python3 bench/bench_loss.py "$out/loss.json" ;;
+        loss) step loss python3 bench/bench_loss.py "$out/loss.json" ;;
         *) echo "gpu_checks.sh: unknown step $name" >&2; exit 2 ;;
     esac
 done
