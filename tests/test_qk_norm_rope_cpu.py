@@ -516,7 +516,8 @@ def test_fused_qkv_views_are_read_in_place_at_full_width():
     q, k, qw, kw, cos, sin = ops.case_tensors(case, "meta")
     assert not q.is_contiguous() and ops.readable(q) is q
     fwd, bwd, column_sum = ops.specs_for(q, k, qw, kw, cos, sin)
-    assert fwd.kwargs["vec"] == 8 and bwd.kwargs["vec"] == 8 and bwd.kwargs["weight_grad"]
+    assert fwd.kwargs["vec"] == 8 and bwd.kwargs["weight_grad"]
+    assert bwd.kwargs["vec"] == 4  # narrowed to BWD_ELEMENTS (8) a thread: its registers
     assert column_sum.kwargs["N"] == 128
     odd = torch.empty(2 * 4 * 5 * 64 + 1, dtype=torch.bfloat16, device="meta")[1:]
     q = odd.view(2, 4, 5, 64)
@@ -553,13 +554,19 @@ def _bwd(**kw):
 
 
 @pytest.mark.parametrize("interleaved", [False, True])
-def test_kernel_ptx_reads_and_writes_16_bytes_with_no_atomics(interleaved):
-    """Both kernels move 16 bytes an access, sum a head in warp shuffles, and the backward's
-    weight gradient takes no atomics (its partials go to a workspace row, summed in order)."""
-    for spec in (_fwd(interleaved=interleaved), _bwd(interleaved=interleaved, offset=1.0)):
+def test_kernel_ptx_wide_accesses_shuffles_and_no_atomics(interleaved):
+    """At the widths the launches pick for aligned bf16 heads of 128 (the forward 16 bytes an
+    access; the backward 16 for pairs, 8 for rotate-half, BWD_ELEMENTS a thread), both
+    kernels sum a head in warp shuffles, and the backward's weight gradient takes no atomics
+    (its partials go to a workspace row, summed in order)."""
+    wide, half = r"v4\.b32", r"(v4\.b16|v2\.b32)"  # 16 bytes, 8 bytes
+    specs = ((_fwd(interleaved=interleaved), wide),
+             (_bwd(interleaved=interleaved, offset=1.0, vec=8 if interleaved else 4),
+              wide if interleaved else half))  # fmt: skip
+    for spec, access in specs:
         ptx = _ptx(spec)
-        assert re.search(r"ld\.global(\.\w+)*\.v4\.b32", ptx)
-        assert re.search(r"st\.global(\.\w+)*\.v4\.b32", ptx)
+        assert re.search(rf"ld\.global(\.\w+)*\.{access}\s", ptx)
+        assert re.search(rf"st\.global(\.\w+)*\.{access}\s", ptx)
         assert "shfl.sync.bfly" in ptx
         assert not re.search(r"\b(atom|red)\.", ptx)
         assert ".maxntid 128, 1, 1" in ptx

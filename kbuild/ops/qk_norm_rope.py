@@ -44,7 +44,14 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels.qk_norm_rope import BLOCKS, build_qk_norm_rope, build_qk_norm_rope_bwd, head_cover
+from ..kernels.qk_norm_rope import (
+    BLOCKS,
+    BWD_ELEMENTS,
+    MAX_ELEMENTS,
+    build_qk_norm_rope,
+    build_qk_norm_rope_bwd,
+    head_cover,
+)
 from .common import DTYPE_NAMES, device_guard, stream_of
 from .launch import column_sum, launcher_for
 from .opdef import Op, Out, Scalar, Tensors, eps
@@ -136,16 +143,17 @@ def _rstd_strides(rstd: torch.Tensor, x: torch.Tensor, unsqueeze_dim: int):
     return _strides(rstd.view(*x.shape[:-1], 1), unsqueeze_dim)
 
 
-def launch_vec(dtype, D, interleaved, strides, tensors) -> int:
+def launch_vec(dtype, D, interleaved, strides, tensors, elements=MAX_ELEMENTS) -> int:
     """rope's vector width for these strides and addresses, narrowed until a head's cover
-    fits (kernels/qk_norm_rope.py head_cover)."""
+    fits (kernels/qk_norm_rope.py head_cover) with at most `elements` a thread (or vec 1)."""
     vec = vector_width(dtype, D, D, interleaved, strides, tensors)
     while vec > 1:
         try:
-            head_cover(D, DTYPE_NAMES[dtype], interleaved, vec)
-            break
+            if head_cover(D, DTYPE_NAMES[dtype], interleaved, vec).elements <= elements:
+                break
         except ValueError:
-            vec //= 2
+            pass
+        vec //= 2
     return vec
 
 
@@ -204,7 +212,8 @@ def backward_values(q, k, dq_out, dk_out, q_weight, cos, sin, offset, interleave
     xs = (q, k, dq_out, dk_out, *outs)
     strides = [s for t in xs for s in _strides(t, unsqueeze_dim)]
     trig = [*_trig_strides(cos), *_trig_strides(sin)]
-    vec = launch_vec(q.dtype, q.shape[-1], interleaved, strides + trig, (*xs, q_weight, cos, sin))
+    tensors = (*xs, q_weight, cos, sin)
+    vec = launch_vec(q.dtype, q.shape[-1], interleaved, strides + trig, tensors, BWD_ELEMENTS)
     names = DTYPE_NAMES
     return (q.shape[-1], names[q.dtype], names[q_weight.dtype], names[cos.dtype], float(offset),
             bool(interleaved), bool(weight_grad), vec), strides, trig  # fmt: skip
