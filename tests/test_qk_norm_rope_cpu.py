@@ -16,17 +16,11 @@ import torch
 from kbuild.ops import qk_norm_rope as ops
 from kbuild.ops.qk_norm_rope import qk_norm_rope
 
+# HF's rotate_half and GPT-J's rotate_every_two, and HF-style cos / sin of per-batch positions
+from .test_rope_cpu import _hf_trig as _trig
+from .test_rope_cpu import _rotate_every_two, _rotate_half
+
 # ----------------------------------------------------------------------------- fp64 reference
-
-
-def _rotate_half(x):  # HF's
-    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2 :]
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def _rotate_every_two(x):  # HF's GPT-J
-    x1, x2 = x[..., ::2], x[..., 1::2]
-    return torch.stack((-x2, x1), dim=-1).flatten(-2)
 
 
 def _hf_norm(x, w, eps, offset):
@@ -49,19 +43,6 @@ def _fp64(q, k, qw, kw, cos, sin, eps=1e-6, offset=0.0, interleaved=False, dim=1
 
 
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
-
-
-def _trig(B, T, D, interleaved, dtype, shared=None, seed=0):
-    """HF-style cos / sin: angles of positions (offset per batch) times frequencies."""
-    g = torch.Generator().manual_seed(seed)
-    freqs = 1.0 / (10000.0 ** (torch.arange(0, D, 2).double() / D))
-    pos = torch.arange(T).double() + torch.randint(0, 50, (B, 1), generator=g).double()
-    angles = pos[..., None] * freqs
-    emb = angles.repeat_interleave(2, -1) if interleaved else torch.cat((angles, angles), -1)
-    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
-    if shared == "T":
-        return cos[0], sin[0]
-    return (cos[:1], sin[:1]) if shared == "1T" else (cos, sin)
 
 
 def _qk(B, T, Hq, Hk, D, dtype, dim, view, seed=0):
@@ -624,3 +605,22 @@ def test_gpu_cases_are_warmable():
         specs = ops.specs_for(*tensors, offset=case[8], interleaved=case[9],
                               unsqueeze_dim=case[10])  # fmt: skip
         assert set(specs) <= warm, [s.short() for s in specs if s not in warm]
+
+
+def test_modules_import_and_list_their_kernels_without_mlir():
+    """The GPU machine runs from a warmed cache with no MLIR: the op, its kernels' module
+    and both test modules import there, and warmup_specs() lists its kernels."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from .no_mlir import HIDE_MLIR
+
+    code = HIDE_MLIR + (
+        "import tests.test_qk_norm_rope_cpu, tests.test_qk_norm_rope_gpu\n"
+        "import kbuild.ops.qk_norm_rope as o\n"
+        "assert o.warmup_specs() and 'mlir' not in sys.modules\n"
+    )
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]

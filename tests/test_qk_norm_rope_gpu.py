@@ -13,20 +13,12 @@ import torch
 
 from kbuild.ops.qk_norm_rope import GPU_CASES
 
+from .test_rope_gpu import _rotate_every_two, _rotate_half  # HF's
+
 pytestmark = pytest.mark.gpu
 
 CASES = GPU_CASES
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
-
-
-def _rotate_half(x):
-    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2 :]
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def _rotate_every_two(x):
-    x1, x2 = x[..., ::2], x[..., 1::2]
-    return torch.stack((-x2, x1), dim=-1).flatten(-2)
 
 
 def _fp64(q, k, qw, kw, cos, sin, offset, interleaved, dim, eps=1e-6):
