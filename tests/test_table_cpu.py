@@ -120,6 +120,19 @@ def test_layernorm_arguments_follow_the_flags():
     assert LAYERNORM_FWD.arg_names(traced) == ["trace", "x", "y", "M"]
 
 
+def _values_of_kind(p) -> list:
+    """A parameter no table kernel shares (a user kernel's, registered by another test module):
+    both values of a bool, one of anything else (its default, or a width of 128)."""
+    from kbuild.kernels.table import _REQUIRED
+
+    if p.kind == "bool":
+        return [False, True]
+    if p.default is not _REQUIRED:
+        return [p.default]
+    return {"int": [128], "float": [1e-6], "dtype": ["bf16"], "dtype?": ["bf16", None],
+            "index": ["i32", "i64"]}[p.kind]  # fmt: skip
+
+
 def _flag_combinations(kdef: KernelDef):
     """Every on/off choice of the kernel's optional arguments at N = 4096 bf16."""
     choices = {
@@ -140,7 +153,7 @@ def _flag_combinations(kdef: KernelDef):
         "vectorize": [True],
     }
     names = [p.name for p in kdef.params]
-    values = [choices.get(n, [False, True]) for n in names]
+    values = [choices.get(p.name) or _values_of_kind(p) for p in kdef.params]
     for combo in itertools.product(*values):
         yield kdef.spec(**dict(zip(names, combo, strict=True)))
 
