@@ -1,32 +1,24 @@
 #!/usr/bin/env bash
 # The GPU measurements the CPU machine cannot make, in one device run (about 20 minutes of
-# the H200). Prepare here (CPU; about 6 minutes on 2 cores):
-#   rm -rf .kbuild-aot .kbuild-before
-#   kbuild warmup --arch sm_90 --manifest tests --manifest bench \
-#       --module examples/custom_softmax.py --module bench/math_accuracy.py \
-#       --module bench/bench_rows.py --module kbuild.ops.loss --module kbuild.ops.softmax \
-#       --module bench/bench_loss.py --module kbuild.ops.rope --module kbuild.ops.activations \
-#       --module bench/bench_block.py \
-#       --cache-dir .kbuild-aot
-#   for n in 4097 5123 50257; do kbuild warmup --arch sm_90 --hidden $n --dtype bf16 \
-#       --cache-dir .kbuild-aot; done
-#   mkdir .kbuild-before && git archive <commit before the change> | tar -x -C .kbuild-before
-# (the cache is 55 MB: carry it packed, `tar -cf - .kbuild-aot | xz > .carry/aot.tar.xz`, and
-# unpack it there with Python's tarfile). Then run on the device, one device call per step
-# or two (a call may last 10 minutes; host_versions alone takes about that):
+# the H200). Prepare here with `bash bench/gpu_prepare.sh` (CPU; about 15 minutes on 2 cores:
+# the warmed cache and Liger's wheel packed into .carry/), carry [".carry"], and run on the
+# device one or two steps per call (a call may last 10 minutes; host_versions alone takes
+# about that, and wants `.kbuild-before`, a `git archive` of the commit before a change):
 #   bash bench/gpu_checks.sh gpu_tests rows
 #   bash bench/gpu_checks.sh custom_softmax math_accuracy host
 #   bash bench/gpu_checks.sh models profile
+#   bash bench/gpu_checks.sh loss block
+#   bash bench/gpu_checks.sh patch_models
 #   bash bench/gpu_checks.sh host_versions
-#   bash bench/gpu_checks.sh loss block    (carry Liger's wheel in .carry: pip download
-#                                          --no-deps liger-kernel==0.8.5; installed first)
 # Owed since 2026-12-05 (no device lent that day): the GPU suite over the peeled widths (4097,
 # 65537, the example's 4097 / 50257 / 3001) and the example's one-reduction softmax;
 # bench_rows.py (odd widths against the aligned ones, the long-row cluster alternatives);
 # host.py (the generic op's forward); models.py with the two host-bound GPT-2 shapes;
 # kbuild.cross_entropy's and kbuild.softmax / log_softmax's kernels (their _gpu tests);
 # bench_loss.py (cross-entropy and the fused linear cross-entropy beside torch, torch.compile,
-# Liger and quack); the RoPE and activation kernels (their _gpu tests).
+# Liger and quack); the RoPE, QK-norm + RoPE and activation kernels and kbuild.nn.patch
+# (their _gpu tests); bench_block.py (those kernels beside Liger and torch.compile at
+# Llama-3-8B shapes); patch_models.py (stock, Liger and kbuild.nn.patch end to end).
 # Results under $OUT (or ./gpu-results). Each step writes its own file and log; a failing
 # step does not stop the next. With no step named, all four run.
 set -uo pipefail
@@ -43,6 +35,9 @@ step() {  # name, command...: the command's output in $out/name.log, its status 
     echo "$name: exit $? in $((SECONDS - start)) s" | tee -a "$out/summary.txt"
 }
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,power.limit --format=csv >"$out/gpu.txt"
+# The carried cache, unpacked once (Python's tarfile: the device may lack xz)
+[ -d .kbuild-aot ] || [ ! -f .carry/aot.tar.xz ] ||
+    python3 -c "import tarfile; tarfile.open('.carry/aot.tar.xz').extractall('.')"
 # Liger-Kernel (pure Python), the peer of the loss and block steps, where its wheel was carried
 ls .carry/liger_kernel-*.whl >/dev/null 2>&1 && pip install -q --no-deps .carry/liger_kernel-*.whl
 steps=("$@")

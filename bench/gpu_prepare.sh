@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Everything a device run of bench/gpu_checks.sh needs, made on a CPU machine (about 15
+# minutes on 2 cores): the kernel cache warmed for sm_90 with every kernel the steps launch,
+# the Hugging Face configs of bench/patch_models.py, and Liger's wheel, packed into .carry/
+# (a device run carries at most 64 MiB; the cache alone is larger unpacked). Commit first:
+# the cache is keyed by the kernels' source, so the device must run the same commit.
+#   bash bench/gpu_prepare.sh
+#   run(command="bash bench/gpu_checks.sh gpu_tests rows", carry=[".carry"])
+set -euo pipefail
+cd "$(dirname "$0")/.."
+rm -rf .kbuild-aot .carry
+mkdir -p .carry
+modules=(examples/custom_softmax.py bench/math_accuracy.py bench/bench_rows.py
+         bench/bench_loss.py bench/bench_block.py kbuild.ops.loss kbuild.ops.softmax
+         kbuild.ops.rope kbuild.ops.activations kbuild.ops.qk_norm_rope)
+args=()
+for m in "${modules[@]}"; do args+=(--module "$m"); done
+kbuild warmup --arch sm_90 --manifest tests --manifest bench "${args[@]}" --cache-dir .kbuild-aot
+for n in 4097 5123 50257; do
+    kbuild warmup --arch sm_90 --hidden "$n" --dtype bf16 --cache-dir .kbuild-aot
+done
+if [ -f bench/patch_models.py ]; then
+    python3 bench/patch_models.py --write-configs .carry/configs
+    for c in .carry/configs/*.json; do
+        kbuild warmup --arch sm_90 --model "$c" --cache-dir .kbuild-aot
+    done
+fi
+pip download -q --no-deps liger-kernel==0.8.5 -d .carry || echo "no Liger wheel: its peers will be recorded as unavailable"
+tar -cf - .kbuild-aot | xz -T2 >.carry/aot.tar.xz
+du -sh .carry
