@@ -9,6 +9,7 @@
 #   bash bench/gpu_checks.sh models profile
 #   bash bench/gpu_checks.sh loss block
 #   bash bench/gpu_checks.sh patch_models
+#     (split over calls by PATCH_MODELS_ARGS, e.g. '--modes eager'; the results merge)
 #   bash bench/gpu_checks.sh host_versions
 # Owed since 2026-12-05 (no device lent that day): the GPU suite over the peeled widths (4097,
 # 65537, the example's 4097 / 50257 / 3001) and the example's one-reduction softmax;
@@ -54,6 +55,7 @@ for name in "${steps[@]}"; do
         models) step models python3 bench/models.py "$out" --models gpt2-d1024-l6,gpt2-d768-l4,gpt2-124m --modes eager ;;
         profile) step profile python3 bench/model_profile.py "$out" --model gpt2-d1024-l6 ;;
         loss) step loss python3 bench/bench_loss.py "$out/loss.json" ;;
+        patch_models) step patch_models python3 bench/patch_models.py "$out" ${PATCH_MODELS_ARGS:-} ;;
         *) echo "gpu_checks.sh: unknown step $name" >&2; exit 2 ;;
     esac
 done
