@@ -21,11 +21,13 @@ once. `smoothing` / `z_loss` / `softcap` are compile-time switches for their ter
 values are runtime, coefs[1], coefs[2] and coefs[3]: no recompile per value); `ignore_index`
 is a runtime i64.
 
-`dlogits` may be `logits` itself (the gradient written in place): every element is read
-before it is written, by the thread that writes it, and x[t] is read before the row's
-reduction, which every thread of the row passes before any of them writes. Rows past M (a
-block of several rows) read what the real row's threads may have overwritten, but they
-store nothing.
+`dlogits` may be `logits` itself (the gradient written in place): every element of the row
+body is read only by the thread that writes it, before it writes it. x[t] is read by one
+thread of the block whose slice holds column t, before that block's first barrier (bar.sync
+orders it before the block's later stores), and reaches every other thread, and the other
+blocks of a cluster, through the row's reduction as a sum with that one term: no block reads
+an element another block writes. Rows past M (a block of several rows) read what the real
+row's threads may have overwritten, but they store nothing.
 
 `cross_entropy_rescale`: dx[r] *= dloss[r] / g in place, for the rows whose incoming gradient
 differs from the g the forward assumed; a row where it is equal costs one scalar read (the
@@ -41,16 +43,29 @@ from .row_plan import row_kernel
 from .table import Arg, Param
 
 BAD_TARGET = 1  # the flag's code for a target outside [0, V)
+# fp32 words of registers a training forward's plan budgets per element of the row it holds:
+# the gradient pass keeps more live than a plain reduction (ptxas, sm_90: at 1.0 the plans of
+# 50257 and 256000 spilled 200-400 bytes; at 1.25 nothing spills but 50257 with both label
+# smoothing and the soft cap, 204 bytes). Not yet timed against 1.0: bench/bench_loss.py.
+HELD = 1.25
 INDEX_DTYPES = ("i32", "i64")
 
 ROW = (Param("N", "int", bounds=(2, None)), Param("dtype", "dtype"))
 
 
-def _pair_and_sum(a, b):
-    """The merge of [m, s, sum(x)]: online softmax's pair, and a plain sum."""
+def _pair_and_sums(a, b):
+    """The merge of [m, s, x[t](, sum(x))]: online softmax's pair, and plain sums."""
     from kbuild.dsl import add, softmax_pair
 
     return softmax_pair(a[:2], b[:2]) + add(a[2:], b[2:])
+
+
+def _within(values, inside):
+    """Each vector of `values` where it lies inside the row's slice, 0 elsewhere (`inside`:
+    RowTile.inside's flags, None for a vector wholly inside)."""
+    from kbuild.dsl import select
+
+    return [a if g is None else select(g, a, 0.0) for a, g in zip(values, inside, strict=True)]
 
 
 @kernel(
@@ -77,19 +92,27 @@ def build_cross_entropy_fwd(N, dtype, index_dtype, target, smoothing=False, z_lo
         exp,
         get_llvm_ptr,
         i64,
+        if_else,
         load,
         log,
         maximum,
         report,
         select,
-        softmax_pair,
         tanh,
         thread_max,
         thread_sum,
         to_f32,
     )
 
-    k, row = row_kernel("cross_entropy_fwd", N, dtype, target, vectorize=vectorize, **overrides)
+    k, row = row_kernel(
+        "cross_entropy_fwd",
+        N,
+        dtype,
+        target,
+        vectorize=vectorize,
+        rows_held=HELD if grad else 1.0,
+        **overrides,
+    )
     with k:
         logits, targets, coefs, loss_out, lse_out = (
             k.ptr(n) for n in ("logits", "target", "coefs", "loss", "lse")
@@ -113,9 +136,6 @@ def build_cross_entropy_fwd(N, dtype, index_dtype, target, smoothing=False, z_lo
             def capped(a):
                 return cap * tanh(a * inv_cap)
 
-        picked = to_f32(t.load_at(logits, safe, dtype))  # x[t]
-        picked = capped(picked) if softcap else picked
-
         raw = t.values(logits, dtype, pad=NEG_INF)  # past the row: -inf, which exp makes 0
         v = raw
         if softcap:  # capped where the row is (the padding stays -inf), once where held
@@ -130,24 +150,32 @@ def build_cross_entropy_fwd(N, dtype, index_dtype, target, smoothing=False, z_lo
                 held = v(0)
                 v = lambda c: held  # noqa: E731
 
-        def own(c, state):  # this thread's (max, sum of exp(x - max)[, sum of x]) so far
+        # x[t], read by one thread of the block whose slice holds column t (lane 0; every
+        # other thread adds 0) before the block's first barrier, which orders it before the
+        # block's threads overwrite their elements (in place); the row's reduction sums it,
+        # so no thread reads an element another block may be writing (module docstring).
+        owner = eq(t.lane, 0)
+        if row.cluster > 1:
+            owner = owner & (safe >= t.first) & (safe < t.first + t.end)
+
+        def target_logit():
+            x = to_f32(t.load_at(logits, safe, dtype))
+            return capped(x) if softcap else x
+
+        picked = if_else(owner, target_logit, lambda: const(0.0))
+
+        def own(c, state):  # this thread's (max, sum of exp(x - max), x[t][, sum of x]) so far
             values = v(c)
             m = maximum(state[0], thread_max(values))
             safe_m = select(eq(m, NEG_INF), 0.0, m)  # a thread holding only padding
             e = thread_sum([exp(a - safe_m) for a in values])
-            out = [m, state[1] * exp(state[0] - safe_m) + e]
+            out = [m, state[1] * exp(state[0] - safe_m) + e, state[2]]
             if smoothing:  # sum(x) over the row's own elements (the pad is -inf)
-                inside = t.inside(c)
-                kept = [
-                    a if g is None else select(g, a, 0.0)
-                    for a, g in zip(values, inside, strict=True)
-                ]
-                out.append(state[2] + thread_sum(kept))
+                out.append(state[3] + thread_sum(_within(values, t.inside(c))))
             return out
 
-        start = [const(NEG_INF), const(0.0)] + ([const(0.0)] if smoothing else [])
-        merge = _pair_and_sum if smoothing else softmax_pair
-        totals = t.reduce(t.over_chunks(own, start), merge)
+        start = [const(NEG_INF), const(0.0), picked] + ([const(0.0)] if smoothing else [])
+        totals = t.reduce(t.over_chunks(own, start), _pair_and_sums)
         m, s = totals[0], totals[1]
         lse = m + log(s)
 
@@ -155,8 +183,8 @@ def build_cross_entropy_fwd(N, dtype, index_dtype, target, smoothing=False, z_lo
         c0 = coef[0]  # the gradient scale g
         eps = coef[1] if smoothing else None
         z = coef[2] if z_loss else None
-        nll = lse - picked
-        loss = nll if eps is None else (1.0 - eps) * nll + eps * (lse - totals[2] * (1.0 / N))
+        nll = lse - totals[2]  # lse - x[t]
+        loss = nll if eps is None else (1.0 - eps) * nll + eps * (lse - totals[3] * (1.0 / N))
         if z is not None:
             loss = loss + z * lse * lse
         t.store_row_scalar(loss_out, select(skip, const(0.0), loss))
