@@ -117,11 +117,10 @@ def test_only_the_gradients_asked_for_are_computed():
 
 def test_chunk_rows_follows_the_hidden_size():
     """The chunk's logits about the size of hidden, at least MIN_ROWS, at most M."""
-    cpu = torch.device("cpu")
-    assert linear_loss.chunk_rows(8192, 128256, 4096, 2, cpu) == 256  # Llama-3-8B: 64 MiB
-    assert linear_loss.chunk_rows(16384, 128256, 4096, 2, cpu) == 512
-    assert linear_loss.chunk_rows(8192, 256000, 2304, 2, cpu) == 64  # Gemma: the floor
-    assert linear_loss.chunk_rows(10, 50257, 768, 2, cpu) == 10
+    assert linear_loss.chunk_rows(8192, 128256, 4096) == 256  # Llama-3-8B: 64 MiB
+    assert linear_loss.chunk_rows(16384, 128256, 4096) == 512
+    assert linear_loss.chunk_rows(8192, 256000, 2304) == 64  # Gemma: the floor
+    assert linear_loss.chunk_rows(10, 50257, 768) == 10
 
 
 def test_z_loss_returned_on_request():
@@ -143,11 +142,12 @@ def test_a_target_out_of_range_names_target():
     [
         (dict(weight=torch.ones(10, 5)), ValueError, "weight must be \\(V, H\\) with H"),
         (dict(weight=torch.ones(1, 24)), ValueError, "at least 2 rows"),
-        (dict(weight=torch.ones(103, 24, dtype=torch.bfloat16)), ValueError,
+        (dict(weight=torch.ones(103, 24, dtype=torch.bfloat16)), TypeError,
          "weight must have hidden's dtype"),
         (dict(bias=torch.ones(5)), ValueError, "bias must be \\(V,\\)"),
         (dict(target=torch.zeros(5, dtype=torch.int64)), ValueError, "target must have hidden's"),
-        (dict(chunk_size=0), ValueError, "chunk_size must be None or an int >= 1"),
+        (dict(chunk_size=0), ValueError, "chunk_size must be >= 1"),
+        (dict(chunk_size=2.0), TypeError, "chunk_size must be None or an int"),
         (dict(softcap=-1.0), ValueError, "softcap must be None or finite and > 0"),
         (dict(reduction="avg"), ValueError, "reduction must be one of"),
         (dict(hidden=torch.ones(37, 24, dtype=torch.int64)), TypeError, "hidden must be"),
@@ -209,3 +209,39 @@ def test_nn_linear_cross_entropy_shares_the_heads_parameters():
     assert "num_classes=103" in repr(fresh)
     with pytest.raises(TypeError, match="unknown option"):
         kbuild.nn.LinearCrossEntropy.from_linear(head, smoothing=0.1)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_under_autocast_fp32_weights_get_fp32_gradients(reduction):
+    """Mixed precision as Hugging Face's Trainer runs it (bf16 autocast, fp32 weights): the
+    inputs are cast as F.linear's would be, the gradients come back in fp32 to the fp32
+    leaves, and loss and gradients match the unfused path under the same autocast."""
+    h, w, b, t = _inputs(bias=True)
+    with torch.autocast("cpu", torch.bfloat16):
+        y = kbuild.linear_cross_entropy(h, w, t, b, reduction=reduction, chunk_size=8)
+        logits = F.linear(h, w, b)
+    (y.sum()).backward()
+    ours = [a.grad.clone() for a in (h, w, b)]
+    for a in (h, w, b):
+        a.grad = None
+    ref = F.cross_entropy(logits.float(), t, reduction=reduction, ignore_index=IGNORE)
+    ref.sum().backward()
+    assert y.dtype == torch.float32 and all(g.dtype == torch.float32 for g in ours)
+    assert torch.allclose(y, ref, rtol=2e-2, atol=2e-2)
+    for g, a in zip(ours, (h, w, b), strict=True):
+        assert ((g - a.grad).norm() / a.grad.norm()) < 2e-2
+
+
+def test_a_bad_target_unchecked_counts_as_ignored_in_the_mean():
+    """check_targets=False: a target outside [0, V) adds nothing and does not count in the
+    mean's denominator, as ignore_index would (the kernel treats the row as ignored)."""
+    h, w, b, t = _inputs()
+    bad = t.clone()
+    bad[5] = 103
+    ignored = t.clone()
+    ignored[5] = IGNORE
+    from kbuild.ops.loss import valid_rows
+
+    assert valid_rows(bad, IGNORE, 103).sum() == valid_rows(ignored, IGNORE, 103).sum()
+    y = kbuild.linear_cross_entropy(h, w, ignored, chunk_size=8)
+    assert torch.isfinite(y)

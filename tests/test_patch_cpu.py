@@ -677,3 +677,38 @@ def test_bf16_checks_pass(hf, kind):
     assert_close_rel(model(input_ids=ids).logits, stock(input_ids=ids).logits, 3e-2, "logits")
     ours, ref = model(input_ids=ids, labels=ids).loss, stock(input_ids=ids, labels=ids).loss
     assert abs(ours.item() - ref.item()) < 1e-2 * ref.item()  # kbuild's loss is bf16-rounded
+
+
+def test_evaluation_with_labels_gets_the_logits(hf):
+    """Trainer's prediction step (eval mode, no_grad, labels given) needs the logits: the
+    patched forward is stock's there, and the fused loss only trains."""
+    model = hf_model(hf, "llama")
+    patch(model)
+    ids = _ids()
+    model.eval()
+    with torch.no_grad():
+        out = model(input_ids=ids, labels=ids)
+    assert out.logits is not None and torch.isfinite(out.loss)
+    model.train()
+    assert model(input_ids=ids, labels=ids).logits is None
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_mixed_precision_training_step(hf, kind):
+    """bf16 autocast over fp32 weights (Trainer's bf16=True): the patched model trains, its
+    loss and gradients near stock's under the same autocast (bf16 rounding apart)."""
+    stock = hf_model(hf, kind)
+    model = copy.deepcopy(stock)
+    patch(model)
+    ids = _ids()
+    losses = []
+    for m in (model, stock):
+        m.train()
+        with torch.autocast("cpu", torch.bfloat16):
+            loss = m(input_ids=ids, labels=ids).loss
+        loss.backward()
+        losses.append(loss.detach().float())
+    assert abs(losses[0] - losses[1]) < 3e-2 * losses[1]
+    head = model.lm_head.weight  # GPT-2's is tied to its embedding
+    assert head.grad.dtype == torch.float32
+    assert_close_rel(head.grad, stock.lm_head.weight.grad, 5e-2, "lm_head")

@@ -624,3 +624,19 @@ def test_modules_import_and_list_their_kernels_without_mlir():
     root = Path(__file__).resolve().parents[1]
     done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_a_misaligned_weight_is_copied_to_an_aligned_one():
+    """The vector width comes from q, k, cos, sin and the outputs: a weight view starting 2
+    bytes into its storage would be read in misaligned vectors (a GPU fault), so the launch
+    reads an aligned copy of it."""
+    import torch
+
+    from kbuild.ops import qk_norm_rope as ops
+
+    buf = torch.ones(129, dtype=torch.bfloat16)
+    w = buf[1:]
+    assert w.data_ptr() % 16 != 0
+    a = ops.aligned_weight(w)
+    assert a.data_ptr() % 16 == 0 and torch.equal(a, w)
+    assert ops.aligned_weight(buf[:128]) is not None

@@ -23,8 +23,8 @@ rescale), one more matmul per chunk.
 Memory. At most one chunk of logits lives at a time (the gradient takes its place), plus
 d(hidden) (the size of hidden) and d(weight) (the size of the weight, in its dtype), both
 held from the forward to the backward: Liger-Kernel's fused linear cross-entropy keeps the
-same. The chunk is chosen so its logits are about the size of `hidden` (at least 64 rows,
-and no more than a quarter of the device's free memory); `chunk_size` overrides it.
+same. The chunk is chosen from the shapes so its logits are about the size of `hidden` (at least
+64 rows); `chunk_size` overrides it.
 
 Precision. The logits are rounded to hidden's dtype once (the matmul's output), the loss and
 log-sum-exp are fp32, the gradient of a chunk's logits is rounded to their dtype once. d(weight)
@@ -34,8 +34,9 @@ accumulator would cost 4 bytes x V x H more: 2.1 GB at Llama-3-8B's head). Fixed
 and no atomics: bitwise the same every run on the same device.
 
 Works under autograd, torch.compile(fullgraph=True) (the forward and the recompute are custom
-ops with fakes) and CUDA graphs (no host read unless `check_targets` finds a bad target, and
-none at all under capture: see kbuild/ops/loss.py on targets).
+ops with fakes), CUDA graphs (the one host read, of the bad-target flag with `check_targets`,
+is skipped under capture: see kbuild/ops/loss.py on targets) and autocast (the inputs are cast
+to autocast's dtype first, as F.linear would be; gradients reach fp32 weights in fp32).
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ from .loss import (
     make_coefs,
     raise_on_bad_targets,
     rescale_,
+    switches,
     z_loss_of,
 )
 from .opdef import Ids
@@ -60,22 +62,19 @@ MIN_ROWS = 64  # the smallest chunk chosen: fewer rows make the matmuls ineffici
 # ----------------------------------------------------------------------------- chunks
 
 
-def chunk_rows(M: int, V: int, H: int, itemsize: int, device: torch.device) -> int:
+def chunk_rows(M: int, V: int, H: int) -> int:
     """Rows per chunk: the chunk's logits (rows x V) about the size of hidden (M x H), so the
-    loss never takes much more memory than its input; at least MIN_ROWS, at most M, and on a
-    GPU no more than a quarter of the free memory."""
+    loss never takes much more memory than its input; at least MIN_ROWS, at most M. From the
+    shapes alone (not the free memory), so the chunks, and with them the rounding of a 16-bit
+    d(weight)'s sum, are the same on every run, captured or not, forward and recompute."""
     rows = max(MIN_ROWS, (M * H) // V // MIN_ROWS * MIN_ROWS)
-    if device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
-        free, _ = torch.cuda.mem_get_info(device)
-        rows = min(rows, max(MIN_ROWS, free // 4 // (V * itemsize)))
     return max(1, min(rows, M))
 
 
 def _chunks(hidden: torch.Tensor, weight: torch.Tensor, chunk: int) -> list[tuple[int, int]]:
     M = hidden.shape[0]
     if chunk <= 0:
-        chunk = chunk_rows(M, weight.shape[0], hidden.shape[1], hidden.element_size(),
-                           hidden.device)  # fmt: skip
+        chunk = chunk_rows(M, weight.shape[0], hidden.shape[1])
     return [(s, min(M, s + chunk)) for s in range(0, M, chunk)]
 
 
@@ -112,17 +111,23 @@ def _pass(hidden, weight, bias, target, coefs, options, chunk, wants, dloss=None
     return loss, lse, flag
 
 
+@contextlib.contextmanager
 def _on_device(t: torch.Tensor):
-    """The device guard of a CUDA tensor; nothing for a CPU one (these ops run on both)."""
-    return device_guard(t) if t.is_cuda else contextlib.nullcontext()
+    """The device guard of a CUDA tensor (nothing for a CPU one: these ops run on both), with
+    autocast off: the public function cast the inputs as autocast would, and the chunks'
+    matmuls must give the logits and gradients in their dtype (the out= buffers')."""
+    with device_guard(t) if t.is_cuda else contextlib.nullcontext():
+        with torch.autocast(t.device.type, enabled=False):
+            yield
 
 
 def _wants(hidden, weight, bias, grad_hidden, grad_weight, grad_bias, make=None):
     """(d hidden, d weight, d bias fp32): new tensors where asked, else empty ones (distinct:
-    a custom op's outputs may not alias). `make(shape, like, dtype)` makes them (zeros)."""
+    a custom op's outputs may not alias). `make(shape, like, dtype)` makes the sums (zeros);
+    d hidden, written whole chunk by chunk, is left unset."""
     make = make or (lambda shape, like, dtype: like.new_zeros(shape, dtype=dtype))
     return (
-        make(hidden.shape if grad_hidden else 0, hidden, hidden.dtype),
+        _empty(hidden.shape if grad_hidden else 0, hidden, hidden.dtype),
         make(weight.shape if grad_weight else 0, weight, weight.dtype),
         make(weight.shape[0] if grad_bias and bias is not None else 0, hidden, torch.float32),
     )
@@ -130,6 +135,11 @@ def _wants(hidden, weight, bias, grad_hidden, grad_weight, grad_bias, make=None)
 
 def _empty(shape, like, dtype):
     return like.new_empty(shape, dtype=dtype)
+
+
+def _in_forward(reduction: str, *asked: bool) -> tuple[bool, ...]:
+    """The gradients the forward computes: those asked for, but for "none" (the backward's)."""
+    return asked if reduction != "none" else (False,) * len(asked)
 
 
 # ----------------------------------------------------------------------------- the ops
@@ -158,14 +168,14 @@ def _forward(
     mean = reduction == "mean"
     cap = softcap or None
     coefs, n_valid = make_coefs(target, ignore_index, mean, label_smoothing, lse_square_scale,
-                                cap)  # fmt: skip
-    options = (ignore_index, label_smoothing > 0, lse_square_scale > 0, cap is not None)
-    asked = (grad_hidden, grad_weight, grad_bias) if reduction != "none" else (False,) * 3
-    wants = _wants(hidden, weight, bias, *asked)
+                                cap, weight.shape[0])  # fmt: skip
+    options = switches(ignore_index, label_smoothing, lse_square_scale, cap)
+    wants = _wants(hidden, weight, bias, *_in_forward(reduction, grad_hidden, grad_weight,
+                                                       grad_bias))  # fmt: skip
     with _on_device(hidden):
         rows, lse, flag = _pass(hidden, weight, bias, target, coefs, options, chunk, wants)
-    if check_targets and hidden.is_cuda:
-        raise_on_bad_targets(flag, weight.shape[0], ignore_index)
+        if check_targets and hidden.is_cuda:
+            raise_on_bad_targets(flag, weight.shape[0], ignore_index)
     if reduction == "none":
         loss = rows
     else:
@@ -179,8 +189,8 @@ def _forward_fake(hidden, weight, bias, target, ignore_index, label_smoothing,
                   chunk, check_targets):  # fmt: skip
     M = hidden.shape[0]
     loss = hidden.new_empty((M,) if reduction == "none" else (), dtype=torch.float32)
-    asked = (grad_hidden, grad_weight, grad_bias) if reduction != "none" else (False,) * 3
-    wants = _wants(hidden, weight, bias, *asked, make=_empty)
+    wants = _wants(hidden, weight, bias, *_in_forward(reduction, grad_hidden, grad_weight,
+                                                       grad_bias), make=_empty)  # fmt: skip
     return loss, hidden.new_empty(M, dtype=torch.float32), *wants
 
 
@@ -203,8 +213,9 @@ def _recompute(
     """reduction="none"'s backward: the chunks again, each row's gradient scaled by its
     incoming `dloss` (M,) fp32."""
     cap = softcap or None
-    coefs, _ = make_coefs(target, ignore_index, False, label_smoothing, lse_square_scale, cap)
-    options = (ignore_index, label_smoothing > 0, lse_square_scale > 0, cap is not None)
+    coefs, _ = make_coefs(target, ignore_index, False, label_smoothing, lse_square_scale, cap,
+                          weight.shape[0])  # fmt: skip
+    options = switches(ignore_index, label_smoothing, lse_square_scale, cap)
     wants = _wants(hidden, weight, bias, grad_hidden, grad_weight, grad_bias)
     with _on_device(hidden):
         _pass(hidden, weight, bias, target, coefs, options, chunk, wants, dloss)
@@ -238,10 +249,9 @@ def _backward(ctx, dloss, dlse, *unused):
     else:
         dh, dw, db = ctx.saved_tensors
         g = dloss.float()
-        dh = dh * g if dh.numel() else dh
-        if dw.numel():
-            dw.mul_(g)  # in place: no second weight-sized tensor
-        db = db * g if db.numel() else db
+        for d in (dh, dw, db):  # in place: no second hidden- or weight-sized tensor
+            if d.numel():
+                d.mul_(g)
     grads = (
         dh if ctx.asked[0] else None,
         dw if ctx.asked[1] else None,
@@ -254,6 +264,16 @@ _forward.register_autograd(_backward, setup_context=_setup)
 
 
 # ----------------------------------------------------------------------------- public
+
+
+def _autocast(hidden, weight, bias):
+    """The inputs as the matmul under autocast would take them: cast to autocast's dtype
+    where autocast is on for hidden's device (autograd carries the casts' gradients back)."""
+    kind = hidden.device.type
+    if not torch.is_autocast_enabled(kind):
+        return hidden, weight, bias
+    dtype = torch.get_autocast_dtype(kind)
+    return hidden.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)
 
 
 def linear_cross_entropy(
@@ -272,15 +292,16 @@ def linear_cross_entropy(
 ):
     """cross_entropy(hidden @ weight.T + bias, target) without the logits of all tokens.
 
-        hidden (..., H) float32 / float16 / bfloat16; weight (V, H) and bias (V,) of its dtype and
-        device; target (...) int32 / int64 class ids. The options are kbuild.cross_entropy's
-        (kbuild/ops/loss.py); `chunk_size` is the rows per chunk (default: chosen from the shapes
-        and the free memory, module docstring). Returns the loss in fp32 (as Hugging Face's loss of
-    upcast logits; the op never rounds it to hidden's dtype): the mean over
-        rows whose target is not `ignore_index`, the sum, or each row's ("none", target's shape);
-        with `return_z_loss`, (loss, z_loss) as kbuild.cross_entropy gives them. Saved for backward:
-        d(hidden) and d(weight) (and d(bias)), computed by the forward, for a mean or a sum; hidden,
-        weight, bias and target for "none" (the backward recomputes the chunks' logits)."""
+    hidden (..., H) float32 / float16 / bfloat16; weight (V, H) and bias (V,) of its dtype and
+    device (under autocast, all three are cast to autocast's dtype first, as F.linear's inputs
+    are); target (...) int32 / int64 class ids. The options are kbuild.cross_entropy's
+    (kbuild/ops/loss.py); `chunk_size` is the rows per chunk (default: chosen from the shapes,
+    module docstring). Returns the loss in fp32 (as Hugging Face's loss of upcast logits): the
+    mean over rows whose target is in [0, V) and not `ignore_index`, the sum, or each row's
+    ("none", target's shape); with `return_z_loss`, (loss, z_loss) as kbuild.cross_entropy
+    gives them. Saved for backward: d(hidden) and d(weight) (and d(bias)), computed by the
+    forward, for a mean or a sum; hidden, weight, bias and target for "none" (the backward
+    recomputes the chunks' logits)."""
     check_input("hidden", hidden)
     check_input("weight", weight)
     check_options(ignore_index, reduction, label_smoothing, lse_square_scale, softcap)
@@ -292,22 +313,21 @@ def linear_cross_entropy(
     V = weight.shape[0]
     if V < 2:
         raise ValueError(f"weight must have at least 2 rows (classes); got {V}")
+    if bias is not None:
+        check_input("bias", bias)
+        if bias.shape != (V,):
+            raise ValueError(f"bias must be (V,) = ({V},); got {tuple(bias.shape)}")
+    hidden, weight, bias = _autocast(hidden, weight, bias)
     for name, t in (("weight", weight), ("bias", bias)):
-        if t is None:
-            continue
-        check_input(name, t)
-        if t.dtype != hidden.dtype or t.device != hidden.device:
-            raise ValueError(
-                f"{name} must have hidden's dtype and device ({hidden.dtype}, {hidden.device}); "
-                f"got {t.dtype}, {t.device}"
-            )
-    if bias is not None and bias.shape != (V,):
-        raise ValueError(f"bias must be (V,) = ({V},); got {tuple(bias.shape)}")
+        if t is not None and t.dtype != hidden.dtype:
+            raise TypeError(f"{name} must have hidden's dtype ({hidden.dtype}); got {t.dtype}")
+        if t is not None and t.device != hidden.device:
+            raise ValueError(f"{name} must be on hidden's device {hidden.device}; got {t.device}")
     Ids("target", rows_of="hidden").check(target, {"hidden": hidden})
-    if chunk_size is not None and (
-        isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1
-    ):
-        raise ValueError(f"chunk_size must be None or an int >= 1; got {chunk_size!r}")
+    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int)):
+        raise TypeError(f"chunk_size must be None or an int, got {chunk_size!r}")
+    if chunk_size is not None and chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1; got {chunk_size}")
     for name, value in (("return_z_loss", return_z_loss), ("check_targets", check_targets)):
         if not isinstance(value, bool):
             raise TypeError(f"{name} must be a bool, got {value!r}")
@@ -326,4 +346,5 @@ def linear_cross_entropy(
     loss = loss.view(target.shape) if reduction == "none" else loss
     if not return_z_loss:
         return loss
-    return loss, z_loss_of(lse, target, ignore_index, lse_square_scale, reduction, torch.float32)
+    return loss, z_loss_of(lse, target, ignore_index, lse_square_scale, reduction, torch.float32,
+                           weight.shape[0])  # fmt: skip

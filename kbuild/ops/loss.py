@@ -239,7 +239,8 @@ class _InPlace(torch.autograd.Function):
         loss, lse = cross_entropy_fwd_(logits, target, coefs, flag, ignore_index, smoothing,
                                        z_loss, softcap)  # fmt: skip
         if check and logits.is_cuda:
-            raise_on_bad_targets(flag, logits.shape[-1], ignore_index)
+            with device_guard(logits):
+                raise_on_bad_targets(flag, logits.shape[-1], ignore_index)
         ctx.save_for_backward(logits, coefs)
         ctx.mark_non_differentiable(lse)
         return loss, lse
@@ -354,8 +355,22 @@ def check_options(ignore_index, reduction, label_smoothing, lse_square_scale, so
 _EXTRA: dict = {}  # (device, eps, z, cap) -> coefs[1:] on that device, made once
 
 
+def switches(
+    ignore_index: int, label_smoothing: float, lse_square_scale: float, softcap: float | None
+) -> tuple:
+    """The forward kernel's options as the ops take them: ignore_index and the compile-time
+    switches of the smoothing, z-loss and soft-cap terms."""
+    return ignore_index, label_smoothing > 0, lse_square_scale > 0, softcap is not None
+
+
+def valid_rows(target: torch.Tensor, ignore_index: int, V: int) -> torch.Tensor:
+    """Which rows count: a target in [0, V) that is not ignore_index (the kernel treats any
+    other as ignored, reported or not)."""
+    return (target != ignore_index) & (target >= 0) & (target < V)
+
+
 def make_coefs(target: torch.Tensor, ignore_index: int, mean: bool, label_smoothing: float,
-               lse_square_scale: float, softcap: float | None):  # fmt: skip
+               lse_square_scale: float, softcap: float | None, V: int):  # fmt: skip
     """The kernels' coefs (gradient scale, label smoothing, z-loss scale, soft cap) on
     target's device, and n_valid (a device tensor) for a mean, else None. The constant part
     is made once per device and value (no host-to-device copy per call, so a call can be
@@ -368,7 +383,7 @@ def make_coefs(target: torch.Tensor, ignore_index: int, mean: bool, label_smooth
             _EXTRA[key] = extra
     if not mean:
         return torch.cat([extra.new_ones(1), extra]), None
-    n_valid = (target != ignore_index).sum()
+    n_valid = valid_rows(target, ignore_index, V).sum()
     return torch.cat([(1.0 / n_valid.float()).reshape(1), extra]), n_valid
 
 
@@ -415,10 +430,11 @@ def cross_entropy(
                         ("check_targets", check_targets)):  # fmt: skip
         if not isinstance(value, bool):
             raise TypeError(f"{name} must be a bool, got {value!r}")
+    V = logits.shape[-1]
     coefs, n_valid = make_coefs(target, ignore_index, reduction == "mean", label_smoothing,
-                                lse_square_scale, softcap)  # fmt: skip
+                                lse_square_scale, softcap, V)  # fmt: skip
     grad = torch.is_grad_enabled() and logits.requires_grad
-    options = (ignore_index, label_smoothing > 0, lse_square_scale > 0, softcap is not None)
+    options = switches(ignore_index, label_smoothing, lse_square_scale, softcap)
     if inplace_backward and grad:
         if logits.is_leaf or not logits.is_contiguous():
             raise ValueError(
@@ -431,14 +447,14 @@ def cross_entropy(
     loss = _reduce(rows, target, reduction, n_valid).to(logits.dtype)
     if not return_z_loss:
         return loss
-    return loss, z_loss_of(lse, target, ignore_index, lse_square_scale, reduction, logits.dtype)
+    return loss, z_loss_of(lse, target, ignore_index, lse_square_scale, reduction, logits.dtype, V)
 
 
-def z_loss_of(lse, target, ignore_index, z, reduction, dtype) -> torch.Tensor:
-    """The z-loss part of a loss, z lse^2 over the rows whose target is not ignore_index,
-    reduced as the loss is, in `dtype` (for logging: no gradient)."""
+def z_loss_of(lse, target, ignore_index, z, reduction, dtype, V) -> torch.Tensor:
+    """The z-loss part of a loss, z lse^2 over the rows that count (`valid_rows`), reduced as
+    the loss is, in `dtype` (for logging: no gradient)."""
     lse = lse.detach()
-    valid = target.reshape(-1) != ignore_index
+    valid = valid_rows(target.reshape(-1), ignore_index, V)
     rows = torch.where(valid, z * lse * lse, 0.0)
     n_valid = valid.sum() if reduction == "mean" else None
     return _reduce(rows, target, reduction, n_valid).to(dtype)

@@ -157,6 +157,14 @@ def launch_vec(dtype, D, interleaved, strides, tensors, elements=MAX_ELEMENTS) -
     return vec
 
 
+def aligned_weight(w: torch.Tensor) -> torch.Tensor:
+    """A weight (D,) as the kernels read it, in vectors as wide as q's: contiguous and
+    16-byte aligned (a copy of D elements where a view is not; the vector width is chosen
+    from q, k, cos, sin and the outputs, not from the weights)."""
+    w = w.contiguous()
+    return w if w.data_ptr() % 16 == 0 else w.clone()
+
+
 def _geometry(x, unsqueeze_dim):
     heads = _heads_axis(unsqueeze_dim)
     return x.shape[0], x.shape[3 - heads], x.shape[heads]  # B, T, H
@@ -185,7 +193,7 @@ def _forward_cuda(q, k, q_weight, k_weight, cos, sin, eps=1e-6, offset=0.0, inte
     if B * T == 0 or Hq + Hk == 0:
         return q_out, k_out, *rstds
     q, k, cos, sin = readable(q), readable(k), readable(cos), readable(sin)
-    q_weight, k_weight = q_weight.contiguous(), k_weight.contiguous()
+    q_weight, k_weight = aligned_weight(q_weight), aligned_weight(k_weight)
     values, strides = forward_values(q, k, q_weight, cos, sin, eps, offset, interleaved,
                                      unsqueeze_dim, store_rstd, (q_out, k_out))  # fmt: skip
     ptrs = [t.data_ptr() for t in (q, k, q_weight, k_weight, cos, sin, q_out, k_out)]
@@ -231,7 +239,7 @@ def _backward_cuda(dq_out, dk_out, q, k, q_weight, k_weight, cos, sin, q_rstd, k
     if B * T == 0 or Hq + Hk == 0:
         return _wanted((dq, dk, dqw, dkw), needs)
     q, k, dq_out, dk_out, cos, sin = (readable(t) for t in (q, k, dq_out, dk_out, cos, sin))
-    q_weight, k_weight = q_weight.contiguous(), k_weight.contiguous()
+    q_weight, k_weight = aligned_weight(q_weight), aligned_weight(k_weight)
     values, strides, trig = backward_values(q, k, dq_out, dk_out, q_weight, cos, sin, offset,
                                             interleaved, unsqueeze_dim, weight_grad,
                                             (dq, dk))  # fmt: skip

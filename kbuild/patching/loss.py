@@ -7,7 +7,11 @@ ForCausalLMLoss (labels shifted left, -100 padded; `shift_labels`, `ignore_index
 `num_items_in_batch` from the keyword arguments as there), with Gemma 2/3's
 `config.final_logit_softcapping`. It returns the stock output class with `logits=None`: the
 logits are not returned when labels are (as Liger's fused loss does); `return_dict=False` gives
-the tuple. Without labels it is the stock forward, unchanged.
+the tuple. Without labels, or in evaluation (eval mode under no_grad, as Trainer's prediction
+step runs, which wants the logits), it is the stock forward, unchanged. Labels are not checked
+against the vocabulary on the device (`check_targets=False`: a check reads a flag, a host
+synchronisation every step, which stock's loss does not make); a label outside it adds
+nothing to the loss, as -100 would.
 
 Only families whose CausalLM forward is exactly lm_head, optional softcap, ForCausalLMLoss are
 taken (`FAMILIES`): a family that adds to the loss (MoE router losses) or scales its logits
@@ -64,9 +68,9 @@ def causal_lm_loss(
     target = shift_labels.reshape(-1).to(hidden.device)
     h = hidden.reshape(-1, hidden.shape[-1])
     reduction = "mean" if num_items_in_batch is None else "sum"
-    loss = linear_cross_entropy(
-        h, weight, target, bias, ignore_index=ignore_index, reduction=reduction, softcap=softcap
-    )
+    loss = linear_cross_entropy(h, weight, target, bias, ignore_index=ignore_index,
+                                reduction=reduction, softcap=softcap,
+                                check_targets=False)  # fmt: skip
     if num_items_in_batch is not None:
         if torch.is_tensor(num_items_in_batch):
             num_items_in_batch = num_items_in_batch.to(loss.device)
@@ -80,8 +84,8 @@ def _forward(stock, names: tuple[str, ...], base: str, softcap: bool, output):
 
     def forward(self, *args, **kwargs):
         labels = args[labels_at] if len(args) > labels_at else kwargs.get("labels")
-        if labels is None:
-            return stock(self, *args, **kwargs)
+        if labels is None or not (self.training or torch.is_grad_enabled()):
+            return stock(self, *args, **kwargs)  # evaluation wants the logits: stock's
         if len(args) > len(names):
             raise TypeError(f"forward takes {len(names)} positional arguments, got {len(args)}")
         kwargs.update(zip(names, args, strict=False))
@@ -141,7 +145,7 @@ def _probe_check(model, forward, dtype) -> str | None:
     with check.evaluating(model):
         return check.compare(
             lambda: stock(model, input_ids=ids, labels=labels, use_cache=False).loss,
-            lambda: forward(model, input_ids=ids, labels=labels, use_cache=False).loss,
+            lambda: _training_loss(forward, model, ids, labels),
             check.TOL[dtype],
         )
 
@@ -181,3 +185,10 @@ def patch_loss(model: torch.nn.Module, report: PatchReport) -> None:
         cap = module.config.final_logit_softcapping if softcap else None
         what = "linear_cross_entropy" + (f"(softcap={cap:g})" if cap else "")
         report.add(Swap(path, "loss", what), bind.bind(module, forward, f"loss {what}"))
+
+
+def _training_loss(forward, model, ids, labels) -> torch.Tensor:
+    """The patched forward's loss as training takes it (the fused path: grad enabled), for the
+    check, which runs in eval mode."""
+    with torch.enable_grad():
+        return forward(model, input_ids=ids, labels=labels, use_cache=False).loss.detach()
