@@ -20,7 +20,7 @@ _DECLARE = {"Arg": "kernels.table", "Param": "kernels.table", "kernel": "kernels
 _OPDEF = ("Feature", "Ids", "Launch", "Like", "Op", "Out", "Rows", "Scalar", "Tensors")
 # Losses (kbuild/ops/loss.py, linear_loss.py), softmax (ops/softmax.py), the transformer
 # block's rotary embedding (ops/rope.py) and MLP activations (ops/activations.py): torch's.
-_LOSS = {
+_OPS = {
     "cross_entropy": "ops.loss",
     "linear_cross_entropy": "ops.linear_loss",
     "log_softmax": "ops.softmax",
@@ -70,8 +70,8 @@ __all__ = [
 
 
 def __getattr__(name: str):
-    if name in _DECLARE or name in _LOSS:
-        where = _DECLARE.get(name) or _LOSS[name]
+    if name in _DECLARE or name in _OPS:
+        where = _DECLARE.get(name) or _OPS[name]
         value = getattr(importlib.import_module(f".{where}", __name__), name)
         globals()[name] = value
         return value

@@ -3,7 +3,7 @@
 
     specs = model_specs(read_config("config.json"), "bf16")
 
-What a model launches once kbuild.nn.patch has put kbuild into it (kbuild/patching.py):
+What a model launches once kbuild.nn.patch has put kbuild into it (kbuild/patching/):
 - the norms at its width (RMSNorm and the fused add + RMSNorm; Gemma's weight offset 1.0;
   LayerNorm, the embedding and the bias gradients for GPT-2) and a QK-norm over heads where
   the family has one (Qwen3, Gemma 3, OLMo 2);
@@ -95,7 +95,8 @@ def model_specs(config: dict, dtype: str = "bf16") -> list[KernelSpec]:
         for fused in (False, True):
             case = (1, 8, heads, kv, D, rd, torch_dtype, cs, False, 1, fused)
             specs += rope.specs_for(*rope.case_tensors(case, "meta"), False, 1)
-    act = str(_field(config, "hidden_act", "hidden_activation", default="silu", what="str"))
+    # Gemma's modeling reads hidden_activation (hidden_act is its deprecated name)
+    act = str(_field(config, "hidden_activation", "hidden_act", default="silu", what="str"))
     gate = GATES.get(act)
     if gate is None:
         raise ValueError(f"hidden_act {act!r}: kbuild's MLP activations are {sorted(GATES)}")

@@ -130,7 +130,7 @@ def test_rounded_once_from_fp32(name):
     gate, up = _randn((8, 512), torch.bfloat16, 1), _randn((8, 512), torch.bfloat16, 2)
     g = gate.double()
     if name == "gelu":
-        y = act.gelu(gate)
+        y = act.gelu(gate, "tanh")
         exact = g * torch.sigmoid(2 * 0.7978845608028654 * (g + 0.044715 * g**3))
         tanh_u = torch.tanh(0.7978845608 * (g + 0.044715 * g**3)).to(torch.bfloat16)
         twice = (0.5 * g * (1 + tanh_u.double())).to(torch.bfloat16)
@@ -160,7 +160,7 @@ def test_backward_saves_the_inputs_only():
         act.geglu(gu[..., :64], gu[..., 64:])
         halves = list(saved)
         saved.clear()
-        act.gelu(x)
+        act.gelu(x, "tanh")
         gelu = list(saved)
     assert len(fused) == 1 and fused[0].data_ptr() == gu.data_ptr()
     assert [t.data_ptr() for t in halves] == [gu.data_ptr(), gu[:, 64:].data_ptr()]
@@ -370,3 +370,10 @@ def test_warmup_covers_the_gpu_cases_and_the_models():
     for family, N in act.MODELS:
         for dtype in ("bf16", "f16", "f32"):
             assert (f"{family}_fwd", N, dtype) in names and (f"{family}_bwd", N, dtype) in names
+
+
+def test_gelu_default_is_torchs():
+    """kbuild.gelu(x) is F.gelu(x): the erf form by default, tanh on request."""
+    x = _randn((4, 64), torch.float32, 3)
+    assert torch.allclose(act.gelu(x), F.gelu(x), atol=1e-6)
+    assert not torch.allclose(act.gelu(x), F.gelu(x, approximate="tanh"), atol=1e-6)

@@ -53,8 +53,7 @@ THREADS = 128  # a block: heads_per_pass * lanes
 MAX_LANES = 32  # a head's lanes: within one warp on NVIDIA (32) and CDNA (64)
 MAX_ELEMENTS = 32  # a thread's elements of one head: its registers, the backward's shared memory
 # The backward's elements a thread where a narrower vector gives them (the launch narrows to
-# it): sm_90, ptxas: 16 (rotate-half bf16 at vec 8) take 198 registers, 2 blocks an SM; 8
-# take 96. Not yet timed on a GPU.
+# it): register pressure, bench/NOTES.md ("QK-norm + RoPE").
 BWD_ELEMENTS = 8
 BLOCKS = 1024  # the backward's grid at most, and so the rows of its dw workspace
 

@@ -1,5 +1,5 @@
 """GELU and the gated MLP activations: `kbuild.ops.activations.swiglu(gate, up=None)`,
-`geglu(gate, up=None, approximate="tanh")` and `gelu(x, approximate="tanh")`.
+`geglu(gate, up=None, approximate="tanh")` and `gelu(x, approximate="none")`.
 
     h = swiglu(gate_proj(x), up_proj(x))          # Llama, Mistral, Qwen: silu(gate) * up
     h = swiglu(gate_up_proj(x))                   # Phi-3: one (..., 2I) projection
@@ -326,8 +326,9 @@ def geglu(
     return _gated(GEGLU, gate, up, _tanh(approximate))
 
 
-def gelu(x: torch.Tensor, approximate: str = "tanh") -> torch.Tensor:
-    """torch.nn.functional.gelu(x, approximate), by default GPT-2's tanh form (llm.c's).
+def gelu(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+    """torch.nn.functional.gelu(x, approximate), its signature and default (the erf form);
+    approximate="tanh" is GPT-2's (llm.c's).
 
     x: (..., N) float32 / float16 / bfloat16 (a non-contiguous x is copied first). Returns y
     of x's shape and dtype: fp32 math, one rounding. Saved for backward: x only; dx = dy
