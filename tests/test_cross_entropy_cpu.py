@@ -9,10 +9,11 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
-from torch._dynamo.backends.common import aot_autograd
 
 import kbuild
 from kbuild.ops import loss as ce_ops
+
+from .graph_recorder import KbuildGraphs
 
 IGNORE = -100
 
@@ -178,17 +179,8 @@ def test_compiled_with_the_op_in_the_graph():
     """The fake serves torch.compile: the forward op and the in-place rescale appear in the
     graphs (aot_autograd with recording compilers), and the values match eager's."""
     torch._dynamo.reset()
-    seen: dict[str, set] = {"fw": set(), "bw": set()}
-
-    def recorder(kind):
-        def compiler(gm, example_inputs):
-            for n in gm.graph.nodes:  # an in-place op is wrapped: auto_functionalized(op, ...)
-                seen[kind] |= {str(a) for a in (n.target, *n.args[:1]) if "kbuild" in str(a)}
-            return gm
-
-        return compiler
-
-    backend = aot_autograd(fw_compiler=recorder("fw"), bw_compiler=recorder("bw"))
+    graphs = KbuildGraphs()
+    seen, backend = graphs.ops, graphs.backend
     x, t = _inputs(6, 51, torch.float32, torch.int64)
     x.requires_grad_()
     f = torch.compile(lambda x, t: kbuild.cross_entropy(x, t, label_smoothing=0.1),

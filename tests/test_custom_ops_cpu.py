@@ -18,13 +18,13 @@ import itertools
 
 import pytest
 import torch
-from torch._dynamo.backends.common import aot_autograd
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import kbuild
 import kbuild.ops  # registers the kbuild::* custom ops
 
 from .gpu_utils import FWD_TOL, GRAD_TOL
+from .graph_recorder import KbuildGraphs
 from .reference import assert_close_rel, layernorm_grads, rmsnorm_grads
 
 OPS = torch.ops.kbuild
@@ -332,24 +332,6 @@ def fresh_dynamo():
     torch._dynamo.reset()
 
 
-class _RecordingAOT:
-    """aot_eager that keeps the kbuild::* ops of the forward and backward graphs it is given."""
-
-    def __init__(self) -> None:
-        self.ops: dict[str, set[str]] = {"fw": set(), "bw": set()}
-
-        def recorder(kind):
-            def compiler(gm: torch.fx.GraphModule, example_inputs):
-                self.ops[kind] |= {
-                    str(n.target) for n in gm.graph.nodes if str(n.target).startswith("kbuild.")
-                }
-                return gm
-
-            return compiler
-
-        self.backend = aot_autograd(fw_compiler=recorder("fw"), bw_compiler=recorder("bw"))
-
-
 def _public(name: str):
     """The public function as (x, residual, weight, bias) -> tuple of outputs."""
     if name == "rmsnorm":
@@ -399,7 +381,7 @@ COMPILE_CASES = [
 def test_compiled_public_function_traces_the_ops(fresh_dynamo, name, dtype, pdtype):
     """The fused form and LayerNorm trace to their ops; plain RMSNorm to torch operations
     (inductor fuses them with their neighbours: api.py), no kbuild op in either graph."""
-    recorder = _RecordingAOT()
+    recorder = KbuildGraphs()
     _compiled_matches_fp64(name, recorder.backend, dtype, pdtype)
     if name == "rmsnorm":
         assert recorder.ops == {"fw": set(), "bw": set()}, recorder.ops
@@ -413,7 +395,7 @@ def test_compiled_rmsnorm_op_called_directly(fresh_dynamo, backend):
     """kbuild::rmsnorm_fwd called by name still compiles (fake, autograd, backward op),
     with the weight offset, and matches fp64; under inductor with a transposed x too (the
     ops' outputs are dense, as their fakes say, whatever x's layout)."""
-    recorder = _RecordingAOT()
+    recorder = KbuildGraphs()
     x = _x(F32, 0)
     if backend == "inductor":
         x = x.transpose(0, -1).contiguous().transpose(0, -1)  # same values, reversed strides

@@ -16,6 +16,8 @@ import torch
 from kbuild.ops import qk_norm_rope as ops
 from kbuild.ops.qk_norm_rope import qk_norm_rope
 
+from .graph_recorder import KbuildGraphs
+
 # HF's rotate_half and GPT-J's rotate_every_two, and HF-style cos / sin of per-batch positions
 from .test_rope_cpu import _hf_trig as _trig
 from .test_rope_cpu import _rotate_every_two, _rotate_half
@@ -202,17 +204,9 @@ def test_empty_batch():
 
 
 def test_compiled_with_the_op_in_the_graph():
-    from functorch.compile import make_boxed_func
-    from torch._dynamo.backends.common import aot_autograd
-
     torch._dynamo.reset()
-    seen: set[str] = set()
-
-    def recorder(gm, example_inputs):
-        seen.update(str(n.target) for n in gm.graph.nodes if "kbuild" in str(n.target))
-        return make_boxed_func(gm)
-
-    backend = aot_autograd(fw_compiler=recorder, bw_compiler=recorder)
+    graphs = KbuildGraphs()
+    backend = graphs.backend
     q, k = _qk(2, 5, 2, 1, 16, torch.float32, 1, "transposed")
     cos, sin = _trig(2, 5, 16, False, torch.float32)
     qw, kw = _weights(16, torch.float32, 0.0)
@@ -224,8 +218,8 @@ def test_compiled_with_the_op_in_the_graph():
     (qo.sum() + ko.square().sum()).backward()
     rq, rk = qk_norm_rope(q.detach(), k, qw.detach(), kw, cos, sin)
     assert torch.allclose(qo, rq) and torch.allclose(ko, rk)
-    assert any("qk_norm_rope" in n and "backward" not in n for n in seen), seen
-    assert any("qk_norm_rope_backward" in n for n in seen), seen
+    assert any("qk_norm_rope" in n and "backward" not in n for n in graphs.all), graphs.all
+    assert any("qk_norm_rope_backward" in n for n in graphs.all), graphs.all
     assert q.grad is not None and qw.grad is not None
     torch._dynamo.reset()
 

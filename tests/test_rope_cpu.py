@@ -15,6 +15,8 @@ import torch
 from kbuild.ops import rope as rope_ops
 from kbuild.ops.rope import rope
 
+from .graph_recorder import KbuildGraphs
+
 # ----------------------------------------------------------------------------- fp64 reference
 
 
@@ -196,17 +198,9 @@ def test_empty_batch():
 
 
 def test_compiled_with_the_op_in_the_graph():
-    from functorch.compile import make_boxed_func
-    from torch._dynamo.backends.common import aot_autograd
-
     torch._dynamo.reset()
-    seen: set[str] = set()
-
-    def recorder(gm, example_inputs):
-        seen.update(str(n.target) for n in gm.graph.nodes if "kbuild" in str(n.target))
-        return make_boxed_func(gm)
-
-    backend = aot_autograd(fw_compiler=recorder, bw_compiler=recorder)
+    graphs = KbuildGraphs()
+    backend = graphs.backend
     q, k = _qk(2, 5, 2, 1, 16, torch.float32, 1, "transposed")
     cos, sin = _hf_trig(2, 5, 16, False, torch.float32)
     q.requires_grad_()
@@ -215,8 +209,8 @@ def test_compiled_with_the_op_in_the_graph():
     (qo.sum() + ko.square().sum()).backward()
     rq, rk = rope(q.detach(), k, cos, sin)
     assert torch.allclose(qo, rq) and torch.allclose(ko, rk)
-    assert any("rope" in n and "backward" not in n for n in seen), seen
-    assert any("rope_backward" in n for n in seen), seen
+    assert any("rope" in n and "backward" not in n for n in graphs.all), graphs.all
+    assert any("rope_backward" in n for n in graphs.all), graphs.all
     torch._dynamo.reset()
 
 

@@ -10,11 +10,11 @@ import re
 
 import pytest
 import torch
-from torch._dynamo.backends.common import aot_autograd
 
 import kbuild
 from kbuild.ops import softmax as sm
 
+from .graph_recorder import KbuildGraphs
 from .test_generic_native_cpu import paths  # noqa: F401 (the fixture: both launch paths)
 
 NAMES = ("softmax", "log_softmax")
@@ -199,16 +199,8 @@ def test_compiled_with_the_op_in_the_graph(name, dim):
     """The fake serves torch.compile: the forward op and its backward appear in the graphs
     (aot_autograd with recording compilers), and the values match eager's."""
     torch._dynamo.reset()
-    seen: dict[str, set] = {"fw": set(), "bw": set()}
-
-    def recorder(kind):
-        def compiler(gm, example_inputs):
-            seen[kind] |= {str(n.target) for n in gm.graph.nodes if "kbuild" in str(n.target)}
-            return gm
-
-        return compiler
-
-    backend = aot_autograd(fw_compiler=recorder("fw"), bw_compiler=recorder("bw"))
+    graphs = KbuildGraphs()
+    seen, backend = graphs.ops, graphs.backend
     f = getattr(kbuild, name)
     x, dy = _inputs((6, 51), torch.bfloat16)
     x.requires_grad_()
