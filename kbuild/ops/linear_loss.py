@@ -46,15 +46,8 @@ import contextlib
 import torch
 
 from .common import check_input, device_guard
-from .loss import (
-    check_options,
-    cross_entropy_fwd_,
-    make_coefs,
-    raise_on_bad_targets,
-    rescale_,
-    switches,
-    z_loss_of,
-)
+from .loss import cross_entropy_fwd_, raise_on_bad_targets, rescale_
+from .loss_options import check_options, make_coefs, switches, z_loss_of
 from .opdef import Ids
 
 MIN_ROWS = 64  # the smallest chunk chosen: fewer rows make the matmuls inefficient
