@@ -403,3 +403,13 @@ def test_softcap_kernel_uses_tanh_once_per_element_and_lowers_for_amd():
     n_capped = len(re.findall(r"ex2\.approx", _ptx(spec)))
     assert n_plain < n_capped <= n_plain * 3 // 2 + 2, (n_plain, n_capped)
     assert compiler.lower(spec, target_for_arch("gfx942"))
+
+
+def test_the_target_logit_is_read_before_a_block_barrier_in_training():
+    """The gradient may be written over the logits: x[t] is read by one thread, then a block
+    barrier orders that read before any thread's store (rows of 7 reduce within a warp, so the
+    barrier is the only one in the kernel); inference writes nothing and has none."""
+    for grad, barriers in ((True, 1), (False, 0)):
+        values = ce_ops.fwd_values(7, torch.bfloat16, torch.int64, False, False, grad, True)
+        ptx = _ptx(ce_ops.build_cross_entropy_fwd.spec(**values))
+        assert len(re.findall(r"bar(rier)?\.sync", ptx)) == barriers

@@ -23,11 +23,11 @@ is a runtime i64.
 
 `dlogits` may be `logits` itself (the gradient written in place): every element of the row
 body is read only by the thread that writes it, before it writes it. x[t] is read by one
-thread of the block whose slice holds column t, before that block's first barrier (bar.sync
-orders it before the block's later stores), and reaches every other thread, and the other
-blocks of a cluster, through the row's reduction as a sum with that one term: no block reads
-an element another block writes. Rows past M (a block of several rows) read what the real
-row's threads may have overwritten, but they store nothing.
+thread of the block whose slice holds column t, followed by a block barrier (bar.sync: the
+read is performed before any of the block's later stores), and reaches every other thread,
+and the other blocks of a cluster, through the row's reduction as a sum with that one term:
+no block reads an element another block writes. Rows past M (a block of several rows) read
+what the real row's threads may have overwritten, but they store nothing.
 
 `cross_entropy_rescale`: dx[r] *= dloss[r] / g in place, for the rows whose incoming gradient
 differs from the g the forward assumed; a row where it is equal costs one scalar read (the
@@ -151,9 +151,9 @@ def build_cross_entropy_fwd(N, dtype, index_dtype, target, smoothing=False, z_lo
                 v = lambda c: held  # noqa: E731
 
         # x[t], read by one thread of the block whose slice holds column t (lane 0; every
-        # other thread adds 0) before the block's first barrier, which orders it before the
-        # block's threads overwrite their elements (in place); the row's reduction sums it,
-        # so no thread reads an element another block may be writing (module docstring).
+        # other thread adds 0), then a block barrier: the read is performed before any thread
+        # of the block overwrites its elements (in place); the row's reduction sums it, so no
+        # thread reads an element another block may be writing (module docstring).
         owner = eq(t.lane, 0)
         if row.cluster > 1:
             owner = owner & (safe >= t.first) & (safe < t.first + t.end)
@@ -163,6 +163,8 @@ def build_cross_entropy_fwd(N, dtype, index_dtype, target, smoothing=False, z_lo
             return capped(x) if softcap else x
 
         picked = if_else(owner, target_logit, lambda: const(0.0))
+        if grad:
+            k.barrier()
 
         def own(c, state):  # this thread's (max, sum of exp(x - max), x[t][, sum of x]) so far
             values = v(c)
