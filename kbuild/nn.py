@@ -160,12 +160,13 @@ class LinearCrossEntropy(Module):
     cross_entropy(hidden @ weight.T + bias, target) by kbuild.linear_cross_entropy, which
     never holds the logits of all tokens (kbuild/ops/linear_loss.py). Its `weight` (V, H)
     can be tied to an embedding or taken from a model's lm_head (`from_linear`); the options
-    are kbuild.cross_entropy's, `chunk_size` the rows per chunk (None: chosen)."""
+    (keywords, `OPTIONS` their defaults) are kbuild.linear_cross_entropy's."""
 
-    def __init__(self, in_features: int, num_classes: int, bias: bool = False,
-                 ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
-                 lse_square_scale: float = 0.0, softcap: float | None = None,
-                 chunk_size: int | None = None, device=None, dtype=None):  # fmt: skip
+    OPTIONS = dict(ignore_index=-100, reduction="mean", label_smoothing=0.0,
+                   lse_square_scale=0.0, softcap=None, chunk_size=None)  # fmt: skip
+
+    def __init__(self, in_features: int, num_classes: int, bias: bool = False, device=None,
+                 dtype=None, **options):  # fmt: skip
         super().__init__()
         kinds = dict(device=device, dtype=dtype)
         self.weight = torch.nn.Parameter(torch.empty(num_classes, in_features, **kinds))
@@ -173,9 +174,17 @@ class LinearCrossEntropy(Module):
         torch.nn.init.normal_(self.weight, std=in_features**-0.5)
         if self.bias is not None:
             torch.nn.init.zeros_(self.bias)
-        self.options = dict(ignore_index=ignore_index, reduction=reduction,
-                            label_smoothing=label_smoothing, lse_square_scale=lse_square_scale,
-                            softcap=softcap, chunk_size=chunk_size)  # fmt: skip
+        self.options = self._options(options)
+
+    @classmethod
+    def _options(cls, given: dict) -> dict:
+        unknown = set(given) - set(cls.OPTIONS)
+        if unknown:
+            raise TypeError(
+                f"LinearCrossEntropy: unknown option {sorted(unknown)[0]} (it takes "
+                f"{', '.join(cls.OPTIONS)})"
+            )
+        return {**cls.OPTIONS, **given}
 
     @classmethod
     def from_linear(cls, head: torch.nn.Linear, **options) -> LinearCrossEntropy:
@@ -183,12 +192,7 @@ class LinearCrossEntropy(Module):
         ours = cls.__new__(cls)
         Module.__init__(ours)
         ours.weight, ours.bias = head.weight, head.bias
-        ours.options = dict(ignore_index=-100, reduction="mean", label_smoothing=0.0,
-                            lse_square_scale=0.0, softcap=None, chunk_size=None)  # fmt: skip
-        unknown = set(options) - set(ours.options)
-        if unknown:
-            raise TypeError(f"LinearCrossEntropy.from_linear: unknown option {sorted(unknown)[0]}")
-        ours.options.update(options)
+        ours.options = cls._options(options)
         return ours
 
     def forward(self, hidden: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
