@@ -97,3 +97,40 @@ def test_captured_into_a_cuda_graph():
     ref.backward()
     assert torch.equal(got[0], ref) and torch.equal(got[1], h.grad)
     assert torch.equal(got[2], w.grad)
+
+
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+def test_bias_and_the_default_chunk(reduction):
+    """The chunk the op chooses (more than one at M = 4096, H = 128, V = 50257: 64 rows),
+    with a bias: values and all three gradients against the unfused fp64 path."""
+    import kbuild
+    from kbuild.ops.linear_loss import chunk_rows
+    from tests.test_linear_cross_entropy_cpu import _fp64
+
+    assert chunk_rows(4096, 50257, 128) < 4096
+    h, w, t = _inputs(50257, 128, M=4096)
+    b = (torch.randn(50257, device="cuda") * 0.1).bfloat16().requires_grad_()
+    y = kbuild.linear_cross_entropy(h, w, t, b, reduction=reduction)
+    ref, (hd, wd, bd) = _fp64(h, w, b, t, reduction)
+    y.backward()
+    ref.backward()
+    assert torch.allclose(y.double(), ref, rtol=2e-2, atol=2e-2)
+    for a, r in ((h, hd), (w, wd), (b, bd)):
+        assert ((a.grad.double() - r.grad).norm() / r.grad.norm()) < 2e-2
+
+
+def test_unchecked_targets_make_no_host_synchronisation():
+    """check_targets=False: no host read in forward or backward (a synchronising call
+    raises under sync debug mode "error")."""
+    import kbuild
+
+    h, w, t = _inputs(50257, 256)
+    kbuild.linear_cross_entropy(h, w, t, check_targets=False).backward()  # warm
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        kbuild.linear_cross_entropy(h, w, t, check_targets=False).backward()
+        x = torch.randn(64, 50257, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        kbuild.cross_entropy(x, t[:64], check_targets=False).backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
