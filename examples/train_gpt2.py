@@ -8,9 +8,11 @@ loss of both and, on a GPU, their tokens/s.
 The corpus needs no download: the bytes of the Python standard library's own source files
 (byte-level tokens, ids 0-255 of GPT-2's vocabulary padded to 50304 entries). The model is
 GPT-2 in plain PyTorch: kbuild.nn.GPT2Embedding (wte + wpe, deterministic backward),
-kbuild.nn.LayerNorm, kbuild.nn.Linear (kbuild's bias gradient), torch's attention
-(scaled_dot_product_attention) and an output projection tied to wte. `--impl torch` swaps
-in torch.nn.Embedding, LayerNorm and Linear; `--impl both` (the default) trains both.
+kbuild.nn.LayerNorm, kbuild.nn.Linear (kbuild's bias gradient), kbuild.gelu (the tanh form),
+torch's attention (scaled_dot_product_attention) and an output projection tied to wte whose
+loss is kbuild.linear_cross_entropy (the 50304-wide logits never built). `--impl torch` swaps
+in torch.nn.Embedding, LayerNorm, Linear, F.gelu and the logits' F.cross_entropy; `--impl
+both` (the default) trains both.
 """
 
 from __future__ import annotations
@@ -55,10 +57,18 @@ class TorchEmbedding(nn.Module):
         return self.wte(tokens) + self.wpe.weight[: tokens.shape[1]]
 
 
+def torch_gelu(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+def kbuild_gelu(x: torch.Tensor) -> torch.Tensor:
+    return kbuild.gelu(x, approximate="tanh")
+
+
 class Block(nn.Module):
-    def __init__(self, width: int, heads: int, norm, linear):
+    def __init__(self, width: int, heads: int, norm, linear, gelu=torch_gelu):
         super().__init__()
-        self.heads = heads
+        self.heads, self.gelu = heads, gelu
         self.ln_1, self.ln_2 = norm(width), norm(width)
         self.qkv, self.attn_proj = linear(width, 3 * width), linear(width, width)
         self.fc, self.mlp_proj = linear(width, 4 * width), linear(4 * width, width)
@@ -69,10 +79,10 @@ class Block(nn.Module):
         q, k, v = (t.view(B, T, self.heads, C // self.heads).transpose(1, 2) for t in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.attn_proj(y.transpose(1, 2).reshape(B, T, C))
-        return x + self.mlp_proj(F.gelu(self.fc(self.ln_2(x)), approximate="tanh"))
+        return x + self.mlp_proj(self.gelu(self.fc(self.ln_2(x))))
 
 
-PARTS = ("embed", "norm", "linear")  # the modules kbuild can supply
+PARTS = ("embed", "norm", "linear", "gelu", "loss")  # what kbuild can supply
 
 
 class GPT(nn.Module):
@@ -85,8 +95,10 @@ class GPT(nn.Module):
         embed = kbuild.nn.GPT2Embedding if "embed" in kbuild_parts else TorchEmbedding
         norm = kbuild.nn.LayerNorm if "norm" in kbuild_parts else nn.LayerNorm
         linear = kbuild.nn.Linear if "linear" in kbuild_parts else nn.Linear
+        gelu = kbuild_gelu if "gelu" in kbuild_parts else torch_gelu
+        self.fused_loss = "loss" in kbuild_parts
         self.embed = embed(VOCAB, positions, width)
-        self.blocks = nn.ModuleList(Block(width, heads, norm, linear) for _ in range(layers))
+        self.blocks = nn.ModuleList(Block(width, heads, norm, linear, gelu) for _ in range(layers))
         self.ln_f = norm(width)
         self.lm_head = nn.Linear(width, VOCAB, bias=False)
         self.lm_head.weight = self.embed.wte.weight  # tied, as in GPT-2
@@ -104,7 +116,10 @@ class GPT(nn.Module):
         x = self.embed(tokens)
         for block in self.blocks:
             x = block(x)
-        logits = self.lm_head(self.ln_f(x))
+        x = self.ln_f(x)
+        if self.fused_loss:  # the logits never built; the loss in fp32, as the upcast below
+            return kbuild.linear_cross_entropy(x, self.lm_head.weight, targets)
+        logits = self.lm_head(x)
         return F.cross_entropy(logits.float().view(-1, VOCAB), targets.reshape(-1))
 
 
