@@ -176,12 +176,13 @@ def test_one_kernel_is_singular(env):
     assert run.stdout.splitlines()[-1].startswith("1 kernel for sm_90 in ")
 
 
-def test_the_readme_quick_start_runs_as_is_on_this_machine(subprocess_env, tmp_path):
-    """The README's quick start block, copied as is, runs on a CPU machine (it once asserted
-    `Torch not compiled with CUDA enabled`)."""
+def _quick_start_blocks() -> list[str]:
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    section = readme.split("## Quick start", 1)[1]
-    block = section.split("```python\n", 1)[1].split("```", 1)[0]
+    section = readme.split("## Quick start", 1)[1].split("\n## ", 1)[0]
+    return [part.split("```", 1)[0] for part in section.split("```python\n")[1:]]
+
+
+def _run_block(block: str, subprocess_env, tmp_path) -> str:
     run = subprocess.run(
         [sys.executable, "-c", block],
         env={**subprocess_env, "KBUILD_CACHE_DIR": str(tmp_path)},
@@ -191,7 +192,25 @@ def test_the_readme_quick_start_runs_as_is_on_this_machine(subprocess_env, tmp_p
         timeout=600,
     )
     assert run.returncode == 0, run.stderr[-3000:]
-    assert "rmsnorm max error" in run.stdout and "dw (1024,)" in run.stdout
+    return run.stdout
+
+
+def test_the_readme_quick_start_runs_as_is_on_this_machine(subprocess_env, tmp_path):
+    """The README's quick start block for any machine, copied as is, runs on a CPU machine
+    (it once asserted `Torch not compiled with CUDA enabled`)."""
+    block = next(b for b in _quick_start_blocks() if "rmsnorm max error" in b)
+    out = _run_block(block, subprocess_env, tmp_path)
+    assert "rmsnorm max error" in out and "dw (1024,)" in out
+
+
+def test_the_readme_hugging_face_patch_runs_as_is(subprocess_env, tmp_path):
+    """The quick start's first block (kbuild.nn.patch on a Hugging Face Llama), as is, on a
+    CPU machine with transformers (not a kbuild dependency: skipped without it)."""
+    pytest.importorskip("transformers")
+    block = _quick_start_blocks()[0]
+    assert "kbuild.nn.patch(model)" in block
+    out = _run_block(block, subprocess_env, tmp_path)
+    assert "10 patched, 0 left stock" in out
 
 
 def test_a_users_module_that_fails_is_one_line(env, tmp_path):
