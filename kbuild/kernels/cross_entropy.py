@@ -84,134 +84,144 @@ def build_cross_entropy_fwd(N, dtype, index_dtype, target, smoothing=False, z_lo
     (module docstring); without it (inference) the logits are read once and nothing else.
     `overrides`: launch-plan keywords (cluster=, threads_per_row=), for benchmarks to time
     other plans than the one chosen."""
-    from kbuild.dsl import (
-        NEG_INF,
-        RowTile,
-        const,
-        eq,
-        exp,
-        get_llvm_ptr,
-        i64,
-        if_else,
-        load,
-        log,
-        maximum,
-        report,
-        select,
-        tanh,
-        thread_max,
-        thread_sum,
-        to_f32,
-    )
+    from kbuild.dsl import RowTile, const, get_llvm_ptr, load, log, select
 
-    k, row = row_kernel(
-        "cross_entropy_fwd",
-        N,
-        dtype,
-        target,
-        vectorize=vectorize,
-        rows_held=HELD if grad else 1.0,
-        **overrides,
-    )
+    k, row = row_kernel("cross_entropy_fwd", N, dtype, target, vectorize=vectorize,
+                        rows_held=HELD if grad else 1.0, **overrides)  # fmt: skip
     with k:
         logits, targets, coefs, loss_out, lse_out = (
             k.ptr(n) for n in ("logits", "target", "coefs", "loss", "lse")
-        )
+        )  # the arguments in the table's order
         dlogits = k.ptr("dlogits") if grad else None
-        flag = k.ptr("flag")
-        M, ignore = k.i64("M"), k.i64("ignore_index")
+        flag, M, ignore = k.ptr("flag"), k.i64("M"), k.i64("ignore_index")
         t = RowTile(k, row, M)
-
-        # The target: ignored, or outside [0, V) (reported, then treated as ignored).
-        tid = i64(t.load_row_scalar(targets, index_dtype))
-        ignored = eq(tid, ignore)
-        bad = ~ignored & ((tid < 0) | (tid >= N))
-        report(flag, bad, BAD_TARGET)  # a row past M repeats row M - 1: the same answer
-        skip = ignored | bad
-        safe = select(skip, const(0, "i64"), tid)  # a column that exists
-        coef = [load(get_llvm_ptr(coefs, const(i, "i64"), "f32"), "f32") for i in range(4)]
-        if softcap:  # x = c tanh(x_in / c), c = coefs[3]
-            cap, inv_cap = coef[3], 1.0 / coef[3]
-
-            def capped(a):
-                return cap * tanh(a * inv_cap)
-
-        raw = t.values(logits, dtype, pad=NEG_INF)  # past the row: -inf, which exp makes 0
-        v = raw
-        if softcap:  # capped where the row is (the padding stays -inf), once where held
-
-            def v(c):
-                return [
-                    capped(a) if g is None else select(g, capped(a), NEG_INF)
-                    for a, g in zip(raw(c), t.inside(c), strict=True)
-                ]
-
-            if not t.cfg.chunked:
-                held = v(0)
-                v = lambda c: held  # noqa: E731
-
-        # x[t], read by one thread of the block whose slice holds column t (lane 0; every
-        # other thread adds 0), then a block barrier: the read is performed before any thread
-        # of the block overwrites its elements (in place); the row's reduction sums it, so no
-        # thread reads an element another block may be writing (module docstring).
-        owner = eq(t.lane, 0)
-        if row.cluster > 1:
-            owner = owner & (safe >= t.first) & (safe < t.first + t.end)
-
-        def target_logit():
-            x = to_f32(t.load_at(logits, safe, dtype))
-            return capped(x) if softcap else x
-
-        picked = if_else(owner, target_logit, lambda: const(0.0))
-        if grad:
-            k.barrier()
-
-        def own(c, state):  # this thread's (max, sum of exp(x - max), x[t][, sum of x]) so far
-            values = v(c)
-            m = maximum(state[0], thread_max(values))
-            safe_m = select(eq(m, NEG_INF), 0.0, m)  # a thread holding only padding
-            e = thread_sum([exp(a - safe_m) for a in values])
-            out = [m, state[1] * exp(state[0] - safe_m) + e, state[2]]
-            if smoothing:  # sum(x) over the row's own elements (the pad is -inf)
-                out.append(state[3] + thread_sum(_within(values, t.inside(c))))
-            return out
-
-        start = [const(NEG_INF), const(0.0), picked] + ([const(0.0)] if smoothing else [])
-        totals = t.reduce(t.over_chunks(own, start), _pair_and_sums)
-        m, s = totals[0], totals[1]
-        lse = m + log(s)
+        skip, safe = _target(t, targets, index_dtype, flag, ignore, N)
+        g, eps, z, cap = (
+            load(get_llvm_ptr(coefs, const(i, "i64"), "f32"), "f32") for i in range(4)
+        )
+        capped = _capper(cap) if softcap else None
+        v = _values(t, logits, dtype, capped)
+        picked = _target_logit(k, t, logits, dtype, safe, capped, grad)
+        totals = _totals(t, v, picked, smoothing)
+        lse = totals[0] + log(totals[1])
 
         # loss = (1 - eps)(lse - x[t]) + eps (lse - mean x) + z lse^2
-        c0 = coef[0]  # the gradient scale g
-        eps = coef[1] if smoothing else None
-        z = coef[2] if z_loss else None
         nll = lse - totals[2]  # lse - x[t]
-        loss = nll if eps is None else (1.0 - eps) * nll + eps * (lse - totals[3] * (1.0 / N))
-        if z is not None:
+        loss = nll if not smoothing else (1.0 - eps) * nll + eps * (lse - totals[3] * (1.0 / N))
+        if z_loss:
             loss = loss + z * lse * lse
         t.store_row_scalar(loss_out, select(skip, const(0.0), loss))
         t.store_row_scalar(lse_out, lse)
-        if not grad:
-            return k
-
-        # dx_j = g (p_j (1 + 2 z lse) - (1 - eps)[j == t] - eps / V); 0 on a skipped row
-        g = select(skip, const(0.0), c0)
-        p_scale = g if z is None else g * (1.0 + 2.0 * z * lse)
-        hit = g if eps is None else g * (1.0 - eps)
-        floor = None if eps is None else g * eps * (1.0 / N)
-
-        def write(c, _):
-            cols = t.element_columns(c)
-            out = []
-            for a, col in zip(v(c), cols, strict=True):
-                d = exp(a - lse) * p_scale - select(eq(col, safe), hit, 0.0)
-                d = d if floor is None else d - floor
-                out.append(d * (1.0 - a * inv_cap * (a * inv_cap)) if softcap else d)
-            t.store(dlogits, out, dtype, c)
-            return []
-
-        t.over_chunks(write)
+        if grad:
+            _write_gradient(t, dlogits, dtype, v, lse, safe, select(skip, const(0.0), g),
+                            eps if smoothing else None, z if z_loss else None,
+                            cap if softcap else None, N)  # fmt: skip
     return k
+
+
+def _target(t, targets, index_dtype, flag, ignore, N):
+    """The row's target: (skip, safe): whether the row is ignored or its target outside [0, N)
+    (reported into `flag`, then treated as ignored), and a column that exists (the target, or
+    0 for a skipped row)."""
+    from kbuild.dsl import const, eq, i64, report, select
+
+    tid = i64(t.load_row_scalar(targets, index_dtype))
+    ignored = eq(tid, ignore)
+    bad = ~ignored & ((tid < 0) | (tid >= N))
+    report(flag, bad, BAD_TARGET)  # a row past M repeats row M - 1: the same answer
+    skip = ignored | bad
+    return skip, select(skip, const(0, "i64"), tid)
+
+
+def _capper(cap):
+    """x = c tanh(x_in / c), c = coefs[3] (Gemma 2's logit soft cap)."""
+    from kbuild.dsl import tanh
+
+    inv_cap = 1.0 / cap
+    return lambda a: cap * tanh(a * inv_cap)
+
+
+def _values(t, logits, dtype, capped):
+    """This thread's f32 logits as a function of a chunk's start (RowTile.values), past the
+    row -inf (which exp makes 0); soft-capped where the row is, once where the row is held."""
+    from kbuild.dsl import NEG_INF, select
+
+    raw = t.values(logits, dtype, pad=NEG_INF)
+    if capped is None:
+        return raw
+
+    def v(c):
+        return [
+            capped(a) if g is None else select(g, capped(a), NEG_INF)
+            for a, g in zip(raw(c), t.inside(c), strict=True)
+        ]
+
+    if t.cfg.chunked:
+        return v
+    held = v(0)
+    return lambda c: held
+
+
+def _target_logit(k, t, logits, dtype, safe, capped, grad):
+    """x[t] from one thread (lane 0) of the block whose slice holds column t, 0 from every
+    other: the row's reduction sums it, so no thread reads an element another block may be
+    writing; in training a block barrier follows, so the read is performed before any thread
+    of the block overwrites its elements (in place; module docstring)."""
+    from kbuild.dsl import const, eq, if_else, to_f32
+
+    owner = eq(t.lane, 0)
+    if t.cfg.cluster > 1:
+        owner = owner & (safe >= t.first) & (safe < t.first + t.end)
+
+    def read():
+        x = to_f32(t.load_at(logits, safe, dtype))
+        return x if capped is None else capped(x)
+
+    picked = if_else(owner, read, lambda: const(0.0))
+    if grad:
+        k.barrier()
+    return picked
+
+
+def _totals(t, v, picked, smoothing):
+    """The row's (max, sum of exp(x - max), x[t][, sum of x]): one pass of online softmax
+    (softmax_pair) with plain sums beside it, reduced over the row."""
+    from kbuild.dsl import NEG_INF, const, eq, exp, maximum, select, thread_max, thread_sum
+
+    def own(c, state):  # this thread's totals so far
+        values = v(c)
+        m = maximum(state[0], thread_max(values))
+        safe_m = select(eq(m, NEG_INF), 0.0, m)  # a thread holding only padding
+        e = thread_sum([exp(a - safe_m) for a in values])
+        out = [m, state[1] * exp(state[0] - safe_m) + e, state[2]]
+        if smoothing:  # sum(x) over the row's own elements (the pad is -inf)
+            out.append(state[3] + thread_sum(_within(values, t.inside(c))))
+        return out
+
+    start = [const(NEG_INF), const(0.0), picked] + ([const(0.0)] if smoothing else [])
+    return t.reduce(t.over_chunks(own, start), _pair_and_sums)
+
+
+def _write_gradient(t, dlogits, dtype, v, lse, safe, g, eps, z, cap, N) -> None:
+    """dx_j = g (p_j (1 + 2 z lse) - (1 - eps)[j == t] - eps / V), times 1 - (x_j / c)^2
+    with the soft cap; `g` already 0 on a skipped row; eps, z, cap None where off."""
+    from kbuild.dsl import eq, exp, select
+
+    p_scale = g if z is None else g * (1.0 + 2.0 * z * lse)
+    hit = g if eps is None else g * (1.0 - eps)
+    floor = None if eps is None else g * eps * (1.0 / N)
+    inv_cap = None if cap is None else 1.0 / cap
+
+    def write(c, _):
+        out = []
+        for a, col in zip(v(c), t.element_columns(c), strict=True):
+            d = exp(a - lse) * p_scale - select(eq(col, safe), hit, 0.0)
+            d = d if floor is None else d - floor
+            out.append(d if inv_cap is None else d * (1.0 - a * inv_cap * (a * inv_cap)))
+        t.store(dlogits, out, dtype, c)
+        return []
+
+    t.over_chunks(write)
 
 
 @kernel(
