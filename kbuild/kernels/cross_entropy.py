@@ -45,8 +45,8 @@ from .table import Arg, Param
 BAD_TARGET = 1  # the flag's code for a target outside [0, V)
 # fp32 words of registers a training forward's plan budgets per element of the row it holds:
 # the gradient pass keeps more live than a plain reduction (ptxas, sm_90: at 1.0 the plans of
-# 50257 and 256000 spilled 200-400 bytes; at 1.25 nothing spills but 50257 with both label
-# smoothing and the soft cap, 204 bytes). Not yet timed against 1.0: bench/bench_loss.py.
+# 50257 and 256000 spilled 200-400 bytes; at 1.25 none spills, bench/NOTES.md). Not yet timed
+# against 1.0: bench/bench_loss.py.
 HELD = 1.25
 INDEX_DTYPES = ("i32", "i64")
 
