@@ -15,14 +15,14 @@ modules=(examples/custom_softmax.py bench/math_accuracy.py bench/bench_rows.py
          kbuild.ops.rope kbuild.ops.activations kbuild.ops.qk_norm_rope)
 args=()
 for m in "${modules[@]}"; do args+=(--module "$m"); done
-kbuild warmup --arch sm_90 --manifest tests --manifest bench "${args[@]}" --cache-dir .kbuild-aot
+python3 -m kbuild warmup --arch sm_90 --manifest tests --manifest bench "${args[@]}" --cache-dir .kbuild-aot
 for n in 4097 5123 50257; do
-    kbuild warmup --arch sm_90 --hidden "$n" --dtype bf16 --cache-dir .kbuild-aot
+    python3 -m kbuild warmup --arch sm_90 --hidden "$n" --dtype bf16 --cache-dir .kbuild-aot
 done
 if [ -f bench/patch_models.py ]; then
     python3 bench/patch_models.py --write-configs .carry/configs
     for c in .carry/configs/*.json; do
-        kbuild warmup --arch sm_90 --model "$c" --cache-dir .kbuild-aot
+        python3 -m kbuild warmup --arch sm_90 --model "$c" --cache-dir .kbuild-aot
     done
 fi
 pip download -q --no-deps liger-kernel==0.8.5 -d .carry || echo "no Liger wheel: its peers will be recorded as unavailable"
