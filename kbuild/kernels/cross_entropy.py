@@ -39,15 +39,10 @@ from __future__ import annotations
 import itertools
 
 from .declare import kernel
-from .row_plan import row_kernel
+from .row_plan import ONLINE_WORDS, row_kernel
 from .table import Arg, Param
 
 BAD_TARGET = 1  # the flag's code for a target outside [0, V)
-# fp32 register words a plan budgets per element of the row it holds, by the logits' dtype:
-# more than a plain reduction's 1.0 (ptxas, sm_90: at 1.0 the plans of 50257, 256000 and
-# 262144 spilled 200-400 bytes, fp32 151936 at 1.25 too; bench/NOTES.md). Not yet timed
-# against 1.0: bench/bench_loss.py.
-HELD = {"bf16": 1.25, "f16": 1.25, "f32": 2.0}
 INDEX_DTYPES = ("i32", "i64")
 
 ROW = (Param("N", "int", bounds=(2, None)), Param("dtype", "dtype"))
@@ -87,7 +82,7 @@ def build_cross_entropy_fwd(N, dtype, index_dtype, target, smoothing=False, z_lo
     from kbuild.dsl import RowTile, const, get_llvm_ptr, load, log, select
 
     k, row = row_kernel("cross_entropy_fwd", N, dtype, target, vectorize=vectorize,
-                        rows_held=HELD[dtype], **overrides)  # fmt: skip
+                        rows_held=ONLINE_WORDS[dtype], **overrides)  # fmt: skip
     with k:
         logits, targets, coefs, loss_out, lse_out = (
             k.ptr(n) for n in ("logits", "target", "coefs", "loss", "lse")

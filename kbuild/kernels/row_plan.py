@@ -250,6 +250,14 @@ def wider(*dtypes: str | None) -> str:
     return max((d for d in dtypes if d), key=lambda d: ELEMENT_BYTES[d])
 
 
+# fp32 register words per element of a row kept in registers for an online (max, sum)
+# reduction and a second pass over it (softmax, cross-entropy): its values and the passes'
+# live temporaries, by the row's dtype. At one word the plans of 16-bit rows of 50257 and
+# 256000 and fp32 rows of 151936 spilled 100-400 bytes (ptxas, sm_90); at these, none
+# (bench/NOTES.md). Not yet timed against one word.
+ONLINE_WORDS = {"bf16": 1.25, "f16": 1.25, "f32": 2.0}
+
+
 def row_kernel(
     name: str, N: int, dtype: str, target: Target, *, vectorize: bool = True,
     rows_held: float = 1.0, **overrides,

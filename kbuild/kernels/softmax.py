@@ -16,7 +16,7 @@ its gradient dy once (twice when chunked) and write dx in y's dtype.
 from __future__ import annotations
 
 from .declare import kernel
-from .row_plan import row_kernel
+from .row_plan import ONLINE_WORDS, row_kernel
 from .table import Arg, Param
 
 ROW = (Param("N", "int", bounds=(1, None)), Param("dtype", "dtype"))
@@ -43,7 +43,8 @@ def _forward(name: str, log: bool, N, dtype, target, out_dtype, vectorize):
     from kbuild.dsl import log as ln
 
     out = out_dtype or dtype
-    k, row = row_kernel(name, N, dtype, target, vectorize=vectorize, rows_held=1)
+    k, row = row_kernel(name, N, dtype, target, vectorize=vectorize,
+                        rows_held=ONLINE_WORDS[dtype])  # fmt: skip
     with k:
         x, y, M = k.ptr("x"), k.ptr("y"), k.i64("M")
         t = RowTile(k, row, M)
