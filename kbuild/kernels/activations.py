@@ -34,6 +34,7 @@ from __future__ import annotations
 import math
 
 from ..dtypes import ELEMENT_BYTES
+from .config import CHUNK_ITERS
 from .declare import kernel
 from .row_plan import row_kernel
 from .table import Arg, Param
@@ -101,9 +102,15 @@ def gelu_kind(tanh: bool) -> str:
 # ----------------------------------------------------------------------------- bodies
 
 
-def _rows(name: str, N: int, dtype: str, target, vectorize: bool, held: int):
-    """The kernel and its rows of N: one pass, never a cluster (nothing to reduce)."""
-    return row_kernel(name, N, dtype, target, vectorize=vectorize, rows_held=held, cluster=1)
+def _rows(name: str, N: int, dtype: str, target, vectorize: bool, held: int, backward: bool):
+    """The kernel and its rows of N: one pass, never a cluster (nothing to reduce). A
+    backward walking a long row in chunks takes one vector of each array a thread per pass:
+    its derivative's temporaries live beside three arrays' values (ptxas, sm_90: at four
+    vectors swiglu_bwd at 14336 spilled 136 bytes at 128 registers, geglu_bwd 188; at one,
+    62-76 registers and none)."""
+    chunk = 1 if backward else CHUNK_ITERS
+    return row_kernel(name, N, dtype, target, vectorize=vectorize, rows_held=held, cluster=1,
+                      chunk_vectors=chunk)  # fmt: skip
 
 
 def _gated(name: str, kind: str, layout: str, backward: bool, N, dtype, target, vectorize):
@@ -113,7 +120,7 @@ def _gated(name: str, kind: str, layout: str, backward: bool, N, dtype, target, 
 
     if layout == "strided":  # GroupedRows reads whole vectors only: scalars for a 4097
         vectorize = vectorize and N % (16 // ELEMENT_BYTES[dtype]) == 0
-    k, row = _rows(name, N, dtype, target, vectorize, 3 if backward else 2)
+    k, row = _rows(name, N, dtype, target, vectorize, 3 if backward else 2, backward)
     with k:
         if layout == "fused":
             gate = up = k.ptr("gate_up")
@@ -167,7 +174,7 @@ def _gelu(name: str, tanh: bool, backward: bool, N, dtype, target, vectorize):
     from kbuild.dsl import RowTile, widen
 
     kind = gelu_kind(tanh)
-    k, row = _rows(name, N, dtype, target, vectorize, 2 if backward else 1)
+    k, row = _rows(name, N, dtype, target, vectorize, 2 if backward else 1, backward)
     with k:
         x = k.ptr("x")
         dy = k.ptr("dy") if backward else None

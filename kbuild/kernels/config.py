@@ -71,6 +71,7 @@ class RowBudget:
     iters_preference: tuple[int, ...] = _ITERS_PREFERENCE
     shapes: tuple[tuple[int, int, int], ...] = ()
     short_iters: int = 4
+    chunk_iters: int = CHUNK_ITERS  # vectors a thread takes per pass of a row walked in chunks
 
 
 FORWARD_BUDGET = RowBudget()
@@ -238,7 +239,7 @@ def _single_block(
         iters = -(-nv // threads_per_row)
         if fits(threads_per_row, iters):
             return _pack(N, vec, threads_per_row, iters, False)
-        return _pack(N, vec, threads_per_row, CHUNK_ITERS, True)
+        return _pack(N, vec, threads_per_row, budget.chunk_iters, True)
 
     for iters, lo, hi in budget.shapes:
         if nv % iters == 0:
@@ -261,7 +262,7 @@ def _single_block(
     iters = -(-nv // tpr)
     if fits(tpr, iters):
         return _pack(N, vec, tpr, iters, False)
-    return _pack(N, vec, MAX_THREADS // 2, CHUNK_ITERS, True)
+    return _pack(N, vec, MAX_THREADS // 2, budget.chunk_iters, True)
 
 
 def _fits(
@@ -303,7 +304,7 @@ def _peeled(
     if aligned.cluster == 1 and max_cluster > 1:  # split the row rather than walk it twice
         c = cluster_size(N, dtype, True, max_cluster)
         return choose_row_config(N, dtype, warp_size, True, budget, cluster=c, **same)
-    return RowConfig(N, vec, MAX_THREADS // 2, 1, CHUNK_ITERS, True, aligned.cluster)
+    return RowConfig(N, vec, MAX_THREADS // 2, 1, budget.chunk_iters, True, aligned.cluster)
 
 
 def cluster_size(N: int, dtype: str, vectorize: bool, max_cluster: int) -> int:

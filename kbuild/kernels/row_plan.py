@@ -31,7 +31,14 @@ from dataclasses import dataclass, field, fields, replace
 
 from ..dtypes import ELEMENT_BYTES
 from ..targets import Target
-from .config import FORWARD_BUDGET, MAX_THREADS, RowBudget, RowConfig, choose_row_config
+from .config import (
+    CHUNK_ITERS,
+    FORWARD_BUDGET,
+    MAX_THREADS,
+    RowBudget,
+    RowConfig,
+    choose_row_config,
+)
 
 EXCHANGES = ("barrier", "mbarrier", "lagged")  # dsl.exchange.MODES (which imports MLIR)
 SHARED_SLACK = 4 * 1024  # room kept for the row sums' slots and the like
@@ -260,15 +267,17 @@ ONLINE_WORDS = {"bf16": 1.25, "f16": 1.25, "f32": 2.0}
 
 def row_kernel(
     name: str, N: int, dtype: str, target: Target, *, vectorize: bool = True,
-    rows_held: float = 1.0, **overrides,
+    rows_held: float = 1.0, chunk_vectors: int = CHUNK_ITERS, **overrides,
 ):  # fmt: skip
     """A kernel of one row group per block (or cluster), its launch shape as `plan_rows`
     chooses for `rows_held` fp32 rows of `dtype` kept in registers (`overrides`: the tuning
     keywords); returns the dsl.Kernel, not yet entered, and the row's shape (for RowTile).
-    The row kernels written as users write theirs (softmax, cross-entropy) start here."""
+    A row too long for registers is walked in chunks of `chunk_vectors` vectors a thread
+    (fewer for heavy per-element work: its temporaries live beside them). The row kernels
+    written as users write theirs (softmax, cross-entropy) start here."""
     from ..dsl import Kernel  # MLIR: only builders reach this
 
-    budget = RowBudget(words_per_elem=float(rows_held))
+    budget = RowBudget(words_per_elem=float(rows_held), chunk_iters=int(chunk_vectors))
     plan = plan_rows(N, dtype, target, vectorize=vectorize, budget=budget, persistent=False,
                      **overrides)  # fmt: skip
     k = Kernel(name, target, plan.row.block, cluster=plan.row.cluster,
