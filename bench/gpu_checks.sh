@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU measurements the CPU machine cannot make, in one device run (about 20 minutes of
-# the H200). Prepare here with `bash bench/gpu_prepare.sh` (CPU; about 15 minutes on 2 cores:
+# the H200). Prepare here with `bash bench/gpu_prepare.sh` (CPU; about 4 minutes on 2 cores:
 # the warmed cache and Liger's wheel packed into .carry/), carry [".carry"], and run on the
 # device one or two steps per call (a call may last 10 minutes; host_versions alone takes
 # about that, and wants `.kbuild-before`, a `git archive` of the commit before a change):
