@@ -101,10 +101,16 @@ def cross_entropy_reference(logits, target, coefs, ignore_index, smoothing, z_lo
     return loss, lse, d.to(logits.dtype).reshape(logits.shape)
 
 
-def _check(bound) -> None:
-    V = bound["logits"].shape[-1]
+def _classes(logits: torch.Tensor) -> int:
+    """V, the logits' last dimension, which must hold at least 2 classes."""
+    V = logits.shape[-1]
     if V < 2:
         raise ValueError(f"logits must have at least 2 classes in its last dimension; got {V}")
+    return V
+
+
+def _check(bound) -> None:
+    _classes(bound["logits"])
     coefs = bound["coefs"]
     if coefs.shape != (4,) or coefs.dtype != torch.float32:
         raise ValueError(f"coefs must be a float32 tensor of 4; got {coefs.dtype} {coefs.shape}")
@@ -357,15 +363,11 @@ def cross_entropy(
     check_input("logits", logits)
     check_options(ignore_index, reduction, label_smoothing, lse_square_scale, softcap)
     Ids("target", rows_of="logits").check(target, {"logits": logits})
-    if logits.shape[-1] < 2:
-        raise ValueError(
-            f"logits must have at least 2 classes in its last dimension; got {logits.shape[-1]}"
-        )
+    V = _classes(logits)
     for name, value in (("return_z_loss", return_z_loss), ("inplace_backward", inplace_backward),
                         ("check_targets", check_targets)):  # fmt: skip
         if not isinstance(value, bool):
             raise TypeError(f"{name} must be a bool, got {value!r}")
-    V = logits.shape[-1]
     coefs, n_valid = make_coefs(target, ignore_index, reduction == "mean", label_smoothing,
                                 lse_square_scale, softcap, V)  # fmt: skip
     grad = torch.is_grad_enabled() and logits.requires_grad
@@ -378,7 +380,9 @@ def cross_entropy(
             )
         rows, lse = _InPlace.apply(logits, target, coefs, *options, check_targets)
     else:
-        rows, lse, _ = CROSS_ENTROPY(logits, target, coefs, *options, grad, check_targets)
+        # the op's overload, not CROSS_ENTROPY(...): its argument checks are the ones above
+        rows, lse, _ = CROSS_ENTROPY.overload(logits, target, coefs, *options, grad,
+                                              check_targets)  # fmt: skip
     loss = reduce_rows(rows, target, reduction, n_valid).to(logits.dtype)
     if not return_z_loss:
         return loss
