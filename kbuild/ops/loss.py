@@ -50,7 +50,7 @@ from ..kernels.cross_entropy import (
     build_cross_entropy_rescale,
     vocab_specs,
 )
-from .common import DTYPE_NAMES, INDEX_NAMES, check_input, device_guard
+from .common import DTYPE_NAMES, INDEX_NAMES, aligned, check_input, data_ptrs, device_guard
 from .launch import launch_kernel, rows_grid
 from .loss_options import check_options, make_coefs, reduce_rows, switches, z_loss_of
 from .opdef import Ids, Op, Out, Rows, Scalar, Tensors
@@ -119,10 +119,6 @@ def _check(bound) -> None:
 # ----------------------------------------------------------------------------- CUDA
 
 
-def _aligned(*tensors: torch.Tensor) -> bool:
-    return all(t.data_ptr() % 16 == 0 for t in tensors if t.numel())
-
-
 def _fwd_cuda(logits, target, coefs, ignore_index, smoothing, z_loss, softcap, grad,
               check_targets=True):  # fmt: skip
     V = logits.shape[-1]
@@ -154,21 +150,10 @@ def _launch_fwd(x, target, coefs, loss, lse, d, flag, ignore_index, smoothing, z
     grad = d is not None
     args = [x, target.contiguous(), coefs.contiguous(), loss, lse, *([d] if grad else []),
             flag, M, int(ignore_index)]  # fmt: skip
-    launch_kernel(
-        build_cross_entropy_fwd,
-        lambda launcher: rows_grid(launcher, M),
-        *args,
-        **fwd_values(
-            V,
-            x.dtype,
-            target.dtype,
-            smoothing,
-            z_loss,
-            grad,
-            _aligned(x, *([d] if grad else [])),
-            softcap,
-        ),  # fmt: skip
-    )
+    values = fwd_values(V, x.dtype, target.dtype, smoothing, z_loss, grad,
+                        aligned(*data_ptrs(x, d)), softcap)  # fmt: skip
+    launch_kernel(build_cross_entropy_fwd, lambda launcher: rows_grid(launcher, M), *args,
+                  **values)  # fmt: skip
 
 
 def raise_on_bad_targets(flag: torch.Tensor, V: int, ignore_index: int) -> None:
@@ -282,7 +267,7 @@ def _rescale_cuda(dlogits, dloss, coefs) -> None:
             build_cross_entropy_rescale,
             lambda launcher: rows_grid(launcher, M),
             dlogits, dloss, coefs, M,
-            N=V, dtype=DTYPE_NAMES[dlogits.dtype], vectorize=_aligned(dlogits),
+            N=V, dtype=DTYPE_NAMES[dlogits.dtype], vectorize=aligned(dlogits.data_ptr()),
         )  # fmt: skip
 
 

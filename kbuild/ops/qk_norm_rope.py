@@ -52,7 +52,7 @@ from ..kernels.qk_norm_rope import (
     build_qk_norm_rope_bwd,
     head_cover,
 )
-from .common import DTYPE_NAMES, device_guard, stream_of
+from .common import DTYPE_NAMES, aligned, device_guard, stream_of
 from .launch import column_sum, launcher_for
 from .opdef import Op, Out, Scalar, Tensors, eps
 from .rmsnorm import rmsnorm_bwd_reference, rmsnorm_reference
@@ -162,7 +162,7 @@ def aligned_weight(w: torch.Tensor) -> torch.Tensor:
     16-byte aligned (a copy of D elements where a view is not; the vector width is chosen
     from q, k, cos, sin and the outputs, not from the weights)."""
     w = w.contiguous()
-    return w if w.data_ptr() % 16 == 0 else w.clone()
+    return w if aligned(w.data_ptr()) else w.clone()
 
 
 def _geometry(x, unsqueeze_dim):
