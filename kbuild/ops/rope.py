@@ -213,9 +213,8 @@ def readable(t: torch.Tensor) -> torch.Tensor:
 def vector_width(dtype, D, rd, interleaved, strides, tensors) -> int:
     """The widest access (elements, 16 bytes at most) that every stride, the rotating and
     passing spans and every tensor's address are multiples of."""
-    sizes = {torch.float32: 4, torch.float16: 2, torch.bfloat16: 2}
     unit = rd if interleaved else rd // 2
-    vec = 16 // sizes[dtype]
+    vec = 16 // dtype.itemsize
     while vec > 1:
         spans = unit % vec == 0 and (D - rd) % vec == 0 and all(s % vec == 0 for s in strides)
         fits = all(t.data_ptr() % min(16, vec * t.element_size()) == 0 for t in tensors)
