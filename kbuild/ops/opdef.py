@@ -460,6 +460,11 @@ class Op:
             )
         return t
 
+    def _user_cuda(self, *args: Any) -> Any:
+        """The `cuda=` kernel, given every argument: the dispatcher leaves out trailing
+        arguments equal to their schema defaults, which a plain Python function would miss."""
+        return self._cuda(*self._named(args).values())
+
     def _launch_cuda(self, *args: Any) -> Any:
         bound = self._kernel_args(args)
         for a in self.args:  # the kernels read dense rows
@@ -698,7 +703,7 @@ class Op:
         `wrap` wraps the CUDA kernel (custom_ops' stand-in loads the extension on its first
         call)."""
         if what == "cuda":
-            kernel = self._cuda or self._launch_cuda
+            kernel = self._user_cuda if self._cuda is not None else self._launch_cuda
             lib.impl(self.op_name, kernel if wrap is None else wrap(kernel), "CUDA")
         elif self.backward is not None:
             torch.library.register_autograd(
