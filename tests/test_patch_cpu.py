@@ -504,7 +504,10 @@ def hf_model(hf, kind: str, width=D, inter=INTER, head_dim=HEAD_DIM, vocab=VOCAB
         "granite": lambda: hf.GraniteConfig(logits_scaling=4.0, **common),
     }[kind]()
     torch.manual_seed(0)
-    model = hf.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    try:
+        model = hf.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    except ValueError:  # transformers 5.25 refuses sdpa for Gemma 2 (its softcapped attention)
+        model = hf.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name or "ln_" in name:

@@ -56,6 +56,39 @@ def with_globals(fn: types.FunctionType, replace: dict[str, object]) -> types.Fu
     return new
 
 
+def rewrapped(outer: Callable, new_inner: types.FunctionType) -> Callable | str:
+    """`outer` (a function, possibly wrapped by decorators that keep what they wrap in a closure
+    cell and name it `__wrapped__`, as functools.wraps does: transformers' deprecate_kwarg,
+    can_return_tuple) with its innermost function replaced by `new_inner`, every wrapper copied
+    around it with that one cell changed, so the decorators still run. Returns why not where a
+    layer is no plain function or does not hold the next one in a cell."""
+    chain = [outer]
+    while hasattr(chain[-1], "__wrapped__"):
+        chain.append(chain[-1].__wrapped__)
+    new = new_inner
+    for layer, below in zip(reversed(chain[:-1]), reversed(chain[1:]), strict=True):
+        cells = layer.__closure__ if isinstance(layer, types.FunctionType) else None
+        if not cells or not any(_holds(c, below) for c in cells):
+            name = getattr(layer, "__qualname__", type(layer).__name__)
+            return f"its class's forward is wrapped by {name}, which holds it in no closure cell"
+        closure = tuple(types.CellType(new) if _holds(c, below) else c for c in cells)
+        copy = types.FunctionType(
+            layer.__code__, layer.__globals__, layer.__name__, layer.__defaults__, closure
+        )
+        copy.__kwdefaults__ = layer.__kwdefaults__
+        copy.__dict__.update(layer.__dict__)
+        copy.__qualname__, copy.__doc__, copy.__wrapped__ = layer.__qualname__, layer.__doc__, new
+        new = copy
+    return new
+
+
+def _holds(cell, value) -> bool:
+    try:
+        return cell.cell_contents is value
+    except ValueError:  # an empty cell
+        return False
+
+
 _SHADOWS: dict[tuple, types.ModuleType] = {}
 
 

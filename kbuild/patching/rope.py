@@ -3,10 +3,13 @@
 Hugging Face attention forwards call their modeling module's `apply_rotary_pos_emb(q, k, cos,
 sin)` by its global name; transformers 5 offers no per-instance hook for it (the classes'
 `use_kernelized_func` decoration only matters with the `kernels` package, and the forward still
-calls the global). So each attention instance gets its class's forward rebuilt with that one
+calls the global; with `kernels` installed that global is a module wrapping the function, which
+the check calls as it is and whose signature is read from the function it holds). So each attention instance gets its class's forward rebuilt with that one
 global name bound to kbuild's rope (`bind.with_globals`): the modeling module, the class and
-other models are untouched. One rebuilt function per class, shared by its instances, so
-torch.compile traces one code object for every layer.
+other models are untouched. Decorators on the class's forward (transformers 5.25's
+`deprecate_kwarg`) are kept: each wrapper is copied around the rebuilt function
+(`bind.rewrapped`). One rebuilt function per class, shared by its instances, so torch.compile
+traces one code object for every layer.
 
 The check, once per (function, head_dim, device, dtype): the stock function and kbuild's on
 q (2, 4, 5, D), k (2, 2, 5, D) and cos/sin (2, 5, R) shaped as the model's rotary modules make
@@ -59,8 +62,21 @@ def _probe(D: int, R: int, device, dtype):
     return [t.to(device=device, dtype=dtype) for t in (q, k, cos, sin)]
 
 
+def _function_of(stock):
+    """The function `stock` computes: itself, or where the `kernels` package made a function
+    into a module (transformers with `kernels` installed: `use_kernel_forward_from_hub`), the
+    function of that name its class's forward holds."""
+    if not isinstance(stock, torch.nn.Module):
+        return stock
+    for cell in getattr(type(stock).forward, "__closure__", None) or ():
+        held = cell.cell_contents
+        if isinstance(held, types.FunctionType) and held.__name__ == NAME:
+            return held
+    return stock
+
+
 def _verdict(stock, ours, D: int, dims: set[int], device, dtype) -> str | None:
-    params = tuple(inspect.signature(stock).parameters)
+    params = tuple(inspect.signature(_function_of(stock)).parameters)
     if params not in _SIGNATURES:
         return f"{NAME} takes {params}, not the (q, k, cos, sin, unsqueeze_dim) kbuild's rope has"
     for R in sorted(r for r in dims | {D} if 0 < r <= D and r % 2 == 0):
@@ -91,11 +107,8 @@ def patch_rope(model: torch.nn.Module, report: PatchReport) -> None:
         inner = _candidate(module)
         if inner is None:
             continue
-        why = None
-        if inner is not type(module).forward:
-            why = "its class's forward is wrapped by a decorator an instance patch would drop"
         at = check.where(module)
-        why = why or (at if isinstance(at, str) else bind.refusal(module))
+        why = at if isinstance(at, str) else bind.refusal(module)
         D = getattr(module, "head_dim", None)
         if why is None and not isinstance(D, int):
             why = "no integer head_dim attribute to size a probe by"
@@ -109,6 +122,10 @@ def patch_rope(model: torch.nn.Module, report: PatchReport) -> None:
         if why is not None:
             report.keep(path, "rope", why)
             continue
-        if inner not in rebuilt:
-            rebuilt[inner] = bind.with_globals(inner, {NAME: ours})
-        report.add(Swap(path, "rope", "rope"), bind.bind(module, rebuilt[inner], "rope"))
+        outer = type(module).forward
+        if outer not in rebuilt:
+            rebuilt[outer] = bind.rewrapped(outer, bind.with_globals(inner, {NAME: ours}))
+        if isinstance(rebuilt[outer], str):
+            report.keep(path, "rope", rebuilt[outer])
+            continue
+        report.add(Swap(path, "rope", "rope"), bind.bind(module, rebuilt[outer], "rope"))
