@@ -4,12 +4,12 @@ Hugging Face attention forwards call their modeling module's `apply_rotary_pos_e
 sin)` by its global name; transformers 5 offers no per-instance hook for it (the classes'
 `use_kernelized_func` decoration only matters with the `kernels` package, and the forward still
 calls the global; with `kernels` installed that global is a module wrapping the function, which
-the check calls as it is and whose signature is read from the function it holds). So each attention instance gets its class's forward rebuilt with that one
-global name bound to kbuild's rope (`bind.with_globals`): the modeling module, the class and
-other models are untouched. Decorators on the class's forward (transformers 5.25's
-`deprecate_kwarg`) are kept: each wrapper is copied around the rebuilt function
-(`bind.rewrapped`). One rebuilt function per class, shared by its instances, so torch.compile
-traces one code object for every layer.
+the check calls as it is and whose signature is read from the function it holds). So each
+attention instance gets its class's forward rebuilt with that one global name bound to kbuild's
+rope (`bind.with_globals`): the modeling module, the class and other models are untouched.
+Decorators on the class's forward (transformers 5.25's `deprecate_kwarg`) are kept: each
+wrapper is copied around the rebuilt function (`bind.rewrapped`). One rebuilt function per
+class, shared by its instances, so torch.compile traces one code object for every layer.
 
 The check, once per (function, head_dim, device, dtype): the stock function and kbuild's on
 q (2, 4, 5, D), k (2, 2, 5, D) and cos/sin (2, 5, R) shaped as the model's rotary modules make
