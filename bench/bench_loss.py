@@ -8,9 +8,16 @@ Cross-entropy: forward + backward (the call as training makes it: `loss.backward
 mean) at 8192 tokens x V, bf16 logits, against torch eager (F.cross_entropy), torch.compile
 of it, Liger-Kernel's and quack's cross-entropy where they import. GB/s counts the physical
 floor, one read of the logits and one write of their gradient (2 x M x V x 2 bytes), next to
-the copy bandwidth of the same run. kbuild's long rows also run their launch-plan
-alternatives (a row split over `cluster` blocks) beside the chooser's pick. Peak memory:
+the copy bandwidth of the same run. kbuild's forward kernel alone (the chooser's plan) is
+timed beside them; bench/bench_ce_clusters.py times its launch-plan alternatives. Peak memory:
 `max_memory_allocated` over one forward + backward, above what the inputs take.
+
+Liger writes the gradient over the logits it is given (its forward stores d(logits) in the
+input tensor): it gets a copy of its own, restored from the shared logits before each timed
+call outside the timing (harness `prepare`); its check computes the reference before the call.
+On 2026-12-07 (7cc59e8) the check computed the reference after the call, from logits Liger
+had overwritten (relative error 1.05), and Liger's row was dropped; had it passed, every peer
+timed after it would have read Liger's gradient in place of the logits.
 
 Fused linear cross-entropy at a Llama-3-8B head (H 4096, V 128256; 8192 and 16384 tokens) and
 a Gemma 2 head (H 2304, V 256000, soft cap 30): time of forward + backward and peak memory of
@@ -19,11 +26,20 @@ F.cross_entropy) eager and compiled, and Liger's fused linear cross-entropy.
 
 Every implementation is first checked against an fp64 reference on a small case (a fast
 wrong one must not pass for a result); a peer that fails to import or run is recorded with
-its error.
+its error, and one that changes its inputs is named ("inputs_overwritten").
+
+Memory (80 GB cards): each case's tensors are made, timed and freed before the next. Expected
+peaks (one case alive at a time): the cross-entropy part about 27 GiB at V = 256000 (the
+logits, Liger's copy, the lone kernel's gradient and the gradient, 4.2 GB each, plus torch
+eager's log-softmax and its gradient); the fused part about 40 GiB, the unfused eager path at
+the Gemma 2 head (fp32 logits, the soft cap's tanh, log-softmax and their gradients, 8.4 GB
+each). On 2026-12-07 the fused part ran out of memory at 73 GiB allocated: every
+cross-entropy case's tensors were still alive. The run prints each case's peak.
 """
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 
@@ -39,7 +55,6 @@ from kbuild.kernels.cross_entropy import build_cross_entropy_fwd, vocab_specs  #
 
 TOKENS = 8192
 VOCABS = (32000, 50257, 128256, 151936, 256000)
-CLUSTERS = (2, 4, 8)  # plan alternatives of the long rows' forward (V >= 32000)
 HEADS = (  # (name, tokens, hidden, vocabulary, soft cap)
     ("llama3-8b head", 8192, 4096, 128256, None),
     ("llama3-8b head", 16384, 4096, 128256, None),
@@ -47,19 +62,11 @@ HEADS = (  # (name, tokens, hidden, vocabulary, soft cap)
 )
 
 
-def variant_specs() -> list:
-    return [
-        build_cross_entropy_fwd.spec(N=V, dtype="bf16", index_dtype="i64", cluster=c)
-        for V in VOCABS
-        for c in CLUSTERS
-    ]
-
-
 def warmup_specs() -> list:
     """What `kbuild warmup --module bench/bench_loss.py` compiles: every cross-entropy
-    kernel of these vocabularies in bf16 (and of the checks' small V), and the alternatives."""
-    specs = [s for V in (*VOCABS, 1000) for s in vocab_specs(V, ("bf16",))]
-    return list(dict.fromkeys(specs + variant_specs()))
+    kernel of these vocabularies and of the heads' in bf16 (and of the checks' small V)."""
+    vocabs = (*VOCABS, *(head[3] for head in HEADS), 1000)
+    return list(dict.fromkeys(s for V in vocabs for s in vocab_specs(V, ("bf16",))))
 
 
 # ----------------------------------------------------------------------------- peers
@@ -75,7 +82,7 @@ def peers() -> dict:
     try:
         from liger_kernel.transformers.functional import liger_cross_entropy
 
-        found["liger"] = lambda x, t: liger_cross_entropy(x, t)
+        found["liger"] = overwrites_logits(lambda x, t: liger_cross_entropy(x, t))
     except Exception as err:  # not installed, or not runnable here
         print(f"liger: {type(err).__name__}: {err}", flush=True)
     try:
@@ -113,22 +120,40 @@ def fused_peers(softcap) -> dict:
     return found
 
 
+def overwrites_logits(fn):
+    """Mark a cross-entropy `fn` that writes the gradient over the logits it is given."""
+    fn.overwrites_logits = True
+    return fn
+
+
+def free() -> None:
+    """Give the last case's memory back before the next case allocates."""
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
 # ----------------------------------------------------------------------------- checks
 
 
-def check(impls: dict, make, reference) -> dict:
-    """Each implementation's loss and gradients on a small case against fp64; a failing one
-    is dropped from the timing (its error recorded)."""
-    errors, kept = {}, {}
+def check(impls: dict, make, reference) -> tuple[dict, dict, list]:
+    """Each implementation's loss and gradients on a small case against fp64, the reference
+    taken before the call (an implementation may overwrite its inputs); a failing one is
+    dropped from the timing (its error recorded). Returns the errors, the kept
+    implementations and the names of those that changed their inputs."""
+    errors, kept, overwrote = {}, {}, []
     for name, fn in impls.items():
         inputs = make()
+        want, want_grads = reference(*inputs)
+        before = [a.detach().clone() for a in inputs]
         try:
             loss = fn(*inputs)
             grads = torch.autograd.grad(loss, [a for a in inputs if a.requires_grad])
         except Exception as err:
             errors[name] = f"{type(err).__name__}: {err}"[:200]
             continue
-        want, want_grads = reference(*inputs)
+        if any(not torch.equal(a.detach(), b) for a, b in zip(inputs, before, strict=True)):
+            overwrote.append(name)
+            print(f"check {name:14} changed its inputs", flush=True)
         worst = abs(loss.double().item() - want.item()) / abs(want.item())
         for g, r in zip(grads, want_grads, strict=True):
             worst = max(worst, ((g.double() - r).norm() / r.norm()).item())
@@ -136,7 +161,7 @@ def check(impls: dict, make, reference) -> dict:
         print(f"check {name:14} worst relative error {worst:.2e}", flush=True)
         if worst < 2e-2:
             kept[name] = fn
-    return errors, kept
+    return errors, kept, overwrote
 
 
 def ce_reference(x, t):
@@ -157,10 +182,30 @@ def step(fn, inputs):
     return run
 
 
+def own_logits_step(fn, x: torch.Tensor, t: torch.Tensor, scratch: torch.Tensor):
+    """`step` of a cross-entropy that overwrites its logits, on a copy of `x` of its own;
+    its `prepare` (run before each timed call, untimed) copies `x` back, then reads a 128 MB
+    `scratch` so that the copy's last lines leave L2 (written back) as they would before
+    logits fresh from a matmul are read."""
+    own = x.detach().clone().requires_grad_()
+    run = step(fn, (own, t))
+
+    def prepare():
+        own.detach().copy_(x)
+        scratch.sum()
+
+    run.prepare = prepare
+    run.inputs = (own,)
+    return run
+
+
 def peak_mib(run, inputs) -> float:
     """Peak memory of one call above what was allocated before it (the inputs), MiB."""
+    inputs = getattr(run, "inputs", inputs)
     for a in inputs:
         a.grad = None
+    if hasattr(run, "prepare"):
+        run.prepare()
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
@@ -172,30 +217,54 @@ def peak_mib(run, inputs) -> float:
 # ----------------------------------------------------------------------------- cases
 
 
-def ce_cases() -> tuple[list[Case], dict]:
+def run_case(case: Case, copy: float, peaks: dict) -> Case:
+    """Time one case, record its peak memory (GiB, everything allocated) and free it."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    run_cases([case], copy)
+    peak = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+    peaks[f"{case.op} {case.shape}"] = peak
+    print(f"  peak {peak} GiB allocated", flush=True)
+    case.impls = {}
+    return case
+
+
+def ce_cases(copy: float) -> tuple[list[Case], dict]:
     def small():
         x = torch.randn(64, 1000, device="cuda", dtype=torch.bfloat16) * 4
         t = torch.randint(0, 1000, (64,), device="cuda")
         return x.requires_grad_(), t
 
-    errors, impls = check(peers(), small, ce_reference)
-    cases, memory = [], {}
+    errors, impls, overwrote = check(peers(), small, ce_reference)
+    cases, memory, peaks = [], {}, {}
+    scratch = torch.empty(64 << 20, device="cuda", dtype=torch.bfloat16).normal_()
     for V in VOCABS:
         x = (torch.randn(TOKENS, V, device="cuda", dtype=torch.bfloat16) * 4).requires_grad_()
         t = torch.randint(0, V, (TOKENS,), device="cuda")
-        runs = {name: step(fn, (x, t)) for name, fn in impls.items()}
+        runs = {
+            name: own_logits_step(fn, x, t, scratch)
+            if getattr(fn, "overwrites_logits", False)
+            else step(fn, (x, t))
+            for name, fn in impls.items()
+        }
         memory[f"ce {V}"] = {name: peak_mib(run, (x,)) for name, run in runs.items()}
-        for c in (None, *CLUSTERS):  # the training forward kernel alone, under each plan
-            plan = {} if c is None else {"cluster": c}
-            runs["fwd kernel " + (f"cluster {c}" if c else "chosen")] = forward_kernel(x, t, plan)
-        cases.append(Case("cross_entropy fwd+bwd", (TOKENS, V), 2 * TOKENS * V * 2, runs))
-    return cases, {"check_errors": errors, "peak_mib": memory}
+        runs["fwd kernel chosen"] = forward_kernel(x, t)  # the training forward kernel alone
+        case = Case("cross_entropy fwd+bwd", (TOKENS, V), 2 * TOKENS * V * 2, runs)
+        cases.append(run_case(case, copy, peaks))
+        del x, t, runs, case
+        free()
+    del scratch
+    free()
+    extra = {"check_errors": errors, "inputs_overwritten": overwrote, "peak_mib": memory}
+    return cases, {**extra, "case_peak_gib": peaks}
 
 
-def forward_kernel(x: torch.Tensor, t: torch.Tensor, plan: dict):
+def forward_kernel(x: torch.Tensor, t: torch.Tensor, plan: dict | None = None):
     """The cross-entropy forward kernel (training: it writes the gradient) launched alone on
-    (M, V) logits under launch-plan overrides `plan` ({}: the chosen plan)."""
+    (M, V) logits under launch-plan overrides `plan` (None: the chosen plan)."""
     from kbuild.ops.launch import rows_grid
+
+    plan = plan or {}
 
     M, V = x.shape
     x = x.detach()
@@ -212,8 +281,8 @@ def forward_kernel(x: torch.Tensor, t: torch.Tensor, plan: dict):
     return run
 
 
-def fused_cases() -> tuple[list[Case], dict]:
-    cases, memory, errors = [], {}, {}
+def fused_cases(copy: float) -> tuple[list[Case], dict]:
+    cases, memory, errors, overwrote, peaks = [], {}, {}, {}, {}
     for name, tokens, H, V, cap in HEADS:
 
         def small(H=H, V=V):
@@ -229,7 +298,7 @@ def fused_cases() -> tuple[list[Case], dict]:
             loss = F.cross_entropy(x, t)
             return loss, torch.autograd.grad(loss, [hd, wd])
 
-        errors[name], impls = check(fused_peers(cap), small, reference)
+        errors[name], impls, overwrote[name] = check(fused_peers(cap), small, reference)
         h = torch.randn(tokens, H, device="cuda", dtype=torch.bfloat16).requires_grad_()
         w = (torch.randn(V, H, device="cuda", dtype=torch.bfloat16) * H**-0.5).requires_grad_()
         t = torch.randint(0, V, (tokens,), device="cuda")
@@ -239,16 +308,21 @@ def fused_cases() -> tuple[list[Case], dict]:
         # bytes: the floor of the loss alone is moot here (matmuls dominate): hidden + weight
         # read, their gradients written; reported for scale, time is the figure
         nbytes = 2 * (tokens * H + V * H) * 2
-        cases.append(Case(f"linear_cross_entropy {name}", (tokens, V), nbytes, runs))
-    return cases, {"fused_check_errors": errors, "fused_peak_mib": memory}
+        case = Case(f"linear_cross_entropy {name}", (tokens, V), nbytes, runs)
+        cases.append(run_case(case, copy, peaks))
+        del h, w, t, runs, impls, case
+        free()
+    extra = {"fused_check_errors": errors, "fused_inputs_overwritten": overwrote}
+    return cases, {**extra, "fused_peak_mib": memory, "fused_case_peak_gib": peaks}
 
 
 def main(path: str | None) -> None:
     copy = measure_copy()
-    ce, ce_extra = ce_cases()
-    cases = run_cases(ce, copy)
-    fused, fused_extra = fused_cases()
-    cases += run_cases(fused, copy)
+    cases, ce_extra = ce_cases(copy)
+    fused, fused_extra = fused_cases(copy)
+    cases += fused
+    peaks = {**ce_extra["case_peak_gib"], **fused_extra["fused_case_peak_gib"]}
+    print(f"largest case peak: {max(peaks.values())} GiB allocated", flush=True)
     if path:
         write_results(path, cases, copy, {**ce_extra, **fused_extra})
 

@@ -1,8 +1,10 @@
 """Benchmark harness: time each implementation of a case, report GB/s next to copy bandwidth.
 
 A case is a name, the bytes it must move (each input read once, each output written once) and
-a dict of implementations. Shapes are L2-cold by size (M * N = 64 Mi elements). Results go to
-a JSON file with the GPU, the date, the commit and the copy bandwidth of the same run.
+a dict of implementations. An implementation that overwrites its inputs carries a `prepare`
+attribute (a callable restoring them), run before each timed call outside the events. Shapes
+are L2-cold by size (M * N = 64 Mi elements). Results go to a JSON file with the GPU, the
+date, the commit and the copy bandwidth of the same run.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ def run_cases(cases: list[Case], copy: float, device_time: bool = False) -> list
     for case in cases:
         for name, fn in case.impls.items():
             try:
-                wall = median_ms(fn)
+                wall = median_ms(fn, prepare=getattr(fn, "prepare", None))
                 ms = device_ms(fn) if device_time else wall
             except Exception as err:  # a peer failing (torch.compile) must not hide our numbers
                 case.results[name] = {"error": f"{type(err).__name__}: {err}"[:200]}

@@ -13,22 +13,34 @@ from collections.abc import Callable
 import torch
 
 
-def median_ms(fn: Callable[[], object], reps: int = 50, warmup_ms: float = 200.0) -> float:
+def median_ms(
+    fn: Callable[[], object],
+    reps: int = 50,
+    warmup_ms: float = 200.0,
+    prepare: Callable[[], object] | None = None,
+) -> float:
     """Median device time of one call of `fn`, CUDA events around each call.
 
     Calls are queued back to back (no host sync between them) after a warm-up of about
     `warmup_ms` of device work, so the GPU runs at its sustained clocks, not idle ones.
+    `prepare`, where given, runs before every call outside the events: for a call that
+    overwrites its own inputs (a loss writing its gradient over the logits), restoring them
+    so that every timed call reads the same data.
     """
+    prepare = prepare or (lambda: None)
+    prepare()
     fn()
     torch.cuda.synchronize()
     start = time.perf_counter()
     while time.perf_counter() - start < warmup_ms / 1e3:
         for _ in range(10):
+            prepare()
             fn()
         torch.cuda.synchronize()
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     for s, e in zip(starts, ends, strict=True):
+        prepare()
         s.record()
         fn()
         e.record()
