@@ -10,13 +10,18 @@ the same description; pointer arguments are passed in the table's argument order
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextvars import ContextVar
 
 import torch
 
 from ..jit import get_launcher, loaded
 from ..kernels.table import COLUMN_SUM, KernelDef
 from ..spec import Scalar
-from .common import DTYPE_NAMES, stream_of
+from .common import DTYPE_NAMES, INDEX_NAMES, stream_of
+
+# The Ids arguments of the `Op(cuda=)` call running now, (op name, {argument name: tensor}),
+# set by `Op._user_cuda`: its launches are checked to bind each one's dtype (`_check_ids`).
+IDS_IN_CALL: ContextVar[tuple[str, dict] | None] = ContextVar("kbuild_ids_in_call", default=None)
 
 
 def launcher_for(kernel: KernelDef, device: int, values: tuple[Scalar, ...]):
@@ -64,6 +69,9 @@ def launch_kernel(
     for a in args:
         if not isinstance(a, (torch.Tensor, int)) or isinstance(a, bool):
             raise TypeError(f"{definition.name}: args are tensors and ints, got {type(a).__name__}")
+    ids = IDS_IN_CALL.get()
+    if ids is not None:
+        _check_ids(definition, tensors, params, *ids)
     devices = {t.get_device() for t in tensors}
     if not all(t.is_cuda for t in tensors) or len(devices) > 1:
         where = sorted({str(t.device) for t in tensors})
@@ -80,6 +88,30 @@ def launch_kernel(
     blocks = int(blocks) if not isinstance(blocks, tuple) else tuple(map(int, blocks))
     pointers = [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args]
     launcher(blocks, stream_of(device) if stream is None else stream, *pointers)
+
+
+def _check_ids(
+    definition: KernelDef, tensors: list, params: dict, op: str, ids: dict[str, torch.Tensor]
+) -> None:
+    """Inside an `Op(cuda=)` call: a kernel reading one of the op's Ids tensors (its data,
+    the tensor or a view of the same address) has an "index" parameter set to its dtype
+    (i32 / i64); without one the kernel reads the ids as its own default type (int32 ids read
+    as int64: every other id and garbage past the end)."""
+    for name, t in ids.items():
+        if t is None or not t.numel() or t.dtype not in INDEX_NAMES:
+            continue
+        if not any(a.dtype == t.dtype and a.data_ptr() == t.data_ptr() for a in tensors):
+            continue
+        want = INDEX_NAMES[t.dtype]
+        index = [p for p in definition.params if p.kind == "index"]
+        given = {p.name: params.get(p.name, p.default) for p in index}
+        if want not in given.values():
+            got = f"its index parameters are {given}" if index else "it has none"
+            raise ValueError(
+                f"{op}: the Ids argument {name!r} ({t.dtype}) is read by kernel "
+                f'{definition.name}, which needs an "index" parameter set to {want!r} (else '
+                f"the ids are read as another integer type), and {got}"
+            )
 
 
 def _check_kinds(kernel: str, signature: list, args: tuple) -> None:

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from ..kernels.table import KernelDef
-from .common import DTYPE_NAMES, dtype_name, row_count, stream_of
+from .common import DTYPE_NAMES, INDEX_NAMES, dtype_name, row_count, stream_of
 from .launch import launcher_for, record_fields, rows_grid
 from .op_args import Ids, Rows, Scalar
 
@@ -129,20 +129,30 @@ class _Binding:
                     f"{op.name}: Launch(ints=) names {name!r}, which is not a scalar argument "
                     f"of kernel {kernel.name} {list(kinds)}"
                 )
+        own = {f"{a.name}_dtype" for a in op.args if isinstance(a, Ids)}
+        # index parameters the launch computes (values=), each binding one Ids' dtype
+        computed = [n for n in launch.values if params[n].kind == "index" and n not in own]
+        unbound = []  # Ids the kernel reads whose dtype only a computed parameter binds
         for a in op.args:
             if not isinstance(a, Ids) or a.name not in kinds:
                 continue
             p = params.get(f"{a.name}_dtype")
-            if p is None and any(params[n].kind == "index" for n in launch.values):
-                continue  # bound by the launch's own function of the call
+            if p is None and len(unbound) < len(computed):
+                unbound.append(a.name)  # bound by the launch's own function of the call
+                continue
             if p is None or p.kind != "index":
                 got = "has none" if p is None else f"has one of kind {p.kind!r}"
+                if p is None and computed:
+                    got = f"the launch computes {computed} for {unbound} already"
                 raise ValueError(
                     f"{op.name}: the Ids argument {a.name!r} is read by kernel {kernel.name}, "
                     f'which needs an "index" parameter {a.name}_dtype to bind its dtype to '
                     f"(i32 or i64: without it int32 ids would be read as int64), and "
                     f'{got}: add Param({a.name + "_dtype"!r}, "index") to the kernel'
                 )
+        # checked at each call (`run`): the computed values are the unbound ids' dtypes
+        names = [p.name for p in kernel.params]
+        self._computed_ids = (tuple(unbound), tuple(names.index(n) for n in computed))
 
     def _getter(self, p, op: Any, tensors: set[str], scalars: Mapping[str, Scalar]):
         name, rows = p.name, self.rows
@@ -231,6 +241,21 @@ class _Binding:
     def values(self, bound: Mapping[str, Any], aligned: bool) -> tuple:
         return tuple(get(bound, aligned) for get in self.getters)
 
+    def _check_computed_ids(self, bound: Mapping[str, Any], values: tuple) -> None:
+        """Ids bound by index parameters the launch computes: each one's dtype is among
+        them (a function giving "i64" for int32 ids would have the kernel read them as
+        int64)."""
+        ids, where = self._computed_ids
+        given = [values[i] for i in where]
+        for name in ids:
+            t = bound[name]
+            if t is not None and INDEX_NAMES.get(t.dtype) not in given:
+                raise ValueError(
+                    f"{self.op}: the Ids argument {name!r} is {t.dtype}, but the index "
+                    f"parameters kernel {self.kernel.name} reads it by are {given} (computed "
+                    "by Launch(values=)): the launch must give its dtype"
+                )
+
     def run(self, bound: Mapping[str, Any]) -> None:
         x = bound[self.rows]
         N = x.shape[-1]
@@ -242,6 +267,8 @@ class _Binding:
         for t in tensors:
             combined |= t.data_ptr()
         values = self.values(bound, combined & 15 == 0)
+        if self._computed_ids[0]:
+            self._check_computed_ids(bound, values)
         device = x.get_device()
         launcher = launcher_for(self.kernel, device, values)
         ints = self.launch.ints

@@ -63,6 +63,7 @@ import torch
 from ..kernels.table import KernelDef
 from ..spec import KernelSpec
 from .common import DTYPE_NAMES, INDEX_NAMES, device_guard, dtype_name, row_count
+from .launch import IDS_IN_CALL
 from .op_args import (
     _DENSE,
     _REQUIRED,
@@ -163,6 +164,7 @@ class Op:
             raise ValueError(f"{name}: give launch= or cuda= (its CUDA kernel)")
         self._bindings = [_Binding(x, self) for x in self.launches]
         self._cuda = cuda
+        self._ids = tuple(a.name for a in self.args if isinstance(a, Ids))
         self.schema = self._schema()
         if backward is not None and autograd is not None:
             raise ValueError(f"{name}: give backward= (by names) or autograd=, not both")
@@ -462,8 +464,18 @@ class Op:
 
     def _user_cuda(self, *args: Any) -> Any:
         """The `cuda=` kernel, given every argument: the dispatcher leaves out trailing
-        arguments equal to their schema defaults, which a plain Python function would miss."""
-        return self._cuda(*self._named(args).values())
+        arguments equal to their schema defaults, which a plain Python function would miss.
+        The kernels it launches by `kbuild.launch` are held to the Ids declaration: one
+        reading an Ids tensor binds its dtype to an "index" parameter (ops/launch.py
+        `_check_ids`; a Launch is checked when declared, `_Binding._check_names`)."""
+        bound = self._named(args)
+        if not self._ids:
+            return self._cuda(*bound.values())
+        token = IDS_IN_CALL.set((self.name, {n: bound[n] for n in self._ids}))
+        try:
+            return self._cuda(*bound.values())
+        finally:
+            IDS_IN_CALL.reset(token)
 
     def _launch_cuda(self, *args: Any) -> Any:
         bound = self._kernel_args(args)
@@ -696,15 +708,18 @@ class Op:
         else:
             self.register_python(lib, "autograd")
 
-    def register_python(self, lib: Any, what: str, wrap: Callable | None = None) -> None:
+    def register_python(
+        self, lib: Any, what: str, wrap: Callable | None = None, key: str = "CUDA"
+    ) -> None:
         """Register in `lib` what runs where the extension does not: the Python CUDA kernel
         (`what` "cuda": `cuda=`, else the launches), or the autograd formula ("autograd":
         derived from the backward op, or `autograd=`; nothing for an op with neither).
         `wrap` wraps the CUDA kernel (custom_ops' stand-in loads the extension on its first
-        call)."""
+        call). `key`: the dispatch key the CUDA kernel goes to (a test puts it on "CPU" to
+        call it as the dispatcher does, trailing defaults left out)."""
         if what == "cuda":
             kernel = self._user_cuda if self._cuda is not None else self._launch_cuda
-            lib.impl(self.op_name, kernel if wrap is None else wrap(kernel), "CUDA")
+            lib.impl(self.op_name, kernel if wrap is None else wrap(kernel), key)
         elif self.backward is not None:
             torch.library.register_autograd(
                 self.name, self._backward, setup_context=self._setup_context, lib=lib
