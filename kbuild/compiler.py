@@ -141,6 +141,19 @@ def _dump(spec: KernelSpec, arch: str, files: dict[str, bytes | str]) -> None:
         (directory / name).write_bytes(data if isinstance(data, bytes) else data.encode())
 
 
+def kernel_meta(kernel, spec: KernelSpec, target: Target) -> dict:
+    """What the launch path reads of a built kernel (block, shared memory, signature, and
+    the builder's own entries: cluster, rows_per_block, grid, ...)."""
+    return {
+        "spec": spec.to_json(),
+        "target": target.arch,
+        "block": kernel.block,
+        "shared_bytes": kernel.shared_bytes,
+        "signature": kernel.signature(),
+        **kernel.meta,
+    }
+
+
 def compile_kernel(spec: KernelSpec, target: Target) -> Artifact:
     """Build, verify, lower and assemble one kernel; metadata records how it went."""
     from .targets.nvidia import module_to_ptx, ptx_to_cubin, ptxas_path
@@ -153,14 +166,7 @@ def compile_kernel(spec: KernelSpec, target: Target) -> Artifact:
     if dumping:
         with kernel.context:
             stages["kernel.mlir"] = str(kernel.module)
-    meta = {
-        "spec": spec.to_json(),
-        "target": target.arch,
-        "block": kernel.block,
-        "shared_bytes": kernel.shared_bytes,
-        "signature": kernel.signature(),
-        **kernel.meta,
-    }
+    meta = kernel_meta(kernel, spec, target)
     if target.vendor == "amd":
         binary, resources, lowered = _assemble_amd(kernel, spec, target, stages)
         fmt = "hsaco"

@@ -239,7 +239,12 @@ class ClusterExchange:
             wait_parity(bar, 0)
         else:  # bar and parity rederived from phase: nothing extra held across the wait
             derive = _buffer_and_parity(self.buffers)
-            wait_parity_derived(k.shared_address(bars), phase, derive)
+            buffers, shift = self.buffers, self.buffers.bit_length() - 1
+
+            def meaning(base, word):  # `derive`, for the interpreter
+                return base + (word & (buffers - 1)) * 8, word >> shift
+
+            wait_parity_derived(k.shared_address(bars), phase, derive, meaning)
 
     def _mbarriers(self) -> str:
         """Fresh mbarriers for one place of the exchange (one per buffer, one arrival a

@@ -11,6 +11,8 @@ semantics are then exactly those of the PTX ISA, whatever the MLIR version.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from mlir.dialects import llvm
 
 from .values import V, cast, const, scalar_type
@@ -29,13 +31,14 @@ def _shared32(ptr: V) -> V:
 
 def mbarrier_init(bar: V, arrivals: int) -> None:
     """Initialise the mbarrier at `bar` (shared) for `arrivals` arrivals per phase."""
-    _asm("mbarrier.init.shared::cta.b64 [$0], $1;", "r,r", [_shared32(bar), _i32(arrivals)])
+    text = "mbarrier.init.shared::cta.b64 [$0], $1;"
+    _asm(text, "r,r", [_shared32(bar), _i32(arrivals)], meaning=_init)
 
 
 def fence_mbarrier_init() -> None:
     """Make this thread's mbarrier initialisations visible to the cluster (pairs with the
     cluster barrier that follows)."""
-    _asm("fence.mbarrier_init.release.cluster;", "", [])
+    _asm("fence.mbarrier_init.release.cluster;", "", [], meaning=_nothing)
 
 
 def arrive_expect_tx(bar: V, nbytes: V | int) -> None:
@@ -45,6 +48,7 @@ def arrive_expect_tx(bar: V, nbytes: V | int) -> None:
         "mbarrier.arrive.expect_tx.shared::cta.b64 _, [$0], $1;",
         "r,r",
         [_shared32(bar), _i32(nbytes)],
+        meaning=_arrive_expect_tx,
     )
 
 
@@ -60,17 +64,22 @@ def wait_parity(bar: V, parity: V | int) -> None:
     """Spin until the phase of `bar` with this parity (0 for its first phase) has completed;
     stores that completed it, from any block of the cluster, are then visible."""
     text = "{\n.reg .pred done;\n" + _WAIT.format(bar="$0", parity="$1") + "}"
-    _asm(text, "r,r", [_shared32(bar), _i32(parity)])
+    _asm(text, "r,r", [_shared32(bar), _i32(parity)], meaning=_wait)
 
 
-def wait_parity_derived(base: V, word: V, derive: str) -> None:
+def wait_parity_derived(base: V, word: V, derive: str, meaning: Callable) -> None:
     """`wait_parity` on an mbarrier that PTX `derive` picks inside the instruction sequence:
     from $0 (the 32-bit shared address of `base`) and $1 (`word`, as i32) it sets registers
     `bar` (the mbarrier's address) and `parity` (`offset` is scratch). Nothing but `word`
-    then stays live while the wait is pending (see dsl.exchange: a pair used in turn)."""
+    then stays live while the wait is pending (see dsl.exchange: a pair used in turn).
+    `meaning(base, word) -> (bar, parity)` is `derive` for the interpreter (numpy arrays)."""
+
+    def wait(machine, base_address, word_value):
+        machine.wait_parity(*meaning(base_address, word_value))
+
     text = "{\n.reg .b32 bar, parity, offset;\n.reg .pred done;\n" + derive
     text += _WAIT.format(bar="bar", parity="parity") + "}"
-    _asm(text, "r,r", [_shared32(base), _i32(word)])
+    _asm(text, "r,r", [_shared32(base), _i32(word)], meaning=wait)
 
 
 def store_async(slot: V, value: V, bar: V, rank: V) -> None:
@@ -88,4 +97,27 @@ def store_async(slot: V, value: V, bar: V, rank: V) -> None:
         "}",
         "r,r,r,r",
         [_shared32(slot), word, _shared32(bar), _i32(rank)],
+        meaning=_store_async,
     )
+
+
+# What the PTX above computes, for the interpreter (dsl.asm_semantics): the machine keeps
+# each mbarrier's arrivals, expected bytes and phase.
+def _init(machine, bar, arrivals):
+    machine.mbarrier_init(bar, arrivals)
+
+
+def _nothing(machine):
+    return None
+
+
+def _arrive_expect_tx(machine, bar, nbytes):
+    machine.arrive_expect_tx(bar, nbytes)
+
+
+def _wait(machine, bar, parity):
+    machine.wait_parity(bar, parity)
+
+
+def _store_async(machine, slot, word, bar, rank):
+    machine.store_async(slot, word, bar, rank)

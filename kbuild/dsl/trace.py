@@ -23,8 +23,14 @@ from .memory import get_llvm_ptr, store
 from .values import V, inline_asm, scalar_type
 
 
+def _clock(machine):
+    """The interpreter's timer: the machine's count of steps (a GPU timer only grows)."""
+    return [machine.ticks()]
+
+
 def _read(register: str) -> V:
-    return V(inline_asm(f"mov.u64 $0, %{register};", "=l", [], scalar_type("i64")))
+    text = f"mov.u64 $0, %{register};"
+    return V(inline_asm(text, "=l", [], scalar_type("i64"), meaning=_clock))
 
 
 class Trace:

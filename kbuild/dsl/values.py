@@ -12,11 +12,13 @@ types, before MLIR sees them. Everything is built at the current MLIR insertion 
 from __future__ import annotations
 
 import numbers
+from collections.abc import Callable
 
 from mlir import ir
 from mlir.dialects import arith, llvm, math, vector
 
 from ..dtypes import ELEMENT_BYTES
+from .asm_semantics import register as register_asm
 
 _SCALAR_TYPES = {
     "f32": ir.F32Type.get,
@@ -471,15 +473,29 @@ def rewiden(v: V, by_words: bool = False) -> V:
     return V(arith.bitcast(typ(ir.F32Type.get()), word))
 
 
-def inline_asm(text: str, constraints: str, operands: list[V], result: ir.Type | None = None):
+def inline_asm(
+    text: str,
+    constraints: str,
+    operands: list[V],
+    result: ir.Type | None = None,
+    meaning: Callable | None = None,
+):
     """Inline PTX, kept where it is written (has side effects: never hoisted, merged or
-    dropped). Returns the result value (an `ir.Value`) when `result` names its type."""
+    dropped). Returns the result value (an `ir.Value`) when `result` names its type.
+    `meaning(machine, *operands) -> results` is what it computes, for the interpreter
+    (dsl.asm_semantics); a template emitted without one cannot be interpreted."""
+    if meaning is not None:
+        register_asm(text, meaning)
     for i, operand in enumerate(operands):
         need_v(operand, "dsl.inline_asm", f"operand {i}")
     op = llvm.InlineAsmOp(
         result, [v.value for v in operands], text, constraints, has_side_effects=True
     )
     return op.result if result is not None else None
+
+
+def _same(machine, word):
+    return [word]
 
 
 def opaque(v: V) -> V:
@@ -505,7 +521,7 @@ def opaque(v: V) -> V:
     out = as_words
     for i in range(words):
         word = V(vector.extract(out, [], [i]))
-        moved = inline_asm("mov.b32 $0, $1;", "=r,r", [word], i32)
+        moved = inline_asm("mov.b32 $0, $1;", "=r,r", [word], i32, meaning=_same)
         out = vector.insert(moved, out, [], [i])
     if isinstance(t, ir.VectorType):
         return V(vector.bitcast(t, out))

@@ -1,0 +1,249 @@
+"""Threads, blocks and clusters: ids, barriers, warp shuffles, mbarriers and inline asm."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import types as T
+from .memory import CLUSTER_RANK_SHIFT, Mbarrier
+from .semantics import OPS, _ins, _outs, _rtype, op
+
+_DIMS = {"x": 0, "y": 1, "z": 2}
+
+
+def _dimension(o) -> int:
+    return _DIMS[str(o.attributes["dimension"]).rstrip(">").split()[-1]]
+
+
+@op("gpu.thread_id")
+def _thread_id(program, o, _):
+    (r,) = _outs(program, o)
+    d = _dimension(o)
+
+    def run(m):
+        m.vals[r] = m.tid.copy() if d == 0 else np.zeros(m.lanes, np.int64)
+
+    return run
+
+
+@op("gpu.block_id")
+def _block_id(program, o, _):
+    (r,) = _outs(program, o)
+    d = _dimension(o)
+
+    def run(m):
+        m.vals[r] = m.bid[d].copy()
+
+    return run
+
+
+@op("gpu.grid_dim")
+def _grid_dim(program, o, _):
+    (r,) = _outs(program, o)
+    d = _dimension(o)
+
+    def run(m):
+        m.vals[r] = np.full(m.lanes, m.grid[d], np.int64)
+
+    return run
+
+
+@op("gpu.block_dim")
+def _block_dim(program, o, _):
+    (r,) = _outs(program, o)
+    d = _dimension(o)
+
+    def run(m):
+        m.vals[r] = np.full(m.lanes, m.block if d == 0 else 1, np.int64)
+
+    return run
+
+
+@op("gpu.lane_id")
+def _lane_id(program, o, _):
+    (r,) = _outs(program, o)
+
+    def run(m):
+        m.vals[r] = m.tid % m.warp_size
+
+    return run
+
+
+@op("gpu.barrier")
+def _barrier(program, o, _):
+    def run(m):
+        m.barrier()
+
+    return run
+
+
+@op("nvvm.cluster.arrive", "nvvm.cluster.arrive.relaxed")
+def _cluster_arrive(program, o, _):
+    def run(m):  # lockstep: every thread arrives now; the wait checks they all did
+        m.check_uniform("cluster arrive", m.block * m.cluster)
+
+    return run
+
+
+@op("nvvm.cluster.wait")
+def _cluster_wait(program, o, _):
+    def run(m):
+        m.cluster_barrier()
+
+    return run
+
+
+@op("nvvm.read.ptx.sreg.cluster.ctarank")
+def _ctarank(program, o, _):
+    (r,) = _outs(program, o)
+
+    def run(m):
+        m.vals[r] = m.rank.copy()
+
+    return run
+
+
+@op("nvvm.mapa")
+def _mapa(program, o, _):
+    (p, rank), (r,) = _ins(program, o), _outs(program, o)
+
+    def run(m):
+        m.vals[r] = ((m.vals[rank] + 1) << CLUSTER_RANK_SHIFT) | m.vals[p]
+
+    return run
+
+
+_SHUFFLE_MODES = ("xor", "down", "up", "idx")
+
+
+@op("gpu.shuffle")
+def _shuffle(program, o, _):
+    (v, offset, width), (r, valid) = _ins(program, o), _outs(program, o)
+    mode = str(o.attributes["mode"]).rstrip(">").split()[-1]
+    if mode not in _SHUFFLE_MODES:
+        raise NotImplementedError(f"gpu.shuffle {mode}")
+
+    def run(m):
+        lane = m.tid % m.warp_size
+        w, off = m.vals[width], m.vals[offset]
+        segment = lane - lane % w
+        if mode == "xor":
+            src = lane ^ off
+            ok = (src - segment >= 0) & (src - segment < w)
+        elif mode == "down":
+            src = lane + off
+            ok = src - segment < w
+        elif mode == "up":
+            src = lane - off
+            ok = src >= segment
+        else:
+            src = segment + off
+            ok = off < w
+        source = np.where(ok, np.arange(m.lanes) - lane + src, np.arange(m.lanes))
+        values = m.vals[v]
+        m.vals[r] = values[source]
+        m.vals[valid] = ok
+
+    return run
+
+
+# -- mbarriers (the state the inline PTX of dsl/mbarrier.py acts on) ----------------------
+
+
+def _bars(m, lanes, addr):
+    """(owner block, offset) pairs of mbarrier addresses (local or mapa'd remote)."""
+    owner = m.local_block[lanes].copy()
+    remote = addr >= (1 << CLUSTER_RANK_SHIFT)
+    rank = (addr >> CLUSTER_RANK_SHIFT) - 1
+    owner = np.where(remote, owner - m.rank[lanes] + rank, owner)
+    offset = addr & ((1 << CLUSTER_RANK_SHIFT) - 1)
+    return owner, offset
+
+
+def mbarrier_init(m, bar, count) -> None:
+    lanes = np.nonzero(m.mask)[0]
+    owner, offset = _bars(m, lanes, bar[lanes])
+    for b, a, n in zip(owner, offset, count[lanes], strict=True):
+        m.smem.mbarriers[(int(b), int(a))] = Mbarrier(int(n))
+
+
+def _barrier_at(m, b, a, lane):
+    bar = m.smem.mbarriers.get((int(b), int(a)))
+    if bar is None:
+        raise m.fault(f"mbarrier at shared address {int(a):#x} used before its init", int(lane))
+    return bar
+
+
+def arrive_expect_tx(m, bar, nbytes) -> None:
+    lanes = np.nonzero(m.mask)[0]
+    owner, offset = _bars(m, lanes, bar[lanes])
+    for lane, b, a, n in zip(lanes, owner, offset, nbytes[lanes], strict=True):
+        state = _barrier_at(m, b, a, lane)
+        state.tx += int(n)
+        state.pending -= 1
+        state.settle()
+
+
+def wait_parity(m, bar, parity) -> None:
+    """Lockstep has every thread of the cluster here: a phase not complete now never
+    completes (on the GPU: a hang)."""
+    lanes = np.nonzero(m.mask)[0]
+    owner, offset = _bars(m, lanes, bar[lanes])
+    keys = {}
+    for lane, b, a, p in zip(lanes, owner, offset, parity[lanes], strict=True):
+        state = _barrier_at(m, b, a, lane)
+        if state.phase % 2 == int(p) % 2:  # the phase of this parity has not completed
+            raise m.fault(
+                f"mbarrier wait at shared address {int(a):#x} (parity {int(p) % 2}) can never "
+                f"complete: {state.pending} arrivals and {state.tx} bytes still missing when "
+                "every thread waits (a hang on the GPU)",
+                int(lane),
+            )
+        keys[int(b)] = True
+    for b in keys:  # the wait orders what the phase's stores wrote before it
+        m.smem.epoch[b] += 1
+
+
+def store_async(m, slot, value, bar, rank) -> None:
+    """st.async of 4 bytes into block `rank`'s copy of `slot`, counted on its `bar`."""
+    from .access import write
+
+    lanes = np.nonzero(m.mask)[0]
+    if not lanes.size:
+        return
+    tag = (rank[lanes] + 1) << CLUSTER_RANK_SHIFT
+    i32 = T.parse_type("i32")
+    write(m, T.SHARED_CLUSTER, lanes, tag | slot[lanes], value[lanes], i32, 4, "st.async")
+    owner, offset = _bars(m, lanes, tag | bar[lanes])
+    for lane, b, a in zip(lanes, owner, offset, strict=True):
+        state = _barrier_at(m, b, a, lane)
+        state.tx -= 4
+        state.settle()
+
+
+@op("llvm.inline_asm")
+def _inline_asm(program, o, _):
+    from mlir import ir
+
+    from ..dsl.asm_semantics import lookup
+
+    text = ir.StringAttr(o.attributes["asm_string"]).value
+    meaning = lookup(text)
+    if meaning is None:
+        raise NotImplementedError(
+            f"the interpreter has no semantics for the inline asm {text!r}: register them "
+            "beside the helper that emits it (kbuild.dsl.asm_semantics.register)"
+        )
+    ins, outs = _ins(program, o), _outs(program, o)
+    types = [_rtype(o, i) for i in range(len(outs))]
+
+    def run(m):
+        got = meaning(m, *(m.vals[i] for i in ins))
+        for r, t, v in zip(outs, types, got or (), strict=False):
+            m.vals[r] = T.wrap(v, t.width) if t.kind == "int" else v
+
+    return run
+
+
+OPS["nvvm.barrier0"] = _barrier
+OPS["nvvm.barrier"] = _barrier
