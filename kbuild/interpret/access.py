@@ -137,7 +137,7 @@ def _load(program, o, _):
 
 @op("llvm.store")
 def _store(program, o, _):
-    (v, p), _outs_ = _ins(program, o), None
+    v, p = _ins(program, o)
     t = _otype(o, 0)
     space = _otype(o, 1).space
     align = _alignment(o, t)
@@ -193,7 +193,7 @@ def _atomicrmw(program, o, _):
 
 @op("nvvm.cp.async.shared.global")
 def _cp_async(program, o, _):
-    (dst, src), _r = _ins(program, o)[:2], None
+    dst, src = _ins(program, o)[:2]
     size = _int_attr(o, "size")
     t = parse_type(f"vector<{size}xi8>")
 

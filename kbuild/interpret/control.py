@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .semantics import OPS, _ins, _outs, op, region, run_region
+from .semantics import _ins, _outs, op, region, run_region
 
 
 def _where(c: np.ndarray, a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -130,4 +130,3 @@ def _while(program, o, _):
             m.vals[r] = v
 
     return run
-

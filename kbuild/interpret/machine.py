@@ -11,8 +11,8 @@ import os
 
 import numpy as np
 
-from .memory import ALLOCATIONS, CLUSTER_RANK_SHIFT, KernelFault, RaceError, SharedMemory
 from . import threads
+from .memory import ALLOCATIONS, CLUSTER_RANK_SHIFT, KernelFault, RaceError, SharedMemory
 from .program import Program
 
 LANES_PER_CHUNK = 1 << 15

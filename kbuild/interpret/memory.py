@@ -43,9 +43,7 @@ class Allocations:
     of memory). Holds the most recent `capacity` storages."""
 
     def __init__(self, capacity: int = 4096) -> None:
-        self._storages: collections.OrderedDict[int, tuple[int, object]] = (
-            collections.OrderedDict()
-        )
+        self._storages: collections.OrderedDict[int, tuple[int, object]] = collections.OrderedDict()
         self._capacity = capacity
 
     def note(self, tensor) -> None:

@@ -15,7 +15,6 @@ from collections.abc import Callable
 import numpy as np
 
 from . import types as T
-from .memory import KernelFault
 from .types import parse_type, wrap
 
 OPS: dict[str, Callable] = {}

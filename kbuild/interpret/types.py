@@ -52,7 +52,7 @@ _SCALARS = {
 }
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def parse_type(text: str) -> Type:
     """A Type from MLIR's spelling of it ("vector<8xbf16>", "!llvm.ptr<3>", "i64")."""
     text = text.strip()
@@ -71,7 +71,7 @@ def parse_type(text: str) -> Type:
     raise NotImplementedError(f"the interpreter has no values of type {text}")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def memory_size(text: str) -> int:
     """Bytes of an LLVM element type in memory (GEP strides, array globals)."""
     text = text.strip()
