@@ -220,9 +220,15 @@ def measure(V: int, copy: float) -> dict:
     calls: list = []
     entries = {}
     for name, keywords in variants(V):
-        entry = {"plan": describe(V, keywords), **check(x, t, keywords, ref_loss, ref_grad, calls)}
-        worst = max(entry["fwd_error"], entry["fwd_bwd_error"])
-        entry["ok"] = entry["plan_applied"] and worst < 2e-2
+        entry = {"plan": describe(V, keywords)}
+        try:
+            entry.update(check(x, t, keywords, ref_loss, ref_grad, calls))
+        except Exception as err:  # a plan that fails to launch is recorded, not timed
+            entry.update(error=f"{type(err).__name__}: {err}"[:300], ok=False)
+            x.grad = None
+        else:
+            worst = max(entry["fwd_error"], entry["fwd_bwd_error"])
+            entry["ok"] = entry["plan_applied"] and worst < 2e-2
         entries[name] = entry
         print(f"V {V:6} {name:10} {entry}", flush=True)
     del ref_grad
