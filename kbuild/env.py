@@ -23,6 +23,11 @@ CXX                        the C++ compiler that builds it (default g++)
 KBUILD_LLD                 the ld.lld that links AMD code objects (default: ROCm's, then the
                            ziglang wheel's, then PATH); its version is in the cache key
 KBUILD_LIBAMDHIP           the HIP runtime library to load on ROCm (default libamdhip64.so)
+KBUILD_INTERPRET=1         (set before import) CPU tensors take the CUDA path: the ops' launch
+                           code, plans and autograd, with kernels run by kbuild.interpret on
+                           the CPU (`1` or an NVIDIA arch: built for sm_90 or that arch;
+                           `gfx942` / `gfx950`: the AMD kernels, wave64). No C++ hot path.
+KBUILD_INTERPRET_RACES=0   the interpreter's shared-memory race check off (on by default)
 
 Only KBUILD_PTXAS changes generated code, and the ptxas version is part of every cache key.
 """
@@ -32,6 +37,11 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
+
+
+def interpret() -> bool:
+    """KBUILD_INTERPRET set: CPU tensors take the GPU path through the interpreter."""
+    return os.environ.get("KBUILD_INTERPRET", "") not in ("", "0")
 
 
 def offline() -> bool:

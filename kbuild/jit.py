@@ -86,6 +86,10 @@ def on_rocm() -> bool:
 
 
 def device_target(device_index: int) -> Target:
+    if env.interpret():
+        from .interpret import interpret_target
+
+        return interpret_target()
     if on_rocm():
         import torch
 
@@ -123,7 +127,12 @@ def get_launcher(key: Hashable, device_index: int, make_spec: Callable[[], Kerne
             if launcher is None:
                 spec = make_spec()
                 record(spec)  # KBUILD_RECORD: before the cache is asked, so misses show too
-                artifact = artifact_for(spec, device_target(device_index))
-                launcher = _load(artifact, device_index)
+                if env.interpret():  # the builder's module, run by kbuild.interpret
+                    from .interpret import Launcher as InterpretedLauncher
+
+                    launcher = InterpretedLauncher(spec, device_target(device_index))
+                else:
+                    artifact = artifact_for(spec, device_target(device_index))
+                    launcher = _load(artifact, device_index)
                 _loaded.put(key, launcher)
     return launcher

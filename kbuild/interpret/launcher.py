@@ -39,6 +39,24 @@ def track(tensor) -> None:
     ALLOCATIONS.note(tensor)
 
 
+def track_data_ptr() -> None:
+    """Make `torch.Tensor.data_ptr` note each CPU tensor it is asked about in the allocation
+    table (the launch path's pointers come from it); done once, when KBUILD_INTERPRET is on."""
+    import torch
+
+    if getattr(torch.Tensor.data_ptr, "_kbuild_tracked", False):
+        return
+    plain = torch.Tensor.data_ptr
+
+    def data_ptr(self):
+        if self.device.type == "cpu":
+            ALLOCATIONS.note(self)
+        return plain(self)
+
+    data_ptr._kbuild_tracked = True
+    torch.Tensor.data_ptr = data_ptr
+
+
 _built: dict[tuple, tuple[Program, dict]] = {}
 _lock = threading.Lock()
 

@@ -25,7 +25,10 @@ from .common import (
     check_offset,
     check_param,
     contiguous,
+    INTERPRETED,
     device_guard,
+    is_current,
+    on_gpu,
     readable_rows,
 )
 from .custom_ops import fused_add_rmsnorm_fwd_op, layernorm_fwd_op
@@ -62,7 +65,7 @@ class _Unloaded:
 
 # The C++ entry points once loaded, until then `_Unloaded`; None for the Python path (where
 # the extension cannot be had; tests of that path set it to None).
-_native: Any = _Unloaded()
+_native: Any = None if INTERPRETED else _Unloaded()
 
 
 def _loaded(module: Any) -> None:
@@ -112,7 +115,7 @@ def rmsnorm(
     # as an opaque kbuild::rmsnorm_fwd op it made a compiled Qwen3-style model 0.973x the
     # stock one and Llama-style ones 1.00x, as torch operations 1.002x / 0.997x (H200, 8ca1d1c:
     # bench/NOTES.md, "Models"). The eager path, the fused form and LayerNorm keep the kernels.
-    if not x.is_cuda or torch.compiler.is_compiling():
+    if not on_gpu(x) or torch.compiler.is_compiling():
         return rmsnorm_reference(x, weight, eps, offset)[0]
     x = readable_rows(x)
     needs_grad = torch.is_grad_enabled() and (
@@ -122,7 +125,7 @@ def rmsnorm(
         return _native.rmsnorm_fwd(x, weight, eps, needs_grad, offset)[0]
     if needs_grad:
         return RMSNormFunction.apply(x, weight, eps, offset)
-    if x.get_device() == torch._C._cuda_getDevice():  # the guard costs ~2 us: only if needed
+    if is_current(x):  # the guard costs ~2 us: only if needed
         return rmsnorm_fwd(x, weight, eps, False, offset)[0]
     with device_guard(x):
         return rmsnorm_fwd(x, weight, eps, False, offset)[0]
@@ -162,9 +165,9 @@ def fused_add_rmsnorm(
         raise TypeError("prenorm and residual_in_fp32 must be bools")
     residual_dtype = torch.float32 if residual_in_fp32 else residual.dtype
     needs_grad = _needs_grad(x, residual, weight)
-    if x.is_cuda:
+    if on_gpu(x):
         x, residual = contiguous(x), contiguous(residual)
-    if not x.is_cuda or torch.compiler.is_compiling():
+    if not on_gpu(x) or torch.compiler.is_compiling():
         out, residual_out, _ = fused_add_rmsnorm_fwd_op(
             x, residual, weight, eps, residual_dtype, needs_grad, offset
         )
@@ -207,7 +210,7 @@ def layernorm(
     eps = check_eps(eps)
     # Under torch.compile CPU tensors take the custom-op route too (the ops run this same
     # reference on CPU), so a CPU compile traces the kbuild::* ops and their autograd.
-    if not x.is_cuda and not torch.compiler.is_compiling():
+    if not on_gpu(x) and not torch.compiler.is_compiling():
         return layernorm_reference(x, weight, bias, eps)[0]
     x = contiguous(x)
     needs_grad = _needs_grad(x, weight, bias)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
-from .common import device_guard
+from .common import device_guard, on_gpu
 from .layernorm import layernorm_bwd, layernorm_bwd_reference, layernorm_fwd
 from .rmsnorm import (
     fused_add_rmsnorm_bwd,
@@ -29,7 +29,7 @@ from .rmsnorm import (
 
 def _rmsnorm_backward(saved, needs, dy, offset: float = 0.0):
     x, weight, rstd = saved
-    if not dy.is_cuda:
+    if not on_gpu(dy):
         dx, dw = rmsnorm_bwd_reference(dy, x, weight, rstd, offset)
         return (dx.to(x.dtype) if needs[0] else None), (dw if needs[1] else None)
     with device_guard(dy):
@@ -44,7 +44,7 @@ def _fused_backward(saved, needs, dy, dresidual_out, offset=0.0, residual_dtype=
     dres = None if dresidual_out is None else dresidual_out.contiguous()
     if not needs[1]:
         residual_dtype = None  # no residual gradient wanted: no fp32 copy written either
-    if not dy.is_cuda:
+    if not on_gpu(dy):
         dsum, dw = rmsnorm_bwd_reference(dy, residual_out, weight, rstd, offset)
         dsum = dsum if dres is None else dsum + dres.float()
         dres_in = None if residual_dtype is None else dsum.to(residual_dtype)
@@ -113,7 +113,7 @@ class FusedAddRMSNormFunction(torch.autograd.Function):
 def _layernorm_backward(saved, needs, dy):
     """needs: (x, weight, bias) need grads."""
     x, weight, bias, mean, rstd = saved
-    if not dy.is_cuda:
+    if not on_gpu(dy):
         dx, dw, db = layernorm_bwd_reference(dy, x, weight, mean, rstd)
         dw = dw.to(weight.dtype) if needs[1] and weight is not None else None
         db = db.to(bias.dtype) if needs[2] and bias is not None else None

@@ -7,7 +7,26 @@ import math
 
 import torch
 
+from .. import env
 from ..kernels.table import MAX_GROUPED_ROWS, group_magic
+
+# KBUILD_INTERPRET (read once, at import): CPU tensors take the CUDA path, on the interpreter.
+INTERPRETED = env.interpret()
+if INTERPRETED:
+    from ..interpret.launcher import track_data_ptr
+
+    track_data_ptr()
+
+
+def on_gpu(t: torch.Tensor) -> bool:
+    """Whether `t` takes the GPU path (kernels): a CUDA tensor, or under the interpreter a
+    CPU one."""
+    return t.is_cuda or (INTERPRETED and t.device.type == "cpu")
+
+
+def is_current(t: torch.Tensor) -> bool:
+    """Whether t's device is the current CUDA device (the interpreter's CPU always is)."""
+    return INTERPRETED or t.get_device() == torch._C._cuda_getDevice()
 
 DTYPE_NAMES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
 # Integer ids as the kernel table names them (an "index" parameter: token ids, targets).
@@ -67,8 +86,8 @@ def check_param(name: str, p: object, x: torch.Tensor, x_name: str = "x") -> tor
         and p.dim() == 1
         and p.shape[0] == x.shape[-1]
         and (p.dtype is x.dtype or p.dtype is torch.float32)
-        and x.is_cuda
-        and p.is_cuda
+        and on_gpu(x)
+        and on_gpu(p)
         and p.get_device() == x.get_device()
         and p.is_contiguous()
     ):
@@ -182,12 +201,20 @@ _NO_GUARD = contextlib.nullcontext()
 
 def device_guard(t: torch.Tensor):
     """`torch.cuda.device(t.device)` when that is not already current (entering costs ~2 us)."""
-    if t.get_device() == torch._C._cuda_getDevice():  # CUDA is initialised: x lives there
+    if is_current(t):  # CUDA is initialised: x lives there
         return _NO_GUARD
     return torch.cuda.device(t.device)
 
 
+def capturing() -> bool:
+    """Whether the current CUDA stream is being captured into a graph (never under the
+    interpreter, whose CPU torch has no CUDA to ask)."""
+    return not INTERPRETED and torch.cuda.is_current_stream_capturing()
+
+
 def stream_of(device_index: int) -> int:
+    if device_index < 0:  # the interpreter's CPU "device": one stream
+        return 0
     return torch._C._cuda_getCurrentRawStream(device_index)
 
 

@@ -25,7 +25,7 @@ from .. import native
 from ..jit import on_forget
 from . import opdef
 from .autograd import _fused_backward, _layernorm_backward, _rmsnorm_backward
-from .common import device_guard
+from .common import INTERPRETED, device_guard
 from .layernorm import layernorm_fwd, layernorm_reference
 from .opdef import Feature, Like, Op, Out, Rows, Scalar, Tensors, eps
 from .resolve import resolve
@@ -347,8 +347,11 @@ class _Standin:
 
 
 _STANDIN = _Standin()
-opdef.NATIVE[0] = _STANDIN
-native.on_load(_STANDIN.take_away, _STANDIN.wire)
+if INTERPRETED:  # the interpreter runs the Python launch path only: no extension
+    opdef.NATIVE[0] = None
+else:
+    opdef.NATIVE[0] = _STANDIN
+    native.on_load(_STANDIN.take_away, _STANDIN.wire)
 
 
 def register_until_native(op: Op) -> None:
@@ -368,5 +371,5 @@ def register_until_native(op: Op) -> None:
 for _op in NORM_OPS:
     register_until_native(_op)
 
-if os.environ.get(native.DISABLE_ENV) in ("0", "1"):  # settled at import: never, or now
+if os.environ.get(native.DISABLE_ENV) in ("0", "1") and not INTERPRETED:  # settled at import: never, or now
     native.load()

@@ -114,6 +114,10 @@ MIN_CHUNK_ROWS = 64  # fewer rows per chunk would make the partials cost more th
 
 @functools.cache
 def _units(device: int) -> int:
+    if device < 0:  # the interpreter's CPU device
+        from ..interpret.launcher import SMS
+
+        return SMS
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 

@@ -17,7 +17,7 @@ import torch
 from ..jit import get_launcher, loaded
 from ..kernels.table import COLUMN_SUM, KernelDef
 from ..spec import Scalar
-from .common import DTYPE_NAMES, INDEX_NAMES, stream_of
+from .common import DTYPE_NAMES, INDEX_NAMES, on_gpu, stream_of
 
 # The Ids arguments of the `Op(cuda=)` call running now, (op name, {argument name: tensor}),
 # set by `Op._user_cuda`: its launches are checked to bind each one's dtype (`_check_ids`).
@@ -73,7 +73,7 @@ def launch_kernel(
     if ids is not None:
         _check_ids(definition, tensors, params, *ids)
     devices = {t.get_device() for t in tensors}
-    if not all(t.is_cuda for t in tensors) or len(devices) > 1:
+    if not all(on_gpu(t) for t in tensors) or len(devices) > 1:
         where = sorted({str(t.device) for t in tensors})
         raise ValueError(f"{definition.name}: args must be tensors on one CUDA device, got {where}")
     device = devices.pop()

@@ -45,7 +45,7 @@ import contextlib
 
 import torch
 
-from .common import check_input, device_guard
+from .common import check_input, device_guard, on_gpu
 from .loss import cross_entropy_fwd_, raise_on_bad_targets, rescale_
 from .loss_options import check_options, make_coefs, switches, z_loss_of
 from .opdef import Ids
@@ -109,7 +109,7 @@ def _on_device(t: torch.Tensor):
     """The device guard of a CUDA tensor (nothing for a CPU one: these ops run on both), with
     autocast off: the public function cast the inputs as autocast would, and the chunks'
     matmuls must give the logits and gradients in their dtype (the out= buffers')."""
-    with device_guard(t) if t.is_cuda else contextlib.nullcontext():
+    with device_guard(t) if on_gpu(t) else contextlib.nullcontext():
         with torch.autocast(t.device.type, enabled=False):
             yield
 
@@ -167,7 +167,7 @@ def _forward(
                                                        grad_bias))  # fmt: skip
     with _on_device(hidden):
         rows, lse, flag = _pass(hidden, weight, bias, target, coefs, options, chunk, wants)
-        if check_targets and hidden.is_cuda:
+        if check_targets and on_gpu(hidden):
             raise_on_bad_targets(flag, weight.shape[0], ignore_index)
     if reduction == "none":
         loss = rows

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from . import api
-from .common import INDEX_NAMES, check_input, contiguous, device_guard
+from .common import INDEX_NAMES, check_input, contiguous, device_guard, on_gpu
 from .custom_ops import register_until_native
 from .encoder import bias_grad as _bias_grad_launch
 from .encoder import (
@@ -166,7 +166,7 @@ def check_encoder_args(tokens, wte, wpe, check_ids: bool) -> None:
         raise ValueError(
             f"sequence length T = {T} exceeds wpe's {wpe.shape[0]} positions (max_positions)"
         )
-    if (check_ids or not tokens.is_cuda) and tokens.numel() and not torch.compiler.is_compiling():
+    if (check_ids or not on_gpu(tokens)) and tokens.numel() and not torch.compiler.is_compiling():
         low, high = int(tokens.min()), int(tokens.max())
         if low < 0 or high >= wte.shape[0]:
             bad = low if low < 0 else high
@@ -219,7 +219,7 @@ def encoder_backward(
             raise ValueError(f"{name} must be contiguous (it is written in place)")
     if dwpe is not None and dwpe.shape[0] < T:
         raise ValueError(f"dwpe has {dwpe.shape[0]} rows, fewer than T = {T}")
-    if not dout.is_cuda:
+    if not on_gpu(dout):
         V = dwte.shape[0] if dwte is not None else int(tokens.max()) + 1
         gte, gpe = encoder_bwd_reference(dout, tokens, V, T)
         if dwte is not None:

@@ -50,7 +50,17 @@ from ..kernels.cross_entropy import (
     build_cross_entropy_rescale,
     vocab_specs,
 )
-from .common import DTYPE_NAMES, INDEX_NAMES, aligned, check_input, data_ptrs, device_guard
+from .common import (
+    DTYPE_NAMES,
+    INDEX_NAMES,
+    INTERPRETED,
+    aligned,
+    capturing,
+    check_input,
+    data_ptrs,
+    device_guard,
+    on_gpu,
+)
 from .launch import launch_kernel, rows_grid
 from .loss_options import check_options, make_coefs, reduce_rows, switches, z_loss_of
 from .opdef import Ids, Op, Out, Rows, Scalar, Tensors
@@ -159,7 +169,7 @@ def _launch_fwd(x, target, coefs, loss, lse, d, flag, ignore_index, smoothing, z
 def raise_on_bad_targets(flag: torch.Tensor, V: int, ignore_index: int) -> None:
     """ValueError where a kernel reported a target outside [0, V) into `flag` (waits for it);
     nothing while the stream is being captured into a CUDA graph (no read can be made)."""
-    if torch.cuda.is_current_stream_capturing():
+    if capturing():
         return
     if int(flag.item()) == BAD_TARGET:
         raise _bad_target(V, ignore_index)
@@ -210,6 +220,10 @@ def _fwd_inplace_cuda(logits, target, coefs, flag, ignore_index, smoothing, z_lo
     return loss, lse
 
 
+if INTERPRETED:  # CPU tensors take the CUDA path
+    cross_entropy_fwd_.register_kernel("cpu")(_fwd_inplace_cuda)
+
+
 @cross_entropy_fwd_.register_fake
 def _fwd_inplace_fake(logits, target, coefs, flag, ignore_index, smoothing, z_loss, softcap,
                       grad=True):  # fmt: skip
@@ -226,7 +240,7 @@ class _InPlace(torch.autograd.Function):
         flag = torch.zeros(1, dtype=torch.int32, device=logits.device)
         loss, lse = cross_entropy_fwd_(logits, target, coefs, flag, ignore_index, smoothing,
                                        z_loss, softcap)  # fmt: skip
-        if check and logits.is_cuda:
+        if check and on_gpu(logits):
             with device_guard(logits):
                 raise_on_bad_targets(flag, logits.shape[-1], ignore_index)
         ctx.save_for_backward(logits, coefs)
@@ -269,6 +283,10 @@ def _rescale_cuda(dlogits, dloss, coefs) -> None:
             dlogits, dloss, coefs, M,
             N=V, dtype=DTYPE_NAMES[dlogits.dtype], vectorize=aligned(dlogits.data_ptr()),
         )  # fmt: skip
+
+
+if INTERPRETED:
+    rescale_.register_kernel("cpu")(_rescale_cuda)
 
 
 @rescale_.register_fake

@@ -62,7 +62,7 @@ import torch
 
 from ..kernels.table import KernelDef
 from ..spec import KernelSpec
-from .common import DTYPE_NAMES, INDEX_NAMES, device_guard, dtype_name, row_count
+from .common import DTYPE_NAMES, INDEX_NAMES, INTERPRETED, device_guard, dtype_name, row_count
 from .launch import IDS_IN_CALL
 from .op_args import (
     _DENSE,
@@ -638,7 +638,10 @@ class Op:
         if lib is None:
             lib = _LIBRARIES[self.namespace] = torch.library.Library(self.namespace, "FRAGMENT")
         lib.define(self.op_name + self.schema)
-        lib.impl(self.op_name, self._cpu, "CPU")
+        if INTERPRETED and (self._cuda is not None or self.launches):
+            self.register_python(lib, "cuda", key="CPU")  # CPU tensors take the CUDA path
+        else:
+            lib.impl(self.op_name, self._cpu, "CPU")
         torch.library.register_fake(self.name, self._fake, lib=lib)
         DEFINED[self.name] = self
         if not self.native:

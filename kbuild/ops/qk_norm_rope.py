@@ -398,20 +398,25 @@ def case_tensors(case, device="cuda", seed: int = 0):
 
 
 def specs_for(q, k, q_weight, k_weight, cos, sin, eps=1e-6, offset=0.0, interleaved=False,
-              unsqueeze_dim=1) -> list:  # fmt: skip
+              unsqueeze_dim=1, inference: bool = False) -> list:  # fmt: skip
     """The kernels a call with these tensors launches, forward (storing rstd) and backward
     (its gradients dense, as autograd's usually are; weight gradients wanted), by the
-    launches' own choice of vector width; and the weight gradients' column sum."""
+    launches' own choice of vector width; and the weight gradients' column sum. With
+    `inference`, also the forward of a call whose inputs want no gradient (no rstd stored:
+    under no_grad, or inputs without requires_grad), last."""
     from .launch import column_sum_spec
 
     q_, k_, cos_, sin_ = readable(q), readable(k), readable(cos), readable(sin)
     outs = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k)]
-    fwd, _ = forward_values(q_, k_, q_weight, cos_, sin_, eps, offset, interleaved,
-                            unsqueeze_dim, True, outs)  # fmt: skip
+    forwards = []
+    for store_rstd in (True, False) if inference else (True,):
+        fwd, _ = forward_values(q_, k_, q_weight, cos_, sin_, eps, offset, interleaved,
+                                unsqueeze_dim, store_rstd, outs)  # fmt: skip
+        forwards.append(build_qk_norm_rope.spec(*fwd))
     bwd, _, _ = backward_values(q_, k_, *outs, q_weight, cos_, sin_, offset, interleaved,
                                 unsqueeze_dim, True, outs)  # fmt: skip
-    return [build_qk_norm_rope.spec(*fwd), build_qk_norm_rope_bwd.spec(*bwd),
-            column_sum_spec(q.shape[-1], DTYPE_NAMES[q_weight.dtype], 2)]  # fmt: skip
+    column_sum = column_sum_spec(q.shape[-1], DTYPE_NAMES[q_weight.dtype], 2)
+    return [forwards[0], build_qk_norm_rope_bwd.spec(*bwd), column_sum, *forwards[1:]]
 
 
 def warmup_specs():
@@ -421,13 +426,14 @@ def warmup_specs():
     specs = []
     for case in GPU_CASES:
         specs += specs_for(*case_tensors(case, "meta"), offset=case[8], interleaved=case[9],
-                           unsqueeze_dim=case[10])  # fmt: skip
+                           unsqueeze_dim=case[10], inference=True)  # fmt: skip
     for name, Hq, Hk, D in MODELS:
         offset = 1.0 if name.startswith("Gemma") else 0.0
         for dtype in _DTYPES:
             for w in dict.fromkeys((dtype, torch.float32)):
                 for cs in dict.fromkeys((dtype, torch.float32)):
                     case = (1, 8, Hq, Hk, D, dtype, w, cs, offset, False, 1, True)
-                    specs += specs_for(*case_tensors(case, "meta"), offset=offset)
-    specs += specs_for(*misaligned_tensors("meta"))
+                    specs += specs_for(*case_tensors(case, "meta"), offset=offset,
+                                       inference=True)  # fmt: skip
+    specs += specs_for(*misaligned_tensors("meta"), inference=True)
     return list(dict.fromkeys(specs))
