@@ -19,13 +19,13 @@ import torch
 from .. import native
 from .autograd import FusedAddRMSNormFunction, LayerNormFunction, RMSNormFunction
 from .common import (
+    INTERPRETED,
     check_eps,
     check_input,
     check_like,
     check_offset,
     check_param,
     contiguous,
-    INTERPRETED,
     device_guard,
     is_current,
     on_gpu,

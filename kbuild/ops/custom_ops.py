@@ -371,5 +371,6 @@ def register_until_native(op: Op) -> None:
 for _op in NORM_OPS:
     register_until_native(_op)
 
-if os.environ.get(native.DISABLE_ENV) in ("0", "1") and not INTERPRETED:  # settled at import: never, or now
+# settled at import: never, or now (the interpreter never loads it)
+if os.environ.get(native.DISABLE_ENV) in ("0", "1") and not INTERPRETED:
     native.load()
