@@ -384,7 +384,7 @@ def test_report_reads():
     model = nn.Sequential(*[LlamaMLP() for _ in range(4)], LlamaMLP(SteepSiLU()))
     report = patch(model, norms=False, rope=False, loss=False)
     text = str(report)
-    assert text.splitlines()[0] == "kbuild.patch(Sequential): 4 patched, 1 left stock"
+    assert text.splitlines()[0] == "kbuild.nn.patch(Sequential): 4 patched, 1 left stock"
     assert "mlp   swiglu" in text and "{0..3}" in text
     assert "  mlp   4: its activation SteepSiLU is neither" in text
     model = nn.Module()

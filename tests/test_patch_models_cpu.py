@@ -70,7 +70,7 @@ def test_report_recorded(merged):
     _, result, _ = merged
     llama = result["models"]["llama3-8b-l2"]["variants"]["kbuild"]["report"]
     gpt2 = result["models"]["gpt2-124m"]["variants"]["kbuild"]["report"]
-    assert llama.startswith("kbuild.patch(LlamaForCausalLM)")
+    assert llama.startswith("kbuild.nn.patch(LlamaForCausalLM)")
     for text in ("norm", "RMSNorm", "swiglu", "rope", "linear_cross_entropy"):
         assert text in llama, llama
     for text in ("LayerNorm", "gelu", "linear_cross_entropy"):

@@ -48,9 +48,10 @@ def patch(
     patches nothing more (the modules say they are already kbuild's). Models on the meta
     device, or in dtypes kbuild does not compute in, are left stock (nothing to check on).
 
-    With `loss`, a forward given labels returns `logits=None` (the fused loss never builds
-    them); call without labels for logits. Gradients of the loss reach every parameter as
-    stock's do."""
+    With `loss`, a forward given labels in training (train mode, grad enabled) returns
+    `logits=None` (the fused loss never builds them); call without labels, in eval mode or
+    under no_grad for logits. Gradients of the loss reach every parameter as stock's do. The
+    patched model's `forward` has stock's signature."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     flags = dict(norms=norms, rope=rope, mlp=mlp, loss=loss)

@@ -5,10 +5,11 @@ GPT-2's `model.transformer`) with every other argument as the stock forward pass
 `causal_lm_loss` on the last hidden states and `lm_head`'s weight: Hugging Face's
 ForCausalLMLoss (labels shifted left, -100 padded; `shift_labels`, `ignore_index` and
 `num_items_in_batch` from the keyword arguments as there), with Gemma 2/3's
-`config.final_logit_softcapping`. It returns the stock output class with `logits=None`: the
-logits are not returned when labels are (as Liger's fused loss does); `return_dict=False` gives
-the tuple. Without labels, or in evaluation (eval mode under no_grad, as Trainer's prediction
-step runs, which wants the logits), it is the stock forward, unchanged. Labels are not checked
+`config.final_logit_softcapping`. In training (train mode, grad enabled) it returns the stock
+output class with `logits=None`: the logits are not returned when labels are (as Liger's fused
+loss does); `return_dict=False` gives stock's tuple, None in the logits' slot. Without labels,
+in eval mode or under no_grad (Trainer's prediction step, which wants the logits), it is the
+stock forward, unchanged. Its signature is stock's (`inspect.signature`). Labels are not checked
 against the vocabulary on the device (`check_targets=False`: a check reads a flag, a host
 synchronisation every step, which stock's loss does not make); a label outside it adds
 nothing to the loss, as -100 would.
@@ -79,20 +80,20 @@ def causal_lm_loss(
 
 
 def _forward(stock, names: tuple[str, ...], base: str, softcap: bool, output):
-    """The patched CausalLM forward (module docstring); `names`: stock's positional names."""
+    """(the patched CausalLM forward, its fused path) (module docstring); `names`: stock's
+    positional names. The forward shows stock's signature (`inspect.signature`), which
+    Trainer's remove_unused_columns reads to keep the columns the model takes."""
     labels_at = names.index("labels")
 
-    def forward(self, *args, **kwargs):
+    def fused(self, *args, **kwargs):
         labels = args[labels_at] if len(args) > labels_at else kwargs.get("labels")
-        if labels is None or not (self.training or torch.is_grad_enabled()):
-            return stock(self, *args, **kwargs)  # evaluation wants the logits: stock's
         if len(args) > len(names):
             raise TypeError(f"forward takes {len(names)} positional arguments, got {len(args)}")
         kwargs.update(zip(names, args, strict=False))
         del kwargs["labels"]
         return_dict = kwargs.pop("return_dict", None)
         if return_dict is None:
-            return_dict = self.config.return_dict
+            return_dict = getattr(self.config, "return_dict", True)
         logits_to_keep = kwargs.pop("logits_to_keep", 0)
         outputs = getattr(self, base)(**kwargs)
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
@@ -108,10 +109,22 @@ def _forward(stock, names: tuple[str, ...], base: str, softcap: bool, output):
             kwargs.get("shift_labels"),
         )
         fields = {f: getattr(outputs, f, None) for f in output.__dataclass_fields__}
-        result = output(**{**fields, "loss": loss, "logits": None})
-        return result if return_dict else result.to_tuple()
+        fields.update(loss=loss, logits=None)
+        if return_dict:
+            return output(**fields)
+        # stock's to_tuple() leaves out None fields; its logits never are None, so their slot
+        # stays (None here) and `loss, logits, *rest = out` unpacks as it does for stock
+        return tuple(v for f, v in fields.items() if v is not None or f == "logits")
 
-    return forward
+    def forward(self, *args, **kwargs):
+        labels = args[labels_at] if len(args) > labels_at else kwargs.get("labels")
+        if labels is None or not (self.training and torch.is_grad_enabled()):
+            return stock(self, *args, **kwargs)  # evaluation wants the logits: stock's
+        return fused(self, *args, **kwargs)
+
+    forward.__signature__ = inspect.signature(stock)
+    forward.__doc__ = stock.__doc__
+    return forward, fused
 
 
 def _refusal(model: torch.nn.Module) -> str | None:
@@ -134,7 +147,7 @@ def _refusal(model: torch.nn.Module) -> str | None:
     return bind.refusal(model)
 
 
-def _probe_check(model, forward, dtype) -> str | None:
+def _probe_check(model, fused, dtype) -> str | None:
     embed = model.get_input_embeddings()
     vocab = min(embed.weight.shape[0], model.lm_head.out_features)
     ids = torch.randint(0, vocab, (2, 8), generator=check.generator(8))
@@ -145,7 +158,7 @@ def _probe_check(model, forward, dtype) -> str | None:
     with check.evaluating(model):
         return check.compare(
             lambda: stock(model, input_ids=ids, labels=labels, use_cache=False).loss,
-            lambda: _training_loss(forward, model, ids, labels),
+            lambda: _training_loss(fused, model, ids, labels),
             check.TOL[dtype],
         )
 
@@ -177,8 +190,8 @@ def patch_loss(model: torch.nn.Module, report: PatchReport) -> None:
             if "labels" not in names or "logits_to_keep" not in names:
                 why = "its forward takes no labels or logits_to_keep"
             else:
-                forward = _forward(stock, names, base, softcap, output)
-                why = _probe_check(module, forward, at[1])
+                forward, fused = _forward(stock, names, base, softcap, output)
+                why = _probe_check(module, fused, at[1])
         if why is not None:
             report.keep(path, "loss", why)
             continue
@@ -187,8 +200,8 @@ def patch_loss(model: torch.nn.Module, report: PatchReport) -> None:
         report.add(Swap(path, "loss", what), bind.bind(module, forward, f"loss {what}"))
 
 
-def _training_loss(forward, model, ids, labels) -> torch.Tensor:
-    """The patched forward's loss as training takes it (the fused path: grad enabled), for the
-    check, which runs in eval mode."""
+def _training_loss(fused, model, ids, labels) -> torch.Tensor:
+    """The fused path's loss as training takes it (grad enabled), for the check, which runs in
+    eval mode."""
     with torch.enable_grad():
-        return forward(model, input_ids=ids, labels=labels, use_cache=False).loss.detach()
+        return fused(model, input_ids=ids, labels=labels, use_cache=False).loss.detach()

@@ -8,6 +8,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 KINDS = ("norm", "mlp", "rope", "loss")
+NOTHING = (
+    "nothing kbuild patches: no norm module, gated or GPT-2 MLP, attention calling "
+    "apply_rotary_pos_emb, or CausalLM with an lm_head in this model"
+)
 
 
 @dataclass(frozen=True)
@@ -65,8 +69,12 @@ class PatchReport:
         return bool(self.swaps)
 
     def __str__(self) -> str:
-        head = f"kbuild.patch({self.model}): {len(self.swaps)} patched, {len(self.kept)} left stock"
+        head = (
+            f"kbuild.nn.patch({self.model}): {len(self.swaps)} patched, {len(self.kept)} left stock"
+        )
         lines = [head]
+        if not self.swaps and not self.kept:
+            lines.append(f"  {NOTHING}")
         groups: dict[tuple[str, str, str], list[str]] = {}
         for s in self.swaps:
             groups.setdefault((s.kind, s.what, s.level), []).append(s.path)
