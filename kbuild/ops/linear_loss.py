@@ -28,15 +28,22 @@ same. The chunk is chosen from the shapes so its logits are about the size of `h
 
 Precision. The logits are rounded to hidden's dtype once (the matmul's output), the loss and
 log-sum-exp are fp32, the gradient of a chunk's logits is rounded to their dtype once. d(weight)
-accumulates across chunks in the weight's dtype: fp32 for an fp32 weight; for a 16-bit weight
-each chunk's fp32 product is added to a 16-bit running sum, one rounding per chunk (an fp32
-accumulator would cost 4 bytes x V x H more: 2.1 GB at Llama-3-8B's head). Fixed chunk order
+accumulates across chunks in the weight's dtype: fp32 for an fp32 weight, under autocast too
+(the weight is cast to autocast's dtype inside, for the matmuls, and each chunk's 16-bit product
+is added to the fp32 sum); for a 16-bit weight each chunk's fp32 product is added to a 16-bit
+running sum, one rounding per chunk (an fp32 accumulator would cost 4 bytes x V x H more:
+2.1 GB at Llama-3-8B's head). fp16 logits take a mean's 1 / n after: their gradient is written
+unscaled (|p - y| <= 1) and the backward multiplies the sums by 1 / n times the incoming
+gradient, so a loss scale (GradScaler) applies before the small terms would flush to zero, as
+torch's unfused path applies it; a softmax term below fp16's smallest subnormal (6e-8) still
+flushes, where torch keeps those above 6e-8 n / scale. Fixed chunk order
 and no atomics: bitwise the same every run on the same device.
 
 Works under autograd, torch.compile(fullgraph=True) (the forward and the recompute are custom
 ops with fakes), CUDA graphs (the one host read, of the bad-target flag with `check_targets`,
-is skipped under capture: see kbuild/ops/loss.py on targets) and autocast (the inputs are cast
-to autocast's dtype first, as F.linear would be; gradients reach fp32 weights in fp32).
+is skipped under capture: see kbuild/ops/loss.py on targets) and autocast (hidden is cast to
+autocast's dtype first, as F.linear would, the weight inside; gradients reach fp32 weights in
+fp32).
 """
 
 from __future__ import annotations
@@ -78,8 +85,16 @@ def _logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
 def _pass(hidden, weight, bias, target, coefs, options, chunk, wants, dloss=None):
     """One pass over the chunks: the rows' loss and lse (fp32) and the gradients in `wants`
     (d hidden, d weight, d bias: each a tensor or an empty one), scaled by coefs[0], or with
-    `dloss` by each row's incoming gradient. Returns the flag the kernels report into."""
+    `dloss` by each row's incoming gradient. Returns the flag the kernels report into.
+
+    A weight (and bias) wider than hidden (fp32 under autocast) is cast to hidden's dtype for
+    the matmuls, and d(weight) sums each chunk's 16-bit product in its own dtype."""
     ignore_index, smoothing, z_loss, softcap = options
+    dw_sum = None
+    if weight.dtype != hidden.dtype:
+        weight = weight.to(hidden.dtype)
+        bias = None if bias is None else bias.to(hidden.dtype)
+        dw_sum = wants[1]
     M = hidden.shape[0]
     loss, lse = (hidden.new_empty(M, dtype=torch.float32) for _ in range(2))
     dh, dw, db = wants
@@ -97,7 +112,9 @@ def _pass(hidden, weight, bias, target, coefs, options, chunk, wants, dloss=None
             rescale_(logits, dloss[start:end], coefs)
         if dh.numel():
             torch.mm(logits, weight, out=dh[start:end])
-        if dw.numel():
+        if dw_sum is not None and dw.numel():
+            dw.add_(torch.mm(logits.t(), h))  # fp32 across chunks, one rounding each
+        elif dw.numel():
             dw.addmm_(logits.t(), h)
         if db.numel():
             db += logits.sum(0, dtype=torch.float32)
@@ -154,14 +171,18 @@ def _forward(
     grad_bias: bool,
     chunk: int,
     check_targets: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """hidden (M, H), weight (V, H), bias (V,) or None, target (M,) -> the loss (fp32: () for
     a mean or sum, (M,) for "none"), each row's lse (M,) fp32, and for a mean or a sum the
-    gradients asked for (module docstring), each empty where not asked. softcap 0: none."""
+    gradients asked for (module docstring), each empty where not asked, and the factor (1,)
+    fp32 they still take besides the incoming gradient. softcap 0: none."""
     mean = reduction == "mean"
     cap = softcap or None
     coefs, n_valid = make_coefs(target, ignore_index, mean, label_smoothing, lse_square_scale,
                                 cap, weight.shape[0])  # fmt: skip
+    later = coefs.new_ones(1)
+    if mean and hidden.dtype == torch.float16:  # 1 / n applied after the fp16 gradient
+        later, coefs = coefs[:1].clone(), torch.cat([later, coefs[1:]])
     options = switches(ignore_index, label_smoothing, lse_square_scale, cap)
     wants = _wants(hidden, weight, bias, *_in_forward(reduction, grad_hidden, grad_weight,
                                                        grad_bias))  # fmt: skip
@@ -173,7 +194,7 @@ def _forward(
         loss = rows
     else:
         loss = rows.sum() / n_valid if mean else rows.sum()
-    return loss, lse, *wants
+    return loss, lse, *wants, later
 
 
 @_forward.register_fake
@@ -184,7 +205,7 @@ def _forward_fake(hidden, weight, bias, target, ignore_index, label_smoothing,
     loss = hidden.new_empty((M,) if reduction == "none" else (), dtype=torch.float32)
     wants = _wants(hidden, weight, bias, *_in_forward(reduction, grad_hidden, grad_weight,
                                                        grad_bias), make=_empty)  # fmt: skip
-    return loss, hidden.new_empty(M, dtype=torch.float32), *wants
+    return loss, hidden.new_empty(M, dtype=torch.float32), *wants, loss.new_empty(1)
 
 
 @torch.library.custom_op("kbuild::linear_cross_entropy_backward", mutates_args=())
@@ -240,8 +261,8 @@ def _backward(ctx, dloss, dlse, *unused):
         dh, dw, db = _recompute(hidden, weight, bias, target, dloss.float().contiguous(),
                                 *ctx.options, *ctx.asked, ctx.chunk)  # fmt: skip
     else:
-        dh, dw, db = ctx.saved_tensors
-        g = dloss.float()
+        dh, dw, db, later = ctx.saved_tensors
+        g = dloss.float() * later
         for d in (dh, dw, db):  # in place: no second hidden- or weight-sized tensor
             if d.numel():
                 d.mul_(g)
@@ -259,14 +280,15 @@ _forward.register_autograd(_backward, setup_context=_setup)
 # ----------------------------------------------------------------------------- public
 
 
-def _autocast(hidden, weight, bias):
-    """The inputs as the matmul under autocast would take them: cast to autocast's dtype
-    where autocast is on for hidden's device (autograd carries the casts' gradients back)."""
+def _autocast(hidden: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """hidden as the matmul under autocast would take it (cast to autocast's dtype where
+    autocast is on for its device; autograd carries the cast's gradient back), and whether
+    autocast is on. The weight and bias are cast inside the op, so d(weight) of an fp32
+    weight is summed in fp32 and reaches it without a 16-bit round trip."""
     kind = hidden.device.type
     if not torch.is_autocast_enabled(kind):
-        return hidden, weight, bias
-    dtype = torch.get_autocast_dtype(kind)
-    return hidden.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)
+        return hidden, False
+    return hidden.to(torch.get_autocast_dtype(kind)), True
 
 
 def linear_cross_entropy(
@@ -310,9 +332,9 @@ def linear_cross_entropy(
         check_input("bias", bias)
         if bias.shape != (V,):
             raise ValueError(f"bias must be (V,) = ({V},); got {tuple(bias.shape)}")
-    hidden, weight, bias = _autocast(hidden, weight, bias)
+    hidden, autocast = _autocast(hidden)
     for name, t in (("weight", weight), ("bias", bias)):
-        if t is not None and t.dtype != hidden.dtype:
+        if t is not None and t.dtype != hidden.dtype and not autocast:
             raise TypeError(f"{name} must have hidden's dtype ({hidden.dtype}); got {t.dtype}")
         if t is not None and t.device != hidden.device:
             raise ValueError(f"{name} must be on hidden's device {hidden.device}; got {t.device}")
