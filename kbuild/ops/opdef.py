@@ -463,12 +463,14 @@ class Op:
         return t
 
     def _user_cuda(self, *args: Any) -> Any:
-        """The `cuda=` kernel, given every argument: the dispatcher leaves out trailing
-        arguments equal to their schema defaults, which a plain Python function would miss.
+        """The `cuda=` kernel, given every argument (the dispatcher leaves out trailing
+        arguments equal to their schema defaults, which a plain Python function would miss)
+        and rows made dense, as the declaration promises its kernels (a strided x given to
+        torch.ops.kbuild.layernorm_fwd was read as dense rows).
         The kernels it launches by `kbuild.launch` are held to the Ids declaration: one
         reading an Ids tensor binds its dtype to an "index" parameter (ops/launch.py
         `_check_ids`; a Launch is checked when declared, `_Binding._check_names`)."""
-        bound = self._named(args)
+        bound = self._dense(self._named(args))
         if not self._ids:
             return self._cuda(*bound.values())
         token = IDS_IN_CALL.set((self.name, {n: bound[n] for n in self._ids}))
@@ -477,12 +479,15 @@ class Op:
         finally:
             IDS_IN_CALL.reset(token)
 
-    def _launch_cuda(self, *args: Any) -> Any:
-        bound = self._kernel_args(args)
+    def _dense(self, bound: dict[str, Any]) -> dict[str, Any]:
         for a in self.args:  # the kernels read dense rows
             if isinstance(a, _DENSE) and bound[a.name] is not None:
                 t = bound[a.name]
                 bound[a.name] = t if t.is_contiguous() else t.contiguous()
+        return bound
+
+    def _launch_cuda(self, *args: Any) -> Any:
+        bound = self._dense(self._kernel_args(args))
         first = self._first(bound)
         outs = [o.allocate(bound, first) for o in self.outputs]
         bound.update((o.name, t) for o, t in zip(self.outputs, outs, strict=True))
