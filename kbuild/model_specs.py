@@ -14,6 +14,9 @@ What a model launches once kbuild.nn.patch has put kbuild into it (kbuild/patchi
   gelu_new: tanh; gelu: erf), GPT-2's GELU (tanh) at 4 x hidden;
 - the cross-entropy kernels of its vocabulary (kbuild.cross_entropy and the fused linear
   cross-entropy: the same kernels), with Gemma 2's soft cap among them.
+Families patch swaps only the norms of (BERT's LayerNorms, T5's RMSNorms: `NORMS_ONLY`) warm
+those alone, and say so; a config of another family without rms_norm_eps is refused (patch
+would swap nothing known).
 Importing this module imports torch (the op modules' spec helpers take meta tensors).
 """
 
@@ -31,6 +34,19 @@ QK_NORM = ("qwen3", "qwen3_moe", "gemma3", "gemma3_text", "olmo2")
 GEMMA = ("gemma", "gemma2", "gemma3", "gemma3_text")
 TANH = ("gelu_pytorch_tanh", "gelu_new", "gelu_fast", "gelu_tanh")
 GATES = {"silu": "swiglu", "swish": "swiglu", "gelu": "geglu", **dict.fromkeys(TANH, "geglu")}
+# Families whose norms, rotary embedding and MLP activation (and loss) patch swaps.
+WHOLE = frozenset({"llama", "mistral", "qwen2", "qwen3", "phi", "phi3", "gpt2", *GEMMA, *QK_NORM})
+# Families kbuild.nn.patch swaps only the norms of (no MLP form, rotary call or causal LM head
+# it knows): model_type -> (the norm kbuild's check takes it for, the config's eps fields).
+# T5's T5LayerNorm is an RMSNorm (no mean, no bias).
+NORMS_ONLY = {
+    "bert": ("layernorm", ("layer_norm_eps",)),
+    "roberta": ("layernorm", ("layer_norm_eps",)),
+    "xlm-roberta": ("layernorm", ("layer_norm_eps",)),
+    "electra": ("layernorm", ("layer_norm_eps",)),
+    "t5": ("rmsnorm", ("layer_norm_epsilon",)),
+    "mt5": ("rmsnorm", ("layer_norm_epsilon",)),
+}
 
 
 def read_config(path: str) -> dict:
@@ -66,6 +82,13 @@ def _field(config: dict, *names: str, default=None, what: str = "int"):
 def model_specs(config: dict, dtype: str = "bf16") -> list[KernelSpec]:
     """The kernels of `config`'s model in `dtype` ("bf16", "f16", "f32"): the module
     docstring's list, each once."""
+    return model_plan(config, dtype)[0]
+
+
+def model_plan(config: dict, dtype: str = "bf16") -> tuple[list[KernelSpec], str | None]:
+    """(model_specs, what of the model kbuild.nn.patch leaves stock, or None where it patches
+    the whole family). ValueError for a config of whose model patch would swap nothing kbuild
+    knows to warm (a model_type neither written for nor with a norm it takes)."""
     import torch
 
     from .kernels.cross_entropy import vocab_specs
@@ -74,6 +97,22 @@ def model_specs(config: dict, dtype: str = "bf16") -> list[KernelSpec]:
     torch_dtype = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}[dtype]
     family = str(config.get("model_type") or "")
     H = _field(config, "hidden_size", "n_embd", "d_model")
+    if family in NORMS_ONLY:
+        norm, eps_fields = NORMS_ONLY[family]
+        eps = _field(config, *eps_fields, default=1e-12, what="float")
+        specs = for_width(H, dtype, ops=(norm,), **{"ln_eps" if norm == "layernorm" else
+                                                    "rms_eps": eps})  # fmt: skip
+        what = "LayerNorms" if norm == "layernorm" else "RMSNorms"
+        return list(dict.fromkeys(specs)), (
+            f"{family}: kbuild.nn.patch swaps its {what} only (warmed); its MLPs, attention "
+            "and loss stay stock"
+        )
+    if family not in WHOLE and "rms_norm_eps" not in config:
+        known = sorted({*WHOLE, *NORMS_ONLY})
+        raise ValueError(
+            f"model_type {family!r}: kbuild.nn.patch would swap nothing warmup --model knows "
+            f"for it (configs it reads: {', '.join(known)}, or any with rms_norm_eps)"
+        )
     V = _field(config, "vocab_size")
     if family == "gpt2":  # LayerNorm, learned positions, GELU (tanh), tied head
         specs = for_width(H, dtype, ops=("layernorm", "encoder", "linear"))
@@ -82,7 +121,7 @@ def model_specs(config: dict, dtype: str = "bf16") -> list[KernelSpec]:
         gelu = activations.GELU
         both = gelu.kernel_values(x, True) + gelu.backward.kernel_values(x, x, True)
         specs += [k.spec(*values) for k, values in both]
-        return list(dict.fromkeys(specs + vocab_specs(V, (dtype,))))
+        return list(dict.fromkeys(specs + vocab_specs(V, (dtype,)))), None
     heads = _field(config, "num_attention_heads", "n_head")
     kv = _field(config, "num_key_value_heads", default=heads)
     D = _field(config, "head_dim", default=H // heads)
@@ -103,13 +142,18 @@ def model_specs(config: dict, dtype: str = "bf16") -> list[KernelSpec]:
     inner = _field(config, "intermediate_size")
     specs += activations.gated_specs(gate, inner, torch_dtype,
                                      None if gate == "swiglu" else act in TANH)  # fmt: skip
-    return list(dict.fromkeys(specs + vocab_specs(V, (dtype,))))
+    return list(dict.fromkeys(specs + vocab_specs(V, (dtype,)))), None
 
 
 def config_specs(path: str, dtype: str) -> list[KernelSpec]:
     """model_specs of the config file at `path` (ValueError naming it)."""
+    return config_plan(path, dtype)[0]
+
+
+def config_plan(path: str, dtype: str) -> tuple[list[KernelSpec], str | None]:
+    """model_plan of the config file at `path` (ValueError naming it)."""
     try:
-        return model_specs(read_config(path), dtype)
+        return model_plan(read_config(path), dtype)
     except ValueError as err:
         text = str(err)
         raise ValueError(text if text.startswith(path) else f"{path}: {text}") from None

@@ -239,12 +239,15 @@ def _specs_from(args) -> list[KernelSpec]:
         for name in declared:
             specs += _declared_op_specs(name, args.hidden, args.dtype)
     for path in args.model or []:
-        from ..model_specs import config_specs
+        from ..model_specs import config_plan
 
         try:
-            specs += config_specs(path, args.dtype)
+            found, left_out = config_plan(path, args.dtype)
         except ValueError as err:
             raise CLIError(f"--model {err}") from None
+        specs += found
+        if left_out is not None:
+            print(f"--model {path}: {left_out}")
     for V in args.vocab or []:
         from ..kernels.cross_entropy import vocab_specs
 
