@@ -18,9 +18,15 @@ def _cuda_device_count() -> int:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Skip `gpu` tests without CUDA and `multi_gpu` tests with fewer than two devices;
-    `rocm` tests without a ROCm torch and an AMD GPU."""
+    `rocm` tests without a ROCm torch and an AMD GPU; `not_interpreted` tests under
+    KBUILD_INTERPRET (CPU tensors then take the kernels' path)."""
     needs = {}
+    interpreted = os.environ.get("KBUILD_INTERPRET", "") not in ("", "0")
     for item in items:
+        if interpreted and item.get_closest_marker("not_interpreted"):
+            reason = "checks the CPU reference path or the C++ extension, not the kernels"
+            item.add_marker(pytest.mark.skip(reason=reason))
+            continue
         if item.get_closest_marker("rocm"):
             import torch
 

@@ -181,6 +181,7 @@ def test_requires_grad_is_fine_under_no_grad():
 # --- imports ------------------------------------------------------------------------------
 
 
+@pytest.mark.not_interpreted
 def test_cpu_rmsnorm_does_not_import_mlir(subprocess_env):
     code = (
         "import kbuild, torch, sys; y = kbuild.rmsnorm(torch.randn(2, 8)); "

@@ -129,6 +129,7 @@ def test_nn_modules():
 # ----------------------------------------------------------------------------- errors
 
 
+@pytest.mark.not_interpreted
 @pytest.mark.parametrize(
     "args, error, message",
     [

@@ -216,6 +216,7 @@ def test_compiled_with_the_op_in_the_graph(name, dim):
     torch._dynamo.reset()
 
 
+@pytest.mark.not_interpreted
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("N,make", [(256, "aligned"), (4097, "aligned"), (4096, "misaligned")])
 def test_the_ops_run_on_the_generic_kernel(paths, name, N, make):  # noqa: F811

@@ -219,6 +219,7 @@ def test_warmup_names_a_users_module(subprocess_env, tmp_path):
     assert bad.returncode == 2 and bad.stderr.strip().endswith("nope.py: no such file")
 
 
+@pytest.mark.not_interpreted
 def test_launch_binds_tensors_and_ints_in_the_kernels_order(monkeypatch):
     """kbuild.launch: the spec from the keywords, one memory-tier key per spec and device, the
     grid from the loaded launcher, tensors as their addresses and ints as they are."""

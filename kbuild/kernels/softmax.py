@@ -59,9 +59,9 @@ def _forward(name: str, log: bool, N, dtype, target, out_dtype, vectorize):
                 return [m, state[1] * exp(state[0] - safe) + e]
 
             m, s = t.reduce(t.over_chunks(own, [const(NEG_INF), const(0.0)]), softmax_pair)
-            if log:
-                lse = m + ln(s)
-                write = lambda c: [a - lse for a in v(c)]  # noqa: E731
+            if log:  # (x - m) - log s: x - lse rounds lse at the logits' magnitude
+                log_s = ln(s)
+                write = lambda c: [(a - m) - log_s for a in v(c)]  # noqa: E731
             else:
                 write = lambda c: [exp(a - m) * (1.0 / s) for a in v(c)]  # noqa: E731
         else:  # exp(x - own max) held, rescaled once to the row's max
@@ -69,9 +69,9 @@ def _forward(name: str, log: bool, N, dtype, target, out_dtype, vectorize):
             safe = select(eq(m_own, NEG_INF), 0.0, m_own)  # a thread that holds only padding
             e = [exp(a - safe) for a in v(0)]
             m, s = t.reduce([m_own, thread_sum(e)], softmax_pair)
-            if log:
-                lse = m + ln(s)
-                write = lambda c: [a - lse for a in v(c)]  # noqa: E731
+            if log:  # (x - m) - log s: x - lse rounds lse at the logits' magnitude
+                log_s = ln(s)
+                write = lambda c: [(a - m) - log_s for a in v(c)]  # noqa: E731
             else:
                 # exp(m_own - m) <= 1 (not exp(safe - m), which overflows for a thread of
                 # -inf values in a row whose maximum is below -88: 0 * inf = NaN)

@@ -1,0 +1,155 @@
+"""The interpreter (kbuild.interpret) on kernels written to go wrong, and on kbuild's own.
+
+Each fault kernel below is what a kernel author gets wrong; the interpreter must name it the
+way compute-sanitizer would (kernel, block, thread, address), where plain lockstep execution
+would have run on and produced plausible numbers. The second half runs the op suites with
+KBUILD_INTERPRET set, so every op's CUDA path (launch code, plans, autograd) executes on CPU
+tensors against the fp64 references, for sm_90 and for gfx942 (wave64, no clusters).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("mlir")
+
+from kbuild import Arg, Param, kernel  # noqa: E402
+from kbuild.interpret import KernelFault, RaceError, run_spec  # noqa: E402
+from kbuild.targets import target_for_arch  # noqa: E402
+
+BLOCK = 64
+
+
+@kernel(
+    "interp_shifted_copy",
+    params=(Param("shift", "int"),),
+    args=(Arg("x"), Arg("y"), Arg("n", "i64")),
+)
+def build_shifted_copy(shift, target):
+    """y[i + shift] = 2 x[i]: with shift = 1 the last thread stores one past y's end."""
+    from kbuild.dsl import Kernel, get_llvm_ptr, if_then, load, store
+
+    k = Kernel("interp_shifted_copy", target, block=BLOCK)
+    with k:
+        x, y, n = k.ptr("x"), k.ptr("y"), k.i64("n")
+        i = k.block_id() * BLOCK + k.thread_id()
+
+        def body():
+            v = load(get_llvm_ptr(x, i, "f32"), "f32")
+            store(v * 2.0, get_llvm_ptr(y, i + shift, "f32"))
+
+        if_then(i < n, body)
+    return k
+
+
+@kernel(
+    "interp_neighbour_sum",
+    params=(Param("synchronised", "bool"), Param("uniform", "bool")),
+    args=(Arg("x"), Arg("y")),
+)
+def build_neighbour_sum(synchronised, uniform, target):
+    """y[t] = x[t] + x[t + 1 mod block], through shared memory: without the barrier between
+    the store and the read, a thread reads its neighbour's slot before the GPU orders it;
+    with a barrier only half the block reaches, the block diverges."""
+    from kbuild.dsl import Kernel, get_llvm_ptr, if_then, load, store
+
+    k = Kernel("interp_neighbour_sum", target, block=BLOCK)
+    with k:
+        x, y = k.ptr("x"), k.ptr("y")
+        t = k.thread_id()
+        smem = k.shared(BLOCK, "f32")
+        v = load(get_llvm_ptr(x, t, "f32"), "f32")
+        store(v, get_llvm_ptr(smem, t, "f32"))
+        if synchronised and uniform:
+            k.barrier()
+        elif synchronised:
+            if_then(t < BLOCK // 2, k.barrier)
+        other = load(get_llvm_ptr(smem, (t + 1) % BLOCK, "f32"), "f32")
+        store(v + other, get_llvm_ptr(y, t, "f32"))
+    return k
+
+
+@pytest.mark.parametrize("arch", ["sm_90", "gfx942"])
+def test_a_correct_kernel_computes_its_values(arch):
+    n = 100
+    x, y = torch.randn(n), torch.zeros(n + 1)
+    run_spec(build_shifted_copy.spec(shift=0), -(-n // BLOCK), x, y, n,
+             target=target_for_arch(arch))  # fmt: skip
+    assert torch.equal(y[:n], 2 * x) and y[n] == 0
+
+
+def test_an_out_of_bounds_store_names_the_kernel_the_thread_and_the_address():
+    n = BLOCK * 2
+    x, y = torch.randn(n), torch.zeros(n)
+    end = y.data_ptr() + 4 * n
+    with pytest.raises(KernelFault) as info:
+        run_spec(build_shifted_copy.spec(shift=1), 2, x, y, n)
+    text = str(info.value)
+    assert "interp_shifted_copy: out-of-bounds global store of 4 bytes" in text
+    assert f"at {end:#x}" in text and "by block (1, 0, 0) thread (63, 0, 0)" in text
+
+
+def test_a_missing_barrier_is_a_race_that_lockstep_would_hide():
+    x, y = torch.randn(BLOCK), torch.zeros(BLOCK)
+    spec = build_neighbour_sum.spec(synchronised=True, uniform=True)
+    run_spec(spec, 1, x, y)
+    assert torch.equal(y, x + x.roll(-1))
+    with pytest.raises(RaceError, match="race: block .0, 0, 0. thread .0, 0, 0. reads shared"):
+        run_spec(build_neighbour_sum.spec(synchronised=False, uniform=True), 1, x, y)
+
+
+def test_a_barrier_reached_by_half_the_block_is_divergence():
+    x, y = torch.randn(BLOCK), torch.zeros(BLOCK)
+    with pytest.raises(KernelFault, match=r"block barrier reached by only part of its threads"):
+        run_spec(build_neighbour_sum.spec(synchronised=True, uniform=False), 1, x, y)
+
+
+def test_a_tensor_the_kernel_was_not_given_is_still_memory_but_freed_bytes_are_not():
+    """Addresses come from the allocation table: a pointer past every live tensor faults."""
+    x = torch.randn(BLOCK)
+    with pytest.raises(KernelFault, match="no tensor holds those bytes"):
+        run_spec(build_shifted_copy.spec(shift=0), 1, x, x.data_ptr() * 0 + 64, BLOCK)
+
+
+# ----------------------------------------------------------------------------- the op suites
+
+# The op test files whose CPU tests then run each op's CUDA path on the interpreter; sized
+# for CI (about 4 minutes on 2 cores for both targets).
+SUITES = {
+    "sm_90": [
+        "tests/test_softmax_cpu.py",
+        "tests/test_cross_entropy_cpu.py",
+        "tests/test_rope_cpu.py",
+        "tests/test_activations_cpu.py",
+        "tests/test_qk_norm_rope_cpu.py",
+        "tests/test_layernorm_cpu.py",
+        "tests/test_autograd_cpu.py",
+        "tests/test_llmc_cpu.py",
+        "tests/test_linear_cross_entropy_cpu.py",
+    ],
+    "gfx942": [
+        "tests/test_softmax_cpu.py",
+        "tests/test_rope_cpu.py",
+        "tests/test_layernorm_cpu.py",
+    ],
+}
+
+
+@pytest.mark.parametrize("arch", sorted(SUITES))
+def test_the_op_suites_pass_on_the_cuda_path_interpreted(arch, subprocess_env):
+    env = dict(subprocess_env, KBUILD_INTERPRET=arch)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *SUITES[arch]],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
+    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
