@@ -167,6 +167,12 @@ class LinearCrossEntropy(Module):
 
     def __init__(self, in_features: int, num_classes: int, bias: bool = False, device=None,
                  dtype=None, **options):  # fmt: skip
+        for name, value, least in (("in_features", in_features, 1),
+                                   ("num_classes", num_classes, 2)):  # fmt: skip
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+            if value < least:
+                raise ValueError(f"{name} must be >= {least}; got {value}")
         super().__init__()
         kinds = dict(device=device, dtype=dtype)
         self.weight = torch.nn.Parameter(torch.empty(num_classes, in_features, **kinds))

@@ -211,6 +211,20 @@ def test_nn_linear_cross_entropy_shares_the_heads_parameters():
         kbuild.nn.LinearCrossEntropy.from_linear(head, smoothing=0.1)
 
 
+@pytest.mark.parametrize(
+    "args,error,message",
+    [((0, 10), ValueError, "in_features must be >= 1; got 0"),
+     ((16, -3), ValueError, "num_classes must be >= 2; got -3"),
+     ((16, 1), ValueError, "num_classes must be >= 2; got 1"),
+     ((16.0, 10), TypeError, "in_features must be an int, got float")],
+)  # fmt: skip
+def test_nn_linear_cross_entropy_sizes_name_the_argument(args, error, message):
+    """Catches sizes that reach torch.empty or the init unchecked (0 in_features divided by
+    zero in the init's std; a negative class count gave torch's raw error)."""
+    with pytest.raises(error, match=message):
+        kbuild.nn.LinearCrossEntropy(*args)
+
+
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 def test_under_autocast_fp32_weights_get_fp32_gradients(reduction):
     """Mixed precision as Hugging Face's Trainer runs it (bf16 autocast, fp32 weights): the
