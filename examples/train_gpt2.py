@@ -3,7 +3,7 @@ torch's modules: same initial weights, same batches, the two taking turns step b
 loss of both and, on a GPU, their tokens/s.
 
     python examples/train_gpt2.py                      # GPU: GPT-2 124M shape, bf16, 300 steps
-    python examples/train_gpt2.py --model tiny --device cpu   # anywhere: 20 steps, about a minute
+    python examples/train_gpt2.py --device cpu         # CPU: the tiny model, 20 steps, a minute
 
 The corpus needs no download: the bytes of the Python standard library's own source files
 (byte-level tokens, ids 0-255 of GPT-2's vocabulary padded to 50304 entries). The model is
@@ -44,6 +44,12 @@ VOCAB = 50304  # GPT-2's 50257, padded to a multiple of 128 as llm.c does
 # minute, the loss going from 10.45 to 7.61 (2026-12-05: 68 s of CPU time; 100 s wall on 2
 # cores shared with other jobs).
 STEPS = {"cuda": 300, "cpu": 20}
+# The 124M model on a CPU, not run to the end here: about 6 x 124M x 8192 = 6e12 FLOPs per step
+# of one model at batch 8, so minutes per step for the two at the ~50 GFLOP/s of 2 cores.
+SLOW_CPU = (
+    "gpt2-124m on a CPU: an estimated 4 minutes per step of both models on 2 cores (about 6e12 "
+    "FLOPs each), 20 steps over an hour; --model tiny runs in about a minute"
+)
 
 
 class TorchEmbedding(nn.Module):
@@ -178,7 +184,9 @@ class Trainer:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line, defaults that depend on the device filled in."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", choices=MODELS, default="gpt2-124m")
+    parser.add_argument(
+        "--model", choices=MODELS, help="default: gpt2-124m on a GPU, tiny on a CPU"
+    )
     parser.add_argument("--impl", choices=("kbuild", "torch", "both"), default="both")
     parser.add_argument(
         "--steps", type=int, help=f"default: {STEPS['cuda']} on a GPU, {STEPS['cpu']} on a CPU"
@@ -190,6 +198,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--log-every", type=int, help="default: every 25 steps, or 6 lines")
     parser.add_argument("--json", help="write the losses and step times here")
     args = parser.parse_args(argv)
+    if args.model is None:
+        args.model = "gpt2-124m" if args.device.startswith("cuda") else "tiny"
     if args.steps is None:
         args.steps = STEPS["cuda" if args.device.startswith("cuda") else "cpu"]
     if args.log_every is None:
@@ -200,6 +210,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     layers, heads, width, T = MODELS[args.model]
+    print(f"{args.model} on {args.device}: {layers} layers, width {width}, sequence {T}, "
+          f"{args.steps} steps of batch {args.batch}", flush=True)  # fmt: skip
+    if args.model == "gpt2-124m" and not args.device.startswith("cuda"):
+        print(SLOW_CPU, flush=True)
     dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
     data = batches(corpus(4 << 20), args.steps, args.batch, T, args.device)
     torch.manual_seed(0)

@@ -34,6 +34,15 @@ def test_the_cpu_quick_start_is_short_by_default():
     assert example.parse_args(["--device", "cpu", "--steps", "7"]).steps == 7
 
 
+def test_the_cpu_default_is_the_tiny_model():
+    """Catches `--device cpu` alone picking the 124M model (minutes per step, nothing printed
+    for the first of them): the tiny model there, 124M on a GPU."""
+    example = _example()
+    assert example.parse_args(["--device", "cpu"]).model == "tiny"
+    assert example.parse_args(["--device", "cuda"]).model == "gpt2-124m"
+    assert example.parse_args(["--device", "cpu", "--model", "gpt2-124m"]).model == "gpt2-124m"
+
+
 def test_a_short_cpu_run_trains(subprocess_env, tmp_path):
     """Catches a quick start whose loss does not go down in its few steps (a warm-up longer
     than the run, a learning rate of zero), or where kbuild's model and torch's part ways."""
