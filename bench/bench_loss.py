@@ -28,13 +28,15 @@ Every implementation is first checked against an fp64 reference on a small case 
 wrong one must not pass for a result); a peer that fails to import or run is recorded with
 its error, and one that changes its inputs is named ("inputs_overwritten").
 
-Memory (80 GB cards): each case's tensors are made, timed and freed before the next. Expected
-peaks (one case alive at a time): the cross-entropy part about 27 GiB at V = 256000 (the
-logits, Liger's copy, the lone kernel's gradient and the gradient, 4.2 GB each, plus torch
-eager's log-softmax and its gradient); the fused part about 40 GiB, the unfused eager path at
-the Gemma 2 head (fp32 logits, the soft cap's tanh, log-softmax and their gradients, 8.4 GB
-each). On 2026-12-07 the fused part ran out of memory at 73 GiB allocated: every
-cross-entropy case's tensors were still alive. The run prints each case's peak.
+Memory (80 GB cards): each case's tensors are made, timed and freed before the next, so the
+peak is the largest case's. Expected, one case alive at a time: the cross-entropy part about
+24 GiB at V = 256000 (the logits, Liger's copy, the lone kernel's gradient and the gradient,
+4.2 GB each, plus torch eager's log-softmax and its gradient); the fused part about 33 GiB,
+the unfused eager path at the Gemma 2 head (fp32 logits, the soft cap's tanh, log-softmax and
+their gradients, 8.4 GB each). Measured on an H100 on 2026-12-07 (c5da4c6): 23.6 and 32.5 GiB
+allocated (bench/results/loss_h100_2026-12-07.json, `case_peak_gib`). Before, the fused part
+ran out of memory at 73 GiB allocated: every cross-entropy case's tensors were still alive.
+The run prints each case's peak.
 """
 
 from __future__ import annotations
