@@ -4,8 +4,6 @@ softmax (examples/custom_softmax.py) at GPT-2's vocabulary and at long rows, wit
 same run and copy bandwidth measured there too.
 
     kbuild warmup --arch sm_90 --module bench/bench_rows.py --cache-dir .kbuild-aot
-    for n in 4096 4097 5120 5123; do kbuild warmup --arch sm_90 --hidden $n --dtype bf16 \
-        --cache-dir .kbuild-aot; done
     KBUILD_CACHE_DIR=.kbuild-aot KBUILD_OFFLINE=1 python bench/bench_rows.py [out.json]
 
 Before timing, every kernel timed here is checked against an fp64 reference on rows of every
@@ -33,6 +31,9 @@ from kbuild.manifest import BENCH_ELEMENTS  # noqa: E402
 
 SOFTMAX = ((4096, 50257), (4096, 32768), (16384, 4096), (4096, 4097))
 NORM_N = (4096, 4097, 5120, 5123)
+# The widths check_values holds to fp64 (the norms and the softmax) before timing: peeled rows
+# in one block (4097, 5123, f32 1001) and split over a cluster (50257, 65537).
+CHECKS = ((torch.bfloat16, (4097, 5123, 50257, 65537)), (torch.float32, (1001,)))
 # Launch-plan alternatives timed beside the chooser's pick: rows split over `cluster` blocks.
 CLUSTERS = {32768: (2, 4, 8), 50257: (2, 4, 8)}
 
@@ -47,11 +48,20 @@ def variant_specs() -> list:
 
 
 def warmup_specs() -> list:
-    """What `kbuild warmup --module bench/bench_rows.py` compiles: the example's kernels at
-    these widths and the plan alternatives (the norms come from `--hidden N`)."""
-    specs = [s for _, N in SOFTMAX for s in user.softmax.warm_specs(N, "bf16", misaligned=False)]
-    specs += [s for N in (1001, 4099) for s in user.softmax.warm_specs(N, "f32", misaligned=False)]
-    return specs + variant_specs()
+    """What `kbuild warmup --module bench/bench_rows.py` compiles: every kernel it launches,
+    the example's softmax and the norms (training steps, for_width) at the timed widths and
+    at check_values' widths, and the plan alternatives."""
+    from kbuild.manifest import for_width
+
+    names = {torch.bfloat16: "bf16", torch.float32: "f32"}
+    widths = [(torch.bfloat16, N) for _, N in SOFTMAX]
+    widths += [(dtype, N) for dtype, Ns in CHECKS for N in Ns]
+    specs = []
+    for dtype, N in dict.fromkeys(widths):
+        specs += user.softmax.warm_specs(N, names[dtype], misaligned=False)
+    for dtype, N in dict.fromkeys([(torch.bfloat16, N) for N in NORM_N] + widths[len(SOFTMAX) :]):
+        specs += for_width(N, names[dtype])
+    return list(dict.fromkeys(specs + variant_specs()))
 
 
 def relative(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -66,7 +76,7 @@ def check_values() -> dict:
     forward and every gradient, for the norms and the softmax; returns the errors."""
     torch.manual_seed(0)
     errors = {}
-    for dtype, widths in ((torch.bfloat16, (4097, 5123, 50257, 65537)), (torch.float32, (1001,))):
+    for dtype, widths in CHECKS:
         for N in widths:
             errors.update(check_width(N, dtype))
     return errors

@@ -59,6 +59,16 @@ TINY_SHAPE = (4, 4096)  # host-overhead benchmark
 STANDARD_N = (1024, 4096, 8192)
 
 
+# tests/test_patch_gpu.py's Hugging Face models (random weights, bf16 on CUDA, patched by
+# kbuild.nn.patch), built by tests/test_patch_cpu.py's hf_model from these; `_patch_tests`
+# warms each one's model_specs (its steps and the patch's checks).
+PATCH_KINDS = ("llama", "qwen3", "gemma2", "phi3", "gpt2")
+PATCH_WIDTH, PATCH_INTER, PATCH_HEAD_DIM, PATCH_HEADS, PATCH_KV = 256, 512, 64, 4, 2
+PATCH_VOCAB = 512
+PATCH_MEMORY_VOCAB = 32000  # test_fused_loss_holds_less_memory's llama
+PATCH_CAP = 30.0  # Gemma 2's final_logit_softcapping there
+
+
 TRAIN_N, TRAIN_DTYPE = 768, "f32"  # the small model trained eager vs torch.compile
 ENCODER_C = (768, 1024, 1600, 4095)  # GPT-2 small, medium, XL widths, and an odd one
 ENCODER_DTYPES = ("f32", "bf16")
@@ -235,6 +245,41 @@ def _tests() -> Iterator[KernelSpec]:
             yield from _encoder_family(C, dtype)
         for OC in BIAS_OC:
             yield from _bias_family(OC, dtype)
+    yield from _patch_tests()
+
+
+def patch_test_configs() -> list[dict]:
+    """The config dicts of tests/test_patch_gpu.py's models, by transformers' config classes
+    (their defaults: eps, activation, rotary); none where transformers is not installed (the
+    test is skipped there too). tests/test_warm_lists_cpu.py holds them to hf_model's."""
+    try:
+        import transformers
+    except ImportError:
+        return []
+    common = dict(hidden_size=PATCH_WIDTH, intermediate_size=PATCH_INTER, num_hidden_layers=2,
+                  num_attention_heads=PATCH_HEADS, num_key_value_heads=PATCH_KV,
+                  max_position_embeddings=256, bos_token_id=0, eos_token_id=0)  # fmt: skip
+    more = {
+        "qwen3": dict(head_dim=PATCH_HEAD_DIM),
+        "gemma2": dict(head_dim=PATCH_HEAD_DIM, final_logit_softcapping=PATCH_CAP),
+        "phi3": dict(partial_rotary_factor=0.5, pad_token_id=0),
+    }
+    configs = []
+    for kind in PATCH_KINDS:
+        for vocab in (PATCH_VOCAB, PATCH_MEMORY_VOCAB) if kind == "llama" else (PATCH_VOCAB,):
+            if kind == "gpt2":
+                given = dict(n_embd=PATCH_WIDTH, n_layer=2, n_head=PATCH_HEADS, vocab_size=vocab)
+            else:
+                given = dict(common, vocab_size=vocab, **more.get(kind, {}))
+            configs.append(transformers.AutoConfig.for_model(kind, **given).to_dict())
+    return configs
+
+
+def _patch_tests() -> Iterator[KernelSpec]:
+    from .model_specs import model_specs  # imports torch
+
+    for config in patch_test_configs():
+        yield from model_specs(config, "bf16")
 
 
 def _bench() -> Iterator[KernelSpec]:

@@ -13,10 +13,11 @@ What a model launches once kbuild.nn.patch has put kbuild into it (kbuild/patchi
 - the MLP's activation at the intermediate size: SwiGLU (silu), GeGLU (gelu_pytorch_tanh,
   gelu_new: tanh; gelu: erf), GPT-2's GELU (tanh) at 4 x hidden;
 - the cross-entropy kernels of its vocabulary (kbuild.cross_entropy and the fused linear
-  cross-entropy: the same kernels), with Gemma 2's soft cap among them.
-Families patch swaps only the norms of (BERT's LayerNorms, T5's RMSNorms: `NORMS_ONLY`) warm
-those alone, and say so; a config of another family without rms_norm_eps is refused (patch
-would swap nothing known).
+  cross-entropy: the same kernels), with Gemma 2's soft cap among them;
+- what the patch's checks launch on their probes (`probe_specs`).
+Norms at the config's eps (rms_norm_eps, GPT-2's layer_norm_epsilon). Families patch swaps only
+the norms of (BERT's LayerNorms, T5's RMSNorms: `NORMS_ONLY`) warm those alone, and say so; a
+config of another family without rms_norm_eps is refused (patch would swap nothing known).
 Importing this module imports torch (the op modules' spec helpers take meta tensors).
 """
 
@@ -115,7 +116,9 @@ def model_plan(config: dict, dtype: str = "bf16") -> tuple[list[KernelSpec], str
         )
     V = _field(config, "vocab_size")
     if family == "gpt2":  # LayerNorm, learned positions, GELU (tanh), tied head
-        specs = for_width(H, dtype, ops=("layernorm", "encoder", "linear"))
+        ln_eps = _field(config, "layer_norm_epsilon", "layer_norm_eps", default=1e-5, what="float")
+        specs = for_width(H, dtype, ops=("layernorm", "encoder", "linear"), ln_eps=ln_eps)
+        specs += probe_specs(family, H, dtype)
         inner = _field(config, "n_inner", default=4 * H)
         x = torch.empty(1, inner, dtype=torch_dtype, device="meta")
         gelu = activations.GELU
@@ -127,7 +130,8 @@ def model_plan(config: dict, dtype: str = "bf16") -> tuple[list[KernelSpec], str
     D = _field(config, "head_dim", default=H // heads)
     factor = _field(config, "partial_rotary_factor", default=1.0, what="float")
     rd = int(D * factor) // 2 * 2
-    specs = for_width(H, dtype, ops=("rmsnorm", "fused_add_rmsnorm"),
+    eps = _field(config, "rms_norm_eps", default=1e-6, what="float")  # Llama-3, Phi-3: 1e-5
+    specs = for_width(H, dtype, ops=("rmsnorm", "fused_add_rmsnorm"), rms_eps=eps,
                       rms_offset=1.0 if family in GEMMA else 0.0,
                       head_dim=D if family in QK_NORM else None)  # fmt: skip
     for cs in dict.fromkeys((torch_dtype, torch.float32)):
@@ -142,7 +146,41 @@ def model_plan(config: dict, dtype: str = "bf16") -> tuple[list[KernelSpec], str
     inner = _field(config, "intermediate_size")
     specs += activations.gated_specs(gate, inner, torch_dtype,
                                      None if gate == "swiglu" else act in TANH)  # fmt: skip
+    specs += probe_specs(family, H, dtype, eps, act, D, rd)
     return list(dict.fromkeys(specs + vocab_specs(V, (dtype,)))), None
+
+
+def probe_specs(family: str, H: int, dtype: str, eps: float = 1e-6, act: str = "silu",
+                D: int = 0, rd: int = 0) -> list[KernelSpec]:  # fmt: skip
+    """What kbuild.nn.patch's checks launch beyond the model's steps, on the probes the
+    checks themselves build (kbuild/nn.py, kbuild/patching/): the norm check's inference
+    forward for each reading of the module's math it tries in turn (offset 0, then Gemma's
+    1: a Gemma norm, QK-norms included, launches both); the activation check's fp32 probe,
+    forward only, for each op tried until one agrees (swiglu, then geglu(tanh); GPT-2's
+    gelu(tanh)); the rotary check's probe at each rotary dim it tries (the model's and
+    head_dim), forward only (checks run under no_grad)."""
+    import torch
+
+    from .manifest import rmsnorm_fwd_spec
+    from .ops import activations, rope
+    from .patching import mlp as mlp_check
+    from .patching import rope as rope_check
+
+    z, u = mlp_check._act_probe("meta")
+    if family == "gpt2":
+        return [k.spec(*values) for k, values in activations.GELU.kernel_values(z, True)]
+    torch_dtype = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}[dtype]
+    specs = []
+    for gate in ("swiglu",) if GATES.get(act) == "swiglu" else ("swiglu", "geglu"):
+        dense = activations.FAMILIES[gate][0]
+        tanh = () if gate == "swiglu" else (True,)
+        specs += [k.spec(*values) for k, values in dense.kernel_values(z, u, *tanh)]
+    if family in GEMMA:
+        for n in (H, D) if family in QK_NORM else (H,):
+            specs.append(rmsnorm_fwd_spec(n, dtype, dtype, False, eps))
+    for R in sorted({r for r in (rd, D) if 0 < r <= D and r % 2 == 0}):
+        specs.append(rope.specs_for(*rope_check._probe(D, R, "meta", torch_dtype))[0])
+    return specs
 
 
 def config_specs(path: str, dtype: str) -> list[KernelSpec]:

@@ -46,7 +46,8 @@ def test_llama_norms_rope_swiglu_and_its_vocabulary():
     assert {p["N"] for p in k["rmsnorm_fwd"]} == {4096}
     assert all(p.get("offset", 0.0) == 0.0 for p in k["rmsnorm_fwd"])
     assert {(p["D"], p["rd"]) for p in k["rope"]} == {(128, 128)}
-    assert {p["N"] for p in k["swiglu_fwd"]} == {14336} and "geglu_fwd" not in k
+    # 64: the patch's activation check, an fp32 probe (kbuild/patching/mlp.py)
+    assert {p["N"] for p in k["swiglu_fwd"]} == {14336, 64} and "geglu_fwd" not in k
     assert {p["N"] for p in k["cross_entropy_fwd"]} == {128256}
     assert {p["softcap"] for p in k["cross_entropy_fwd"]} == {False, True}
     assert "layernorm_fwd" not in k
@@ -54,9 +55,11 @@ def test_llama_norms_rope_swiglu_and_its_vocabulary():
 
 def test_gemma2_offset_geglu_tanh_and_head_dim():
     k = _by_kernel(_specs(GEMMA2))
-    assert {p["offset"] for p in k["rmsnorm_fwd"]} == {1.0}
+    # offset 0: the norm check's first reading of Gemma's norm, inference forward only
+    offsets = {(p.get("offset", 0.0), p["store_rstd"]) for p in k["rmsnorm_fwd"]}
+    assert offsets == {(1.0, False), (1.0, True), (0.0, False)}
     assert {(p["D"], p["rd"]) for p in k["rope"]} == {(256, 256)}
-    assert {(p["N"], p["tanh"]) for p in k["geglu_fwd"]} == {(9216, True)}
+    assert {(p["N"], p["tanh"]) for p in k["geglu_fwd"]} == {(9216, True), (64, True)}
     assert {p["N"] for p in k["cross_entropy_fwd"]} == {256000}
 
 
@@ -68,20 +71,26 @@ def test_qwen3_has_its_qk_norm_and_llama_has_none():
 
 def test_partial_rotary_and_erf_gelu():
     k = _by_kernel(_specs(PHI))
-    assert {(p["D"], p["rd"]) for p in k["rope"]} == {(80, 32)}
-    assert {p["tanh"] for p in k["geglu_fwd"]} == {False}
+    # (80, 80): the rotary check probes head_dim too, forward only
+    assert {(p["D"], p["rd"], p["inverse"]) for p in k["rope"]} == {
+        (80, 32, False), (80, 32, True), (80, 80, False)}  # fmt: skip
+    # the activation check's fp32 probe tries geglu(tanh) after swiglu
+    assert {(p["N"], p["tanh"]) for p in k["geglu_fwd"]} == {(10240, False), (64, True)}
 
 
 def test_gpt2_layernorm_encoder_bias_grads_and_gelu():
     k = _by_kernel(_specs(GPT2))
     assert {p["N"] for p in k["layernorm_fwd"]} == {768}
     assert "encoder_fwd" in k and "bias_grad" in k and "rope" not in k
-    assert {(p["N"], p["tanh"]) for p in k["gelu_fwd"]} == {(3072, True)}
+    assert {(p["N"], p["tanh"]) for p in k["gelu_fwd"]} == {(3072, True), (64, True)}
 
 
 def test_the_dtype_is_every_kernels():
     specs = _specs(LLAMA, "f16")
-    assert {dict(s.params).get("dtype") for s in specs} - {None} == {"f16"}
+    # but the activation check's probe, fp32 whatever the model's dtype
+    probes = {s for s in specs if dict(s.params).get("N") == 64}
+    assert {dict(s.params).get("dtype") for s in probes} == {"f32"}
+    assert {dict(s.params).get("dtype") for s in specs if s not in probes} - {None} == {"f16"}
 
 
 def test_a_multimodal_configs_text_part(tmp_path):

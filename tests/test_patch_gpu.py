@@ -15,6 +15,15 @@ import copy
 import pytest
 import torch
 
+from kbuild.manifest import (
+    PATCH_CAP,
+    PATCH_HEAD_DIM,
+    PATCH_INTER,
+    PATCH_KINDS,
+    PATCH_MEMORY_VOCAB,
+    PATCH_VOCAB,
+    PATCH_WIDTH,
+)
 from kbuild.patching import patch
 
 from .test_patch_cpu import hf_model
@@ -22,11 +31,13 @@ from .test_patch_cpu import hf_model
 pytestmark = pytest.mark.gpu
 transformers = pytest.importorskip("transformers")
 
-VOCAB = 512
+# the models' shapes: kbuild.manifest's, which `kbuild warmup --manifest tests` warms
+VOCAB = PATCH_VOCAB
 
 
 def _model(kind: str, vocab: int = VOCAB):
-    model = hf_model(transformers, kind, width=256, inter=512, head_dim=64, vocab=vocab, cap=30.0)
+    model = hf_model(transformers, kind, width=PATCH_WIDTH, inter=PATCH_INTER,
+                     head_dim=PATCH_HEAD_DIM, vocab=vocab, cap=PATCH_CAP)  # fmt: skip
     model.config.use_cache = False
     return model.to(device="cuda", dtype=torch.bfloat16)
 
@@ -41,7 +52,7 @@ def _rel(a, b) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3", "gemma2", "phi3", "gpt2"])
+@pytest.mark.parametrize("kind", PATCH_KINDS)
 def test_patched_bf16_same_model(kind):
     stock = _model(kind)
     model = copy.deepcopy(stock)
@@ -101,7 +112,7 @@ def test_trains_as_stock_eager_and_compiled(kind):
 def test_fused_loss_holds_less_memory():
     """With a 32k vocabulary, the patched forward and backward peak below stock's by at least
     the logits' size (B T V in bf16 plus stock's fp32 upcast)."""
-    vocab = 32000
+    vocab = PATCH_MEMORY_VOCAB
     stock = _model("llama", vocab)
     model = copy.deepcopy(stock)
     patch(model)

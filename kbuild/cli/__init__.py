@@ -130,10 +130,13 @@ def warmup(
     all the same; then a CLIError (exit 1) counts the failures. A missing tool (ptxas) stops
     at once."""
     from ..compiler import CompileError
+    from ..model_specs import KERNEL_MODULES
 
     os.makedirs(root, exist_ok=True)
     results, failed = [], []
-    args = [(s.canonical_json(), arch, root, tuple(modules)) for s in specs]
+    # kbuild's own kernels outside the table (a manifest's patched models name them)
+    modules = tuple(dict.fromkeys((*KERNEL_MODULES, *modules)))
+    args = [(s.canonical_json(), arch, root, modules) for s in specs]
     width = len(str(len(specs)))
 
     def report(i: int, outcome: Callable[[], tuple]) -> None:
