@@ -118,8 +118,9 @@ def test_a_tensor_the_kernel_was_not_given_is_still_memory_but_freed_bytes_are_n
 
 # ----------------------------------------------------------------------------- the op suites
 
-# The op test files whose CPU tests then run each op's CUDA path on the interpreter; sized
-# for CI (about 4 minutes on 2 cores for both targets).
+# The op test files whose CPU tests then run each op's CUDA path on the interpreter, sized
+# for CI (7.3 min for a longer list on 2 busy cores, 2026-12-07). The full sweep, on demand:
+# KBUILD_INTERPRET=1 python3 -m pytest -q tests/  (KBUILD_INTERPRET=gfx942 for AMD).
 SUITES = {
     "sm_90": [
         "tests/test_softmax_cpu.py",
@@ -130,13 +131,8 @@ SUITES = {
         "tests/test_layernorm_cpu.py",
         "tests/test_autograd_cpu.py",
         "tests/test_llmc_cpu.py",
-        "tests/test_linear_cross_entropy_cpu.py",
     ],
-    "gfx942": [
-        "tests/test_softmax_cpu.py",
-        "tests/test_rope_cpu.py",
-        "tests/test_layernorm_cpu.py",
-    ],
+    "gfx942": ["tests/test_softmax_cpu.py", "tests/test_layernorm_cpu.py"],
 }
 
 
