@@ -28,6 +28,8 @@ KBUILD_INTERPRET=1         (set before import) CPU tensors take the CUDA path: t
                            the CPU (`1` or an NVIDIA arch: built for sm_90 or that arch;
                            `gfx942` / `gfx950`: the AMD kernels, wave64). No C++ hot path.
 KBUILD_INTERPRET_RACES=0   the interpreter's shared-memory race check off (on by default)
+KBUILD_INTERPRET_LOWERED=1 the interpreter runs the lowered module (NVVM / ROCDL, the LLVM
+                           dialect, unstructured control flow) instead of the builder's
 
 Only KBUILD_PTXAS changes generated code, and the ptxas version is part of every cache key.
 """

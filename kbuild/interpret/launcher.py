@@ -26,6 +26,12 @@ def enabled() -> bool:
     return os.environ.get("KBUILD_INTERPRET", "") not in ("", "0")
 
 
+def from_lowered() -> bool:
+    """KBUILD_INTERPRET_LOWERED=1: run the lowered module (NVVM / ROCDL) instead of the
+    builder's, so the lowering's own ops execute too."""
+    return os.environ.get("KBUILD_INTERPRET_LOWERED", "") not in ("", "0")
+
+
 def interpret_target() -> Target:
     """The target the interpreted kernels are built for: KBUILD_INTERPRET names an arch
     (sm_90, gfx942, ...); "1" means sm_90."""
@@ -89,7 +95,8 @@ class Launcher:
 
     function_handle = 0  # no driver function: the C++ hot path stays off under the interpreter
 
-    def __init__(self, spec: KernelSpec, target: Target, lowered: bool = False) -> None:
+    def __init__(self, spec: KernelSpec, target: Target, lowered: bool | None = None) -> None:
+        lowered = from_lowered() if lowered is None else lowered
         self.program, self.meta = program_for(spec, target, lowered)
         self.target = target
         self.block = int(self.meta["block"])

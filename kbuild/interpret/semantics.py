@@ -30,27 +30,31 @@ def op(*names: str):
 
 
 class Region:
-    __slots__ = ("blocks", "args")
+    __slots__ = ("blocks", "args", "successors")
 
-    def __init__(self, blocks, args) -> None:
+    def __init__(self, blocks, args, successors) -> None:
         self.blocks = blocks  # [[closure...]] one list a block
         self.args = args  # per block: the slots of its arguments
+        self.successors = successors  # per block: the indices its terminator may go to
 
 
 def region(program, reg) -> Region:
-    blocks, args = [], []
-    for block in reg.blocks:
-        args.append([program.slot(a) for a in block.arguments])
-    index = {}
-    for i, block in enumerate(reg.blocks):
-        index[_block_key(block)] = i
-    for block in reg.blocks:
-        blocks.append([_make(program, o, index) for o in block.operations])
-    return Region(blocks, args)
+    blocks = list(reg.blocks)
+    args = [[program.slot(a) for a in block.arguments] for block in blocks]
+    successors = [[] for _ in blocks]
+    if len(blocks) > 1:
+        for i, block in enumerate(blocks):
+            last = list(block.operations)[-1].operation
+            successors[i] = [_index_of(blocks, s) for s in last.successors]
+    made = [[_make(program, o, None) for o in block.operations] for block in blocks]
+    return Region(made, args, successors)
 
 
-def _block_key(block):
-    return block  # ir.Block is hashable and compares by identity
+def _index_of(blocks, block) -> int:
+    for i, b in enumerate(blocks):
+        if b == block:
+            return i
+    raise ValueError("a branch to a block outside its region")
 
 
 def _make(program, o, block_index) -> Callable:
@@ -68,7 +72,7 @@ class Terminated(Exception):
 def run_region(reg: Region, m) -> list | None:
     """Run a single-block region; returns what its terminator yields (slots' values)."""
     if len(reg.blocks) > 1:
-        from .cfg import run_blocks
+        from .lowered import run_blocks
 
         return run_blocks(reg, m)
     out = None
@@ -175,6 +179,8 @@ def _constant_value(attr, t: T.Type):
 def _scalar_attr(attr):
     from mlir import ir
 
+    if isinstance(attr, (bool, int, float)):  # a dense attribute's element, already a number
+        return attr
     if isinstance(attr, ir.FloatAttr):
         return attr.value
     if isinstance(attr, ir.BoolAttr):
@@ -567,4 +573,4 @@ def _reduction(program, o, _):
 
 
 # the other tables register themselves into OPS
-from . import access, control, threads  # noqa: E402,F401
+from . import access, control, lowered, threads  # noqa: E402,F401
