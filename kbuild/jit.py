@@ -10,6 +10,7 @@ and the binary is loaded into that device's context.
 
 from __future__ import annotations
 
+import functools
 import shlex
 import threading
 from collections.abc import Callable, Hashable
@@ -102,6 +103,12 @@ def device_target(device_index: int) -> Target:
     major = device_attribute(device_index, "COMPUTE_CAPABILITY_MAJOR")
     minor = device_attribute(device_index, "COMPUTE_CAPABILITY_MINOR")
     return target_for_capability(major, minor)
+
+
+@functools.cache
+def target_of(device_index: int) -> Target:
+    """device_target, asked once per device (launch paths that choose by target)."""
+    return device_target(device_index)
 
 
 def _load(artifact: Artifact, device_index: int):

@@ -413,3 +413,47 @@ def test_the_target_logit_is_read_before_a_block_barrier_in_training():
         values = ce_ops.fwd_values(7, torch.bfloat16, torch.int64, False, False, grad, True)
         ptx = _ptx(ce_ops.build_cross_entropy_fwd.spec(**values))
         assert len(re.findall(r"bar(rier)?\.sync", ptx)) == barriers
+
+
+# ----------------------------------------------------------------------------- many rows
+
+
+def test_many_rows_take_one_block_a_row_on_a_cluster_target():
+    """The forward's measured plan for calls of many rows (kernels/cross_entropy.py
+    MANY_ROWS_CLUSTER): one block a row at Llama-3's vocabulary on sm_90 (the chooser's
+    cluster 8 read 41.6% of copy, one block 68.8%), the chooser's plan for few rows (a linear
+    cross-entropy chunk), for 32768 (measured best at cluster 8) and where there are no
+    clusters; and the warm list holds both plans."""
+    from kbuild.kernels import cross_entropy as ce
+    from kbuild.targets import target_for_arch
+
+    sm90, gfx942 = target_for_arch("sm_90"), target_for_arch("gfx942")
+    assert ce.forward_keywords(128256, "bf16", True, 8192, sm90) == {"cluster": 1}
+    assert ce.forward_keywords(128256, "bf16", True, 256, sm90) == {}
+    assert ce.forward_keywords(32768, "bf16", True, 8192, sm90) == {}
+    assert ce.forward_keywords(128256, "bf16", True, 8192, gfx942) == {}
+    assert ce.forward_keywords(1000, "bf16", True, 8192, sm90) == {}  # one block already
+    specs = {s.short() for s in ce.vocab_specs(128256, ("bf16",))}
+    plain = ("cross_entropy_fwd(N=128256, dtype=bf16, grad=True, index_dtype=i64, "
+             "smoothing=False, softcap=False, vectorize=True, z_loss=False)")  # fmt: skip
+    assert plain in specs
+    assert plain.replace("128256, ", "128256, cluster=1, ") in specs
+
+
+def test_many_rows_values_match_fp64(monkeypatch):
+    """Interpreted (KBUILD_INTERPRET), a call past MANY_ROWS runs the one-block-a-row plan at
+    V = 20000 (the chooser splits its bf16 rows over 4 blocks): its loss and gradient, with
+    smoothing, against fp64."""
+    from kbuild.kernels import cross_entropy as ce
+
+    monkeypatch.setattr(ce, "MANY_ROWS", 2)
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(3, 20000, generator=g) * 3).bfloat16().requires_grad_()
+    t = torch.randint(0, 20000, (3,), generator=g)
+    loss = kbuild.cross_entropy(x, t, label_smoothing=0.1)
+    loss.backward()
+    xd = x.detach().double().requires_grad_()
+    ref = F.cross_entropy(xd, t, label_smoothing=0.1)
+    ref.backward()
+    assert abs(loss.item() - ref.item()) < 1e-2 * abs(ref.item())
+    assert (x.grad.double() - xd.grad).abs().max() < 1e-2 * xd.grad.abs().max()

@@ -36,10 +36,12 @@ usual `loss.backward()` of a mean or a sum reads no logits' worth of memory at a
 
 from __future__ import annotations
 
+import functools
 import itertools
 
+from ..targets import target_for_arch
 from .declare import kernel
-from .row_plan import ONLINE_WORDS, row_kernel
+from .row_plan import ONLINE_WORDS, RowBudget, plan_rows, row_kernel
 from .table import Arg, Param
 
 BAD_TARGET = 1  # the flag's code for a target outside [0, V)
@@ -247,18 +249,52 @@ def build_cross_entropy_rescale(N, dtype, target, vectorize=True):
     return k
 
 
+# The forward's cluster for a call of many rows, measured on an H100 (2026-12-07, 8192 bf16
+# rows, bench/bench_ce_clusters.py; bench/results/cross_entropy_cluster_table_h100_2026-12-07
+# .json). With a block per row already many waves deep, splitting a row over a cluster only
+# adds the exchange: one block a row, walking it in chunks, read 67-69% of copy at V = 32000,
+# 128256, 151936, 256000 and 262144, where the chooser's cluster 8 read 41.6-63.4% (fwd +
+# bwd through autograd: 37.7-46.2% against 29.0-43.4%). At 32768 cluster 8 stays ahead (63.5%
+# against 51.6%). The chooser's plan serves fewer rows (kbuild.linear_cross_entropy's chunks
+# of a few hundred), where one block a row would leave SMs idle.
+MANY_ROWS = 2048
+MANY_ROWS_CLUSTER = {32768: 8}  # V -> the cluster measured best; every other V: 1
+CLUSTER_TARGET = "sm_90"  # the cluster target the table was measured on (vocab_specs warms it)
+
+
+@functools.cache
+def _chosen_cluster(V: int, dtype: str, vectorize: bool, target) -> int:
+    budget = RowBudget(words_per_elem=ONLINE_WORDS[dtype])
+    return plan_rows(V, dtype, target, vectorize=vectorize, budget=budget,
+                     persistent=False).row.cluster  # fmt: skip
+
+
+def forward_keywords(V: int, dtype: str, vectorize: bool, M: int, target) -> dict:
+    """Plan keywords of the forward for a call of M rows of V on `target`: {} (the
+    chooser's plan), or the cluster measured best for many rows where it differs."""
+    if M < MANY_ROWS or target.max_cluster == 1:
+        return {}
+    want = MANY_ROWS_CLUSTER.get(V, 1)
+    return {} if want == _chosen_cluster(V, dtype, vectorize, target) else {"cluster": want}
+
+
 def vocab_specs(V: int, dtypes=("f32", "f16", "bf16")) -> list:
     """Every cross-entropy kernel a vocabulary of V launches from 16-byte-aligned logits of
     `dtypes`: each switch of the options (smoothing, z-loss, soft cap), training and
     inference, both id dtypes, and the rescale (`kbuild warmup --vocab V`;
-    kbuild.linear_cross_entropy launches the same kernels)."""
+    kbuild.linear_cross_entropy launches the same kernels), for calls of few rows and of
+    many (`forward_keywords`)."""
+    cluster_target = target_for_arch(CLUSTER_TARGET)
     specs = []
     for dtype in dtypes:
         for index in INDEX_DTYPES:
             for smoothing, z_loss, softcap in itertools.product((False, True), repeat=3):
                 for grad in (True, False):
-                    specs.append(build_cross_entropy_fwd.spec(
-                        N=V, dtype=dtype, index_dtype=index, smoothing=smoothing, z_loss=z_loss,
-                        softcap=softcap, grad=grad, vectorize=True))  # fmt: skip
+                    values = dict(N=V, dtype=dtype, index_dtype=index, smoothing=smoothing,
+                                  z_loss=z_loss, softcap=softcap, grad=grad, vectorize=True)
+                    specs.append(build_cross_entropy_fwd.spec(**values))
+                    many = forward_keywords(V, dtype, True, MANY_ROWS, cluster_target)
+                    if many:  # a call of many rows on a cluster target
+                        specs.append(build_cross_entropy_fwd.spec(**values, **many))
         specs.append(build_cross_entropy_rescale.spec(N=V, dtype=dtype, vectorize=True))
     return specs

@@ -44,10 +44,12 @@ from __future__ import annotations
 
 import torch
 
+from ..jit import target_of
 from ..kernels.cross_entropy import (
     BAD_TARGET,
     build_cross_entropy_fwd,
     build_cross_entropy_rescale,
+    forward_keywords,
     vocab_specs,
 )
 from .common import (
@@ -162,6 +164,8 @@ def _launch_fwd(x, target, coefs, loss, lse, d, flag, ignore_index, smoothing, z
             flag, M, int(ignore_index)]  # fmt: skip
     values = fwd_values(V, x.dtype, target.dtype, smoothing, z_loss, grad,
                         aligned(*data_ptrs(x, d)), softcap)  # fmt: skip
+    values.update(forward_keywords(V, values["dtype"], values["vectorize"], M,
+                                   target_of(x.get_device())))  # fmt: skip
     launch_kernel(build_cross_entropy_fwd, lambda launcher: rows_grid(launcher, M), *args,
                   **values)  # fmt: skip
 
