@@ -19,7 +19,7 @@ import torch
 pytest.importorskip("mlir")
 
 from kbuild import Arg, Param, kernel  # noqa: E402
-from kbuild.interpret import KernelFault, RaceError, run_spec  # noqa: E402
+from kbuild.interpret import KernelFault, RaceError, launcher_for, run_spec  # noqa: E402
 from kbuild.targets import target_for_arch  # noqa: E402
 
 BLOCK = 64
@@ -148,4 +148,47 @@ def test_the_op_suites_pass_on_the_cuda_path_interpreted(arch, subprocess_env):
         text=True,
         timeout=1800,
     )
+    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
+
+
+# ----------------------------------------------------------------------------- lowered modules
+
+
+@pytest.mark.parametrize("arch, N", [("sm_90", 65537), ("gfx942", 65537), ("gfx942", 1000)])
+def test_the_lowered_module_computes_what_the_builders_does(arch, N):
+    """RMSNorm's forward from the lowered module (NVVM: a cluster of 8 with its mbarrier asm
+    and shfl.sync; ROCDL: ds_swizzle, chunked rows) against fp64 and against the builder's
+    module: bit for bit on NVIDIA; on AMD within an ulp (its lowering takes rsqrt as 1 /
+    sqrt, two roundings)."""
+    from kbuild.kernels.table import RMSNORM_FWD
+    from kbuild.ops.launch import rows_grid
+
+    M = 3
+    g = torch.Generator().manual_seed(5)
+    x, w = torch.randn(M, N, generator=g), torch.randn(N, generator=g)
+    spec = RMSNORM_FWD.spec(N=N, dtype="f32", weight_dtype="f32", store_rstd=True, eps=1e-6)
+    target = target_for_arch(arch)
+    outs = []
+    for lowered in (False, True):
+        y, rstd = torch.full_like(x, float("nan")), torch.full((M,), float("nan"))
+        grid = rows_grid(launcher_for(spec, target, lowered), M)
+        run_spec(spec, grid, x, w, y, rstd, M, target=target, lowered=lowered)
+        outs.append((y, rstd))
+    ref = torch.nn.functional.rms_norm(x.double(), (N,), w.double(), eps=1e-6)
+    assert (outs[1][0].double() - ref).abs().max() < 1e-5
+    if arch == "sm_90":
+        assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    else:
+        torch.testing.assert_close(outs[1][0], outs[0][0], rtol=3e-7, atol=0)  # 2.5 ulp
+
+
+def test_the_softmax_suite_passes_lowered_for_amd(subprocess_env):
+    """The softmax ops' suite on gfx942's lowered module: wave64 shuffles as ds_swizzle."""
+    env = dict(subprocess_env, KBUILD_INTERPRET="gfx942", KBUILD_INTERPRET_LOWERED="1")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+         "tests/test_softmax_cpu.py"],
+        cwd=root, env=env, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]

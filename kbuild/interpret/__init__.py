@@ -17,7 +17,7 @@ the kernel, the block, the thread and the address.
 
 from __future__ import annotations
 
-from .launcher import Launcher, enabled, interpret_target, run_spec, track
+from .launcher import Launcher, enabled, interpret_target, launcher_for, run_spec, track
 from .memory import KernelFault, RaceError
 
 __all__ = [
@@ -26,6 +26,7 @@ __all__ = [
     "RaceError",
     "enabled",
     "interpret_target",
+    "launcher_for",
     "run_spec",
     "track",
 ]

@@ -122,13 +122,18 @@ def _cached_launcher(spec: KernelSpec, arch: str, lowered: bool) -> Launcher:
     return Launcher(spec, target_for_arch(arch), lowered)
 
 
+def launcher_for(spec: KernelSpec, target: Target | None = None, lowered: bool = False):
+    """The interpreted launcher of `spec` (its `meta`, `cluster`, `rows_per_block`: what a
+    grid is computed from), built once per process."""
+    return _cached_launcher(spec, (target or interpret_target()).arch, lowered)
+
+
 def run_spec(spec: KernelSpec, grid, *args, target: Target | None = None, lowered=False):
     """Run the kernel `spec` over `grid` blocks with `args` (tensors for pointers, ints):
     for sm_90 unless `target` says, from the builder's module, or the lowered one."""
     import torch
 
-    target = target or interpret_target()
-    launcher = _cached_launcher(spec, target.arch, lowered)
+    launcher = launcher_for(spec, target, lowered)
     values = []
     for a in args:
         if isinstance(a, torch.Tensor):

@@ -290,8 +290,16 @@ def vocab_specs(V: int, dtypes=("f32", "f16", "bf16")) -> list:
         for index in INDEX_DTYPES:
             for smoothing, z_loss, softcap in itertools.product((False, True), repeat=3):
                 for grad in (True, False):
-                    values = dict(N=V, dtype=dtype, index_dtype=index, smoothing=smoothing,
-                                  z_loss=z_loss, softcap=softcap, grad=grad, vectorize=True)
+                    values = dict(
+                        N=V,
+                        dtype=dtype,
+                        index_dtype=index,
+                        smoothing=smoothing,
+                        z_loss=z_loss,
+                        softcap=softcap,
+                        grad=grad,
+                        vectorize=True,
+                    )
                     specs.append(build_cross_entropy_fwd.spec(**values))
                     many = forward_keywords(V, dtype, True, MANY_ROWS, cluster_target)
                     if many:  # a call of many rows on a cluster target
