@@ -192,3 +192,37 @@ def test_the_softmax_suite_passes_lowered_for_amd(subprocess_env):
         cwd=root, env=env, capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
+
+
+_FEW_SMS_BACKWARD = """
+import torch, kbuild
+g = torch.Generator().manual_seed(1)
+M, N = 8, 65537
+x = torch.randn(M, N, generator=g).requires_grad_()
+w = (torch.randn(N, generator=g) * 0.5 + 1).requires_grad_()
+y = kbuild.rmsnorm(x, w, eps=1e-6)
+dy = torch.randn(y.shape, generator=g)
+y.backward(dy)
+xd, wd = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+torch.nn.functional.rms_norm(xd, (N,), wd, eps=1e-6).backward(dy.double())
+dx, dw = (x.grad.double() - xd.grad).abs().max(), (w.grad.double() - wd.grad).abs().max()
+print(dx.item(), dw.item())
+"""
+
+
+def test_peeled_rows_on_a_device_holding_fewer_clusters_than_phase_classes(subprocess_env):
+    """Found by the interpreter against an H100: RMSNorm's backward at N = 65537 (fp32 rows
+    peeled in 4 phase classes, each class walked by its own clusters) on a device holding
+    fewer clusters at once than there are classes (the interpreter's 4 SMs hold 1 of 8
+    blocks) left the rows of the other classes uncomputed: dx garbage, dw wrong by 15. The
+    kernel now records `min_clusters` and every launcher's persistent grid holds that many."""
+    from kbuild.kernels.table import RMSNORM_BWD
+
+    spec = RMSNORM_BWD.spec(N=65537, dtype="f32", weight_dtype="f32", compute_dw=True)
+    assert launcher_for(spec).meta["min_clusters"] == 4
+    env = dict(subprocess_env, KBUILD_INTERPRET="1")
+    done = subprocess.run([sys.executable, "-c", _FEW_SMS_BACKWARD], env=env,
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    dx_error, dw_error = map(float, done.stdout.split())
+    assert dx_error < 1e-5 and dw_error < 1e-5, done.stdout

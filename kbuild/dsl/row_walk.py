@@ -41,7 +41,10 @@ class RowGroups:
             # `classes` rows. Block b walks only the rows of class b % classes, so a thread
             # holds the same columns in all its rows (its partials and held parameters stay
             # put); blocks past a whole number of classes get no rows. The grid must hold at
-            # least `classes` blocks or one per group (it holds min(groups, resident)).
+            # least `classes` blocks or one per group: `meta["min_clusters"]`, which the
+            # launchers take as the fewest clusters their persistent grid holds (on a device
+            # holding fewer at once, rows of the classes past them were never computed).
+            k.meta["min_clusters"] = max(k.meta.get("min_clusters", 1), classes)
             per_class = maximum(stride / classes, const(1, "i64"))
             cls, index = first % classes, first / classes
             first = select(index < per_class, cls + index * classes, self.count)

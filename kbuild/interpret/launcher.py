@@ -7,6 +7,7 @@ import functools
 import os
 import threading
 
+from ..runtime.prepared import fewest_clusters
 from ..spec import KernelSpec
 from ..targets import Target, target_for_arch
 from .machine import run
@@ -110,6 +111,7 @@ class Launcher:
             per_sm = min(per_sm, SHARED_PER_SM // shared)
         self.resident_blocks = max(1, per_sm) * SMS
         self.resident_clusters = max(1, self.resident_blocks // self.cluster)
+        self.resident_clusters = max(self.resident_clusters, fewest_clusters(self.meta))
 
     def __call__(self, grid, stream: int, *args) -> None:
         if len(args) != len(self.names):

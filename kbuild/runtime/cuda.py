@@ -13,7 +13,7 @@ import ctypes
 import functools
 
 from ..artifact import Artifact
-from .prepared import PreparedLaunch, launch_prototype
+from .prepared import PreparedLaunch, fewest_clusters, launch_prototype
 
 
 @functools.cache
@@ -126,6 +126,7 @@ class Launcher(PreparedLaunch):
                     self.cluster,
                     self.resident_clusters,
                 )
+            self.resident_clusters = max(self.resident_clusters, fewest_clusters(self.meta))
         finally:
             driver.cuCtxPopCurrent()
         self._context = context

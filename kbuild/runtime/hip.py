@@ -20,7 +20,7 @@ import os
 import re
 
 from ..artifact import Artifact
-from .prepared import PreparedLaunch, launch_prototype
+from .prepared import PreparedLaunch, fewest_clusters, launch_prototype
 
 HIP_SUCCESS = 0
 _LIBRARIES = ("libamdhip64.so", "libamdhip64.so.6", "libamdhip64.so.7")
@@ -127,7 +127,7 @@ class Launcher(PreparedLaunch):
             "hipModuleOccupancyMaxActiveBlocksPerMultiprocessor",
         )
         self.resident_blocks = max(1, per_cu.value) * compute_units
-        self.resident_clusters = self.resident_blocks
+        self.resident_clusters = max(self.resident_blocks, fewest_clusters(self.meta))
         super().__init__(
             [kind for _, kind in artifact.meta["signature"]],
             self.names,

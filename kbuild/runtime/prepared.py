@@ -23,6 +23,12 @@ FORMATS = {"ptr": "Q", "i64": "q", "f32": "f4x"}
 _ONE, _NULL = ctypes.c_uint(1), ctypes.c_void_p(0)
 
 
+def fewest_clusters(meta: dict) -> int:
+    """The clusters a persistent grid must hold whatever the device holds at once: a walk
+    over peeled rows gives each phase class its own clusters (dsl/row_walk.py)."""
+    return int(meta.get("min_clusters", 1))
+
+
 def launch_prototype(fn) -> Any:
     """Give a ctypes driver entry point the launch signature (both vendors share it)."""
     fn.restype = ctypes.c_int
