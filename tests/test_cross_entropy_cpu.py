@@ -457,3 +457,25 @@ def test_many_rows_values_match_fp64(monkeypatch):
     ref.backward()
     assert abs(loss.item() - ref.item()) < 1e-2 * abs(ref.item())
     assert (x.grad.double() - xd.grad).abs().max() < 1e-2 * xd.grad.abs().max()
+
+
+def test_the_backward_fills_nothing_logits_sized():
+    """Catches autograd materialising a zero gradient for the forward's gradient output (a
+    logits-sized fill every step: 0.64 ms at 8192 x 128256 on an H100, 2026-12-07)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    x = torch.randn(16, 300, requires_grad=True)
+    t = torch.randint(0, 300, (16,))
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        kbuild.cross_entropy(x, t).backward()
+    fills = [
+        (e.key, e.input_shapes)
+        for e in prof.key_averages(group_by_input_shape=True)
+        if e.key in ("aten::zero_", "aten::fill_", "aten::zeros_like")
+        and e.input_shapes
+        and e.input_shapes[0] == [16, 300]
+    ]
+    assert fills == []
+    ref = x.detach().double().requires_grad_()
+    F.cross_entropy(ref, t).backward()
+    assert (x.grad.double() - ref.grad).abs().max() < 1e-6

