@@ -22,6 +22,7 @@ _OPDEF = ("Feature", "Ids", "Launch", "Like", "Op", "Out", "Rows", "Scalar", "Te
 # block's rotary embedding (ops/rope.py) and MLP activations (ops/activations.py): torch's.
 _OPS = {
     "cross_entropy": "ops.loss",
+    "check_targets": "ops.loss",
     "linear_cross_entropy": "ops.linear_loss",
     "log_softmax": "ops.softmax",
     "softmax": "ops.softmax",
@@ -47,6 +48,7 @@ __all__ = [
     "LinearFunction",
     "RMSNormFunction",
     "bias_grad",
+    "check_targets",
     "cross_entropy",
     "encoder",
     "encoder_backward",

@@ -479,3 +479,42 @@ def test_the_backward_fills_nothing_logits_sized():
     ref = x.detach().double().requires_grad_()
     F.cross_entropy(ref, t).backward()
     assert (x.grad.double() - ref.grad).abs().max() < 1e-6
+
+
+class _Event:
+    """A CUDA event stand-in: not complete until `done` is set; counts synchronisations."""
+
+    def __init__(self):
+        self.done, self.waited = False, 0
+
+    def query(self):
+        return self.done
+
+    def synchronize(self):
+        self.waited += 1
+        self.done = True
+
+
+def test_a_bad_target_is_read_once_its_kernel_has_run_without_waiting():
+    """The GPU's deferred check (ops/loss.py _PendingChecks): a flag whose event has not
+    completed is kept (no raise, no wait) by later polls; once complete, the next poll (a call
+    or a backward) raises naming the target; check_targets() waits for what is left."""
+    pending = ce_ops._PendingChecks()
+    bad, good = _Event(), _Event()
+    flag = torch.tensor([ce_ops.BAD_TARGET], dtype=torch.int32)
+    pending.pending = [(good, torch.zeros(1, dtype=torch.int32), 10, -100),
+                       (bad, flag, 10, -100)]  # fmt: skip
+    pending.poll()
+    assert len(pending.pending) == 2 and bad.waited == good.waited == 0
+    good.done = True
+    pending.poll()
+    assert len(pending.pending) == 1
+    bad.done = True
+    with pytest.raises(ValueError, match="target must hold class ids in \\[0, 10\\)"):
+        pending.poll()
+    assert pending.pending == []
+    late = _Event()
+    pending.pending = [(late, flag, 10, -100)]
+    with pytest.raises(ValueError, match="target must hold class ids"):
+        pending.poll(wait=True)
+    assert late.waited == 1

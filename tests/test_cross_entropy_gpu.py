@@ -68,12 +68,37 @@ def test_inference_matches_training_loss():
 
 
 def test_a_bad_target_raises():
+    """Without waiting: the call returns, and kbuild.check_targets() (or the next call or
+    backward once the kernel has run) raises."""
     import kbuild
 
     x, t = _case(4096, torch.bfloat16, torch.int32)
     t[5] = 4096
+    kbuild.cross_entropy(x, t)
     with pytest.raises(ValueError, match="target must hold class ids"):
-        kbuild.cross_entropy(x, t)
+        kbuild.check_targets()
+    torch.cuda.synchronize()  # the kernel has run: the next call raises
+    kbuild.cross_entropy(x, t)
+    torch.cuda.synchronize()
+    with pytest.raises(ValueError, match="target must hold class ids"):
+        kbuild.cross_entropy(x, t[:0].new_zeros(x.shape[0]))
+    kbuild.check_targets()  # nothing left pending
+
+
+def test_checked_targets_make_no_host_synchronisation():
+    """The default call (check_targets=True) reads its flag without waiting: no call that
+    synchronises (sync debug mode "error" raises on one), forward or backward."""
+    import kbuild
+
+    x, t = _case(50257, torch.bfloat16, torch.int64)
+    kbuild.cross_entropy(x.clone().requires_grad_(), t).backward()  # warm
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        kbuild.cross_entropy(x.clone().requires_grad_(), t).backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    kbuild.check_targets()
 
 
 @pytest.mark.parametrize("V", [4096, 50257, 151936])

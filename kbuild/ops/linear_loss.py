@@ -53,7 +53,7 @@ import contextlib
 import torch
 
 from .common import check_input, device_guard, on_gpu
-from .loss import cross_entropy_fwd_, raise_on_bad_targets, rescale_
+from .loss import PENDING, cross_entropy_fwd_, raise_on_bad_targets, rescale_
 from .loss_options import check_options, make_coefs, switches, z_loss_of
 from .opdef import Ids
 
@@ -256,6 +256,7 @@ def _setup(ctx, inputs, output) -> None:
 
 
 def _backward(ctx, dloss, dlse, *unused):
+    PENDING.poll()  # bad targets of earlier calls whose kernels have run (ops/loss.py)
     if ctx.reduction == "none":
         hidden, weight, bias, target = ctx.saved_tensors
         dh, dw, db = _recompute(hidden, weight, bias, target, dloss.float().contiguous(),
@@ -317,6 +318,7 @@ def linear_cross_entropy(
     gives them. Saved for backward: d(hidden) and d(weight) (and d(bias)), computed by the
     forward, for a mean or a sum; hidden, weight, bias and target for "none" (the backward
     recomputes the chunks' logits)."""
+    PENDING.poll()
     check_input("hidden", hidden)
     check_input("weight", weight)
     check_options(ignore_index, reduction, label_smoothing, lse_square_scale, softcap)
