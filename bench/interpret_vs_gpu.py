@@ -101,12 +101,11 @@ def compare(gpu_path: str, cpu_path: str) -> None:
 def warmup_specs():
     """The kernels `run` launches on an sm_90 GPU (`kbuild warmup --module` reads this):
     recorded by running it once here under the interpreter."""
+    import importlib
     import json
     import os
     import subprocess
     import tempfile
-
-    import importlib
 
     from kbuild.model_specs import KERNEL_MODULES
     from kbuild.spec import KernelSpec

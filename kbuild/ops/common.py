@@ -28,6 +28,7 @@ def is_current(t: torch.Tensor) -> bool:
     """Whether t's device is the current CUDA device (the interpreter's CPU always is)."""
     return INTERPRETED or t.get_device() == torch._C._cuda_getDevice()
 
+
 DTYPE_NAMES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
 # Integer ids as the kernel table names them (an "index" parameter: token ids, targets).
 INDEX_NAMES = {torch.int32: "i32", torch.int64: "i64"}
