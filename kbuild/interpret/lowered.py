@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import types as T
-from .semantics import MATH, OPS, _elementwise, _ins, _outs, _rtype, op
+from .semantics import MATH, OPS, _elementwise, _ins, _outs, _rtype, op, shuffle_maker
 
 # -- control flow ------------------------------------------------------------------------
 
@@ -137,18 +137,13 @@ def _insertelement(program, o, _):
     return run
 
 
-@op("llvm.shufflevector")
-def _shufflevector(program, o, _):
+def _shuffle_attr_i32(attr):
     from mlir import ir
 
-    (a, b), (r,) = _ins(program, o), _outs(program, o)
-    mask = list(ir.DenseI32ArrayAttr(o.attributes["mask"]))
+    return list(ir.DenseI32ArrayAttr(attr))
 
-    def run(m):
-        both = np.concatenate([m.vals[a], m.vals[b]], axis=1)
-        m.vals[r] = both[:, [max(i, 0) for i in mask]]
 
-    return run
+OPS["llvm.shufflevector"] = shuffle_maker(_shuffle_attr_i32)
 
 
 OPS["llvm.fcmp"] = OPS["arith.cmpf"]

@@ -524,18 +524,29 @@ def _from_elements(program, o, _):
     return run
 
 
-@op("vector.shuffle")
-def _vshuffle(program, o, _):
+def shuffle_maker(array_attr):
+    """vector.shuffle / llvm.shufflevector: lanes of the two vectors by the static mask
+    (`array_attr`: the mask attribute's array type; -1, an undefined lane, reads lane 0)."""
+
+    def maker(program, o, _):
+        (a, b), (r,) = _ins(program, o), _outs(program, o)
+        mask = [max(i, 0) for i in array_attr(o.attributes["mask"])]
+
+        def run(m):
+            m.vals[r] = np.concatenate([m.vals[a], m.vals[b]], axis=1)[:, mask]
+
+        return run
+
+    return maker
+
+
+def _shuffle_attr_i64(attr):
     from mlir import ir
 
-    (a, b), (r,) = _ins(program, o), _outs(program, o)
-    mask = list(ir.DenseI64ArrayAttr(o.attributes["mask"]))
+    return list(ir.DenseI64ArrayAttr(attr))
 
-    def run(m):
-        both = np.concatenate([m.vals[a], m.vals[b]], axis=1)
-        m.vals[r] = both[:, mask]
 
-    return run
+OPS["vector.shuffle"] = shuffle_maker(_shuffle_attr_i64)
 
 
 _REDUCE = {

@@ -15,48 +15,25 @@ def _dimension(o) -> int:
     return _DIMS[str(o.attributes["dimension"]).rstrip(">").split()[-1]]
 
 
-@op("gpu.thread_id")
-def _thread_id(program, o, _):
-    (r,) = _outs(program, o)
-    d = _dimension(o)
+def _dimension_maker(read):
+    """gpu.thread_id / block_id / grid_dim / block_dim: `read(machine, dimension)`."""
 
-    def run(m):
-        m.vals[r] = m.tid.copy() if d == 0 else np.zeros(m.lanes, np.int64)
+    def maker(program, o, _):
+        (r,) = _outs(program, o)
+        d = _dimension(o)
 
-    return run
+        def run(m):
+            m.vals[r] = np.asarray(read(m, d), np.int64) + np.zeros(m.lanes, np.int64)
 
+        return run
 
-@op("gpu.block_id")
-def _block_id(program, o, _):
-    (r,) = _outs(program, o)
-    d = _dimension(o)
-
-    def run(m):
-        m.vals[r] = m.bid[d].copy()
-
-    return run
+    return maker
 
 
-@op("gpu.grid_dim")
-def _grid_dim(program, o, _):
-    (r,) = _outs(program, o)
-    d = _dimension(o)
-
-    def run(m):
-        m.vals[r] = np.full(m.lanes, m.grid[d], np.int64)
-
-    return run
-
-
-@op("gpu.block_dim")
-def _block_dim(program, o, _):
-    (r,) = _outs(program, o)
-    d = _dimension(o)
-
-    def run(m):
-        m.vals[r] = np.full(m.lanes, m.block if d == 0 else 1, np.int64)
-
-    return run
+OPS["gpu.thread_id"] = _dimension_maker(lambda m, d: m.tid if d == 0 else 0)
+OPS["gpu.block_id"] = _dimension_maker(lambda m, d: m.bid[d])
+OPS["gpu.grid_dim"] = _dimension_maker(lambda m, d: m.grid[d])
+OPS["gpu.block_dim"] = _dimension_maker(lambda m, d: m.block if d == 0 else 1)
 
 
 @op("gpu.lane_id")
