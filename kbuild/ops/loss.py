@@ -178,8 +178,9 @@ def _launch_fwd(x, target, coefs, loss, lse, d, flag, ignore_index, smoothing, z
 
 class _PendingChecks:
     """Bad-target flags of launched calls, read without waiting: each is copied to pinned
-    host memory behind an event (CUDA), and read once its event has completed (`poll`);
-    `wait` reads them all, synchronising. On a CPU a flag is final when the call returns."""
+    host memory behind an event, and read once its event has completed, by a later call or
+    backward (`poll`); `wait` reads them all, synchronising. On a CPU (the interpreter) the
+    kernel has run when the launch returns: the call itself raises."""
 
     def __init__(self) -> None:
         self.pending: list[tuple[Any, torch.Tensor, int, int]] = []
@@ -187,26 +188,26 @@ class _PendingChecks:
     def add(self, flag: torch.Tensor, V: int, ignore_index: int) -> None:
         if capturing():  # no copy can be made into a graph
             return
-        if flag.device.type == "cpu":
-            self.pending.append((None, flag, V, ignore_index))
-        else:
-            host = torch.empty(1, dtype=torch.int32, pin_memory=True)
-            host.copy_(flag, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-            self.pending.append((event, host, V, ignore_index))
-        self.poll()
+        if flag.device.type == "cpu":  # the kernel has run: this call raises
+            if int(flag.item()) == BAD_TARGET:
+                raise _bad_target(V, ignore_index)
+            return
+        host = torch.empty(1, dtype=torch.int32, pin_memory=True)
+        host.copy_(flag, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self.pending.append((event, host, V, ignore_index))  # read by a later call
 
     def poll(self, wait: bool = False) -> None:
         """Read the flags whose kernels have run (every flag with `wait`); ValueError for the
         first bad one (the others of that call and before it are dropped with it)."""
         if not self.pending:
             return
-        done = [e is None or wait or e.query() for e, *_ in self.pending]
+        done = [wait or e.query() for e, *_ in self.pending]
         ready = [p for p, d in zip(self.pending, done, strict=True) if d]
         self.pending = [p for p, d in zip(self.pending, done, strict=True) if not d]
         for event, host, V, ignore_index in ready:
-            if event is not None and wait:
+            if wait:
                 event.synchronize()
             if int(host.item()) == BAD_TARGET:
                 raise _bad_target(V, ignore_index)
