@@ -25,16 +25,12 @@ from __future__ import annotations
 
 import json
 
+from .kernels.table import OWN_MODULES
 from .manifest import for_width
 from .spec import KernelSpec
 
 # The modules whose kernels a model's specs name (the warmup workers import them).
-# kbuild's kernels declared beside their builders (kbuild.kernel), outside the table: every
-# one a spec may name (warmup's workers import them; the softmax and QK-norm + RoPE kernels
-# were missing, so a recorded softmax_fwd spec was an unknown kernel to `warmup --from`)
-KERNEL_MODULES = ("kbuild.kernels.cross_entropy", "kbuild.kernels.rope",
-                  "kbuild.kernels.activations", "kbuild.kernels.softmax",
-                  "kbuild.kernels.qk_norm_rope")  # fmt: skip
+KERNEL_MODULES = OWN_MODULES  # kbuild's kernels outside the table (warmup's workers import)
 QK_NORM = ("qwen3", "qwen3_moe", "gemma3", "gemma3_text", "olmo2")
 GEMMA = ("gemma", "gemma2", "gemma3", "gemma3_text")
 TANH = ("gelu_pytorch_tanh", "gelu_new", "gelu_fast", "gelu_tanh")

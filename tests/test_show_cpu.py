@@ -51,6 +51,23 @@ def test_show_prints_the_stage(capsys, arch, flag, marker):
     assert marker in capsys.readouterr().out
 
 
+def test_every_kernel_kbuild_ships_is_known_without_module(subprocess_env):
+    """In a fresh process (no op imported), kernels declared beside their builders are known
+    by name: `kbuild show 'cross_entropy_fwd(...)'` answered "unknown kernel" without
+    `--module kbuild.ops.loss`."""
+    import subprocess
+    import sys
+
+    from kbuild.kernels.table import OWN_MODULES
+
+    assert "kbuild.kernels.softmax" in OWN_MODULES
+    for label in ("cross_entropy_fwd(N=1000, dtype=bf16, index_dtype=i32)",
+                  "softmax_fwd(N=1000, dtype=f32)", "rope(D=64, rd=64, dtype=bf16, cs_dtype=bf16)"):  # fmt: skip
+        done = subprocess.run([sys.executable, "-m", "kbuild", "show", label, "--mlir"],
+                              env=subprocess_env, capture_output=True, text=True, timeout=300)  # fmt: skip
+        assert done.returncode == 0 and "gpu.module" in done.stdout, (label, done.stderr[-500:])
+
+
 def test_show_errors_go_to_stderr(capsys):
     assert cli.main(["show", "nope(N=1)"]) == 2
     captured = capsys.readouterr()

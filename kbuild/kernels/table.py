@@ -513,7 +513,24 @@ def register(definition: KernelDef) -> KernelDef:
     return definition
 
 
+# kbuild's kernels declared beside their builders (`kbuild.kernel`), outside this table: on a
+# miss `kernel_def` imports them (no MLIR: their builders import it inside), so every kernel
+# kbuild ships is known by name to the CLI, specs and records without `--module`.
+OWN_MODULES = (
+    "kbuild.kernels.cross_entropy",
+    "kbuild.kernels.rope",
+    "kbuild.kernels.activations",
+    "kbuild.kernels.softmax",
+    "kbuild.kernels.qk_norm_rope",
+)
+
+
 def kernel_def(name: str) -> KernelDef:
+    if name not in KERNELS:
+        import importlib
+
+        for module in OWN_MODULES:
+            importlib.import_module(module)
     try:
         return KERNELS[name]
     except KeyError:
