@@ -61,10 +61,16 @@ def test_every_kernel_kbuild_ships_is_known_without_module(subprocess_env):
     from kbuild.kernels.table import OWN_MODULES
 
     assert "kbuild.kernels.softmax" in OWN_MODULES
-    for label in ("cross_entropy_fwd(N=1000, dtype=bf16, index_dtype=i32)",
-                  "softmax_fwd(N=1000, dtype=f32)", "rope(D=64, rd=64, dtype=bf16, cs_dtype=bf16)"):  # fmt: skip
-        done = subprocess.run([sys.executable, "-m", "kbuild", "show", label, "--mlir"],
-                              env=subprocess_env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    labels = (
+        "cross_entropy_fwd(N=1000, dtype=bf16, index_dtype=i32)",
+        "softmax_fwd(N=1000, dtype=f32)",
+        "rope(D=64, rd=64, dtype=bf16, cs_dtype=bf16)",
+    )
+    for label in labels:
+        command = [sys.executable, "-m", "kbuild", "show", label, "--mlir"]
+        done = subprocess.run(
+            command, env=subprocess_env, capture_output=True, text=True, timeout=300
+        )
         assert done.returncode == 0 and "gpu.module" in done.stdout, (label, done.stderr[-500:])
 
 
