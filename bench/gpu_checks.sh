@@ -8,6 +8,8 @@
 #   bash bench/gpu_checks.sh custom_softmax math_accuracy host
 #   bash bench/gpu_checks.sh models profile
 #   bash bench/gpu_checks.sh loss block
+#   bash bench/gpu_checks.sh interpret ce_clusters
+#     (interpret: the interpreter's values, carried, against the GPU's: interpret.log)
 #   bash bench/gpu_checks.sh patch_models
 #     (split over calls by PATCH_MODELS_ARGS, e.g. '--modes eager'; the results merge)
 #   bash bench/gpu_checks.sh host_versions
@@ -55,6 +57,11 @@ for name in "${steps[@]}"; do
         models) step models python3 bench/models.py "$out" --models gpt2-d1024-l6,gpt2-d768-l4,gpt2-124m --modes eager ;;
         profile) step profile python3 bench/model_profile.py "$out" --model gpt2-d1024-l6 ;;
         loss) step loss python3 bench/bench_loss.py "$out/loss.json" ;;
+        ce_clusters) step ce_clusters python3 bench/bench_ce_clusters.py "$out/ce_clusters.json" ;;
+        interpret) python3 -c "import lzma, shutil; shutil.copyfileobj(lzma.open('.carry/cpu.pt.xz'), open('.carry/cpu.pt', 'wb'))"
+                   step interpret_run python3 bench/interpret_vs_gpu.py run cuda "$out/gpu.pt"
+                   step interpret python3 bench/interpret_vs_gpu.py compare "$out/gpu.pt" .carry/cpu.pt
+                   rm -f "$out/gpu.pt" ;;
         patch_models) step patch_models python3 bench/patch_models.py "$out" ${PATCH_MODELS_ARGS:-} ;;
         *) echo "gpu_checks.sh: unknown step $name" >&2; exit 2 ;;
     esac

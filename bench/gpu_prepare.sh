@@ -12,7 +12,8 @@ rm -rf .kbuild-aot .carry
 mkdir -p .carry
 # Each module's warmup_specs() lists what its step launches (bench_rows.py: its norms too).
 modules=(examples/custom_softmax.py bench/math_accuracy.py bench/bench_rows.py
-         bench/bench_loss.py bench/bench_block.py kbuild.ops.loss kbuild.ops.softmax
+         bench/bench_loss.py bench/bench_block.py bench/bench_ce_clusters.py
+         bench/interpret_vs_gpu.py kbuild.ops.loss kbuild.ops.softmax
          kbuild.ops.rope kbuild.ops.activations kbuild.ops.qk_norm_rope)
 args=()
 for m in "${modules[@]}"; do args+=(--module "$m"); done
@@ -23,6 +24,8 @@ if [ -f bench/patch_models.py ]; then
         python3 -m kbuild warmup --arch sm_90 --model "$c" --cache-dir .kbuild-aot
     done
 fi
+# The interpreter's results on the inputs interpret_vs_gpu.py's step compares the GPU's with
+KBUILD_INTERPRET=1 PYTHONPATH=. python3 bench/interpret_vs_gpu.py run cpu .carry/cpu.pt && xz -T2 .carry/cpu.pt
 pip download -q --no-deps liger-kernel==0.8.5 -d .carry || echo "no Liger wheel: its peers will be recorded as unavailable"
 tar -cf - .kbuild-aot | xz -T2 >.carry/aot.tar.xz
 du -sh .carry
