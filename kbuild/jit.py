@@ -137,6 +137,13 @@ def get_launcher(key: Hashable, device_index: int, make_spec: Callable[[], Kerne
                 if env.interpret():  # the builder's module, run by kbuild.interpret
                     from .interpret import Launcher as InterpretedLauncher
 
+                    if device_index >= 0:
+                        raise RuntimeError(
+                            f"KBUILD_INTERPRET runs kernels on CPU tensors; {spec.short()} "
+                            f"was asked for CUDA device {device_index}: unset KBUILD_INTERPRET "
+                            "to run CUDA tensors on the GPU"
+                        )
+
                     launcher = InterpretedLauncher(spec, device_target(device_index))
                 else:
                     artifact = artifact_for(spec, device_target(device_index))
