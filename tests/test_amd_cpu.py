@@ -284,6 +284,7 @@ class _Props:
     multi_processor_count = 304
 
 
+@pytest.mark.not_interpreted
 def test_rocm_torch_gets_the_amd_target_and_the_hip_launcher(monkeypatch):
     import torch
 

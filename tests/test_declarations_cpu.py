@@ -346,6 +346,7 @@ CALL_ERRORS = {
 }  # fmt: skip
 
 
+@pytest.mark.not_interpreted
 @pytest.mark.parametrize("case", CALL_ERRORS)
 def test_the_cpu_kernel_refuses_a_reference_returning_other_than_declared(case):
     """The CPU kernel (Op.__call__, and torch.ops called directly) holds each output of the
@@ -359,6 +360,7 @@ def test_the_cpu_kernel_refuses_a_reference_returning_other_than_declared(case):
         op.overload(X)
 
 
+@pytest.mark.not_interpreted
 def test_the_fake_is_the_declaration_the_cpu_kernel_is_held_to():
     """The fake (FakeTensorMode, meta tensors) makes the outputs from the declaration and
     never runs the reference, so it cannot follow a reference of another shape: a graph
@@ -376,6 +378,7 @@ def test_the_fake_is_the_declaration_the_cpu_kernel_is_held_to():
         compiled(X)
 
 
+@pytest.mark.not_interpreted
 def test_a_reference_as_declared_passes_and_unwanted_outputs_are_not_held():
     """What the check must not refuse: a statistic of any layout of M values (flattened),
     a reference's value (or None) for an output not wanted (an empty tensor either way)."""

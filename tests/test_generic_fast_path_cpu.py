@@ -35,7 +35,11 @@ from .conftest import REPO_ROOT
 from .examples import import_example
 
 NATIVE = native.load(force=True)  # on a CPU too: the fast path runs under the launch hook
-pytestmark = pytest.mark.skipif(NATIVE is None, reason="the C++ extension is unavailable")
+# not_interpreted: KBUILD_INTERPRET turns the extension off (the Python launch path runs)
+pytestmark = [
+    pytest.mark.skipif(NATIVE is None, reason="the C++ extension is unavailable"),
+    pytest.mark.not_interpreted,
+]
 
 N = 8
 BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32

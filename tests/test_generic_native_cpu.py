@@ -25,7 +25,11 @@ from kbuild.ops.opdef import Feature, Ids, Launch, Op, Out, Rows, Scalar, eps
 from .examples import import_example
 
 NATIVE = native.load(force=True)  # on a CPU too: its kernels run through the launch hook
-pytestmark = pytest.mark.skipif(NATIVE is None, reason="the C++ extension is unavailable")
+# not_interpreted: KBUILD_INTERPRET turns the extension off (the Python launch path runs)
+pytestmark = [
+    pytest.mark.skipif(NATIVE is None, reason="the C++ extension is unavailable"),
+    pytest.mark.not_interpreted,
+]
 
 # A row kernel with what the norms' have: an optional weight and its dtype, a stored
 # statistic, a float, a dtype parameter, the alignment bit and a default left alone.

@@ -35,7 +35,11 @@ from .launch_recorder import zeros as _t
 # Built and loaded on a CPU too (by default only a CUDA call loads it): its kernels run here
 # through the launch hook.
 NATIVE = native.load(force=True)
-pytestmark = pytest.mark.skipif(NATIVE is None, reason="the C++ extension is unavailable")
+# not_interpreted: KBUILD_INTERPRET turns the extension off (the Python launch path runs)
+pytestmark = [
+    pytest.mark.skipif(NATIVE is None, reason="the C++ extension is unavailable"),
+    pytest.mark.not_interpreted,
+]
 
 
 class Recorder:

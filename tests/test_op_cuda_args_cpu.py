@@ -177,6 +177,7 @@ def _call(op: Op, ids_dtype: torch.dtype):
     return op(torch.ones(3, 8), torch.zeros(3, dtype=ids_dtype))
 
 
+@pytest.mark.not_interpreted
 def test_a_cuda_functions_launch_reading_ids_needs_their_index_parameter():
     """Catches a `cuda=` op whose kernel reads int32 ids with no "index" parameter (or one
     set to i64): the launch raises naming the op, the Ids argument and the kernel, before

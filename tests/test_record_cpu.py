@@ -37,6 +37,7 @@ def record_file(tmp_path, monkeypatch):
     return path
 
 
+@pytest.mark.not_interpreted
 def test_an_offline_miss_is_recorded_before_it_raises(record_file, monkeypatch):
     def missing(spec, target):
         raise jit.KernelNotCached(f"{spec.short()} is not cached")
