@@ -42,6 +42,7 @@ sys.path[:0] = [ROOT]
 
 import kbuild  # noqa: E402
 import kbuild.ops.loss as loss_op  # noqa: E402
+from bench.bench_loss import forward_kernel  # noqa: E402
 from bench.harness import commit, measure_copy  # noqa: E402
 from kbuild.kernels.config import CHUNK_ITERS, RowBudget  # noqa: E402
 from kbuild.kernels.cross_entropy import (  # noqa: E402
@@ -143,26 +144,6 @@ def user_step(x: torch.Tensor, t: torch.Tensor, keywords: dict, calls: list):
     return run
 
 
-def lone_forward(x: torch.Tensor, t: torch.Tensor, keywords: dict):
-    """The training forward kernel alone (loss, lse and the gradient scaled for a mean);
-    returns the call and its (loss, gradient) outputs."""
-    from kbuild.ops.launch import rows_grid
-
-    M, V = x.shape
-    x = x.detach()
-    loss = torch.empty(M, device="cuda")
-    lse, flag = torch.empty_like(loss), torch.zeros(1, dtype=torch.int32, device="cuda")
-    coefs = torch.tensor([1 / M, 0, 0, 0], device="cuda")
-    d = torch.empty_like(x)
-    args = (x, t, coefs, loss, lse, d, flag, M, -100)
-
-    def run():
-        kbuild.launch(build_cross_entropy_fwd, lambda launcher: rows_grid(launcher, M), *args,
-                      **forward_values(V), **keywords)  # fmt: skip
-
-    return run, loss, d
-
-
 def reference(x: torch.Tensor, t: torch.Tensor, rows: int = 512):
     """fp32 loss per row and gradient of the mean, in row chunks."""
     M = x.shape[0]
@@ -193,7 +174,7 @@ def grad_error(got: torch.Tensor, want: torch.Tensor, rows: int = 512) -> float:
 
 def check(x, t, keywords, ref_loss, ref_grad, calls) -> dict:
     """Both paths of one variant against the reference."""
-    run, loss, d = lone_forward(x, t, keywords)
+    run, loss, d = forward_kernel(x, t, keywords)
     d.fill_(float("nan"))
     run()
     torch.cuda.synchronize()
@@ -237,7 +218,7 @@ def measure(V: int, copy: float) -> dict:
     runs = {}
     for name, keywords in variants(V):
         if entries[name]["ok"]:
-            runs[name] = (lone_forward(x, t, keywords)[0], user_step(x, t, keywords, calls))
+            runs[name] = (forward_kernel(x, t, keywords)[0], user_step(x, t, keywords, calls))
     fwd = {name: [] for name in runs}
     both = {name: [] for name in runs}
     for _ in range(ROUNDS):  # interleaved: every variant once a round

@@ -250,7 +250,7 @@ def ce_cases(copy: float) -> tuple[list[Case], dict]:
             for name, fn in impls.items()
         }
         memory[f"ce {V}"] = {name: peak_mib(run, (x,)) for name, run in runs.items()}
-        runs["fwd kernel chosen"] = forward_kernel(x, t)  # the training forward kernel alone
+        runs["fwd kernel chosen"] = forward_kernel(x, t)[0]  # the training forward kernel alone
         case = Case("cross_entropy fwd+bwd", (TOKENS, V), 2 * TOKENS * V * 2, runs)
         cases.append(run_case(case, copy, peaks))
         del x, t, runs, case
@@ -262,8 +262,9 @@ def ce_cases(copy: float) -> tuple[list[Case], dict]:
 
 
 def forward_kernel(x: torch.Tensor, t: torch.Tensor, plan: dict | None = None):
-    """The cross-entropy forward kernel (training: it writes the gradient) launched alone on
-    (M, V) logits under launch-plan overrides `plan` (None: the chosen plan)."""
+    """The cross-entropy forward kernel (training: it writes the gradient, scaled for a
+    mean) launched alone on (M, V) bf16 logits and i64 ids under launch-plan overrides
+    `plan` (None: the chosen plan); returns the call and its (loss, gradient) outputs."""
     from kbuild.ops.launch import rows_grid
 
     plan = plan or {}
@@ -280,7 +281,7 @@ def forward_kernel(x: torch.Tensor, t: torch.Tensor, plan: dict | None = None):
         kbuild.launch(build_cross_entropy_fwd, lambda launcher: rows_grid(launcher, M), *args,
                       N=V, dtype="bf16", index_dtype="i64", **plan)  # fmt: skip
 
-    return run
+    return run, loss, d
 
 
 def fused_cases(copy: float) -> tuple[list[Case], dict]:
