@@ -265,14 +265,6 @@ OPS["rocdl.grid.dim.x"] = OPS["nvvm.read.ptx.sreg.nctaid.x"]
 OPS["rocdl.grid.dim.y"] = OPS["nvvm.read.ptx.sreg.nctaid.y"]
 
 
-@op("rocdl.barrier", "rocdl.s.barrier")
-def _rocdl_barrier(program, o, _):
-    def run(m):
-        m.barrier()
-
-    return run
-
-
 @op("rocdl.mbcnt.lo", "rocdl.mbcnt.hi")
 def _mbcnt(program, o, _):
     """Bits of `mask` set below this lane (lo: lanes 0-31, hi: 32-63), plus `base`."""

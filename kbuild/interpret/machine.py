@@ -12,7 +12,7 @@ import os
 import numpy as np
 
 from . import threads
-from .memory import ALLOCATIONS, CLUSTER_RANK_SHIFT, KernelFault, RaceError, SharedMemory
+from .memory import ALLOCATIONS, KernelFault, RaceError, SharedMemory, split_cluster_address
 from .program import Program
 
 LANES_PER_CHUNK = 1 << 15
@@ -73,8 +73,7 @@ class Machine:
         owner = self.local_block[lanes].copy()
         offset = addr.copy()
         if remote:
-            rank = (addr >> CLUSTER_RANK_SHIFT) - 1
-            offset = addr & ((1 << CLUSTER_RANK_SHIFT) - 1)
+            rank, offset = split_cluster_address(addr)
             bad = (rank < 0) | (rank >= self.cluster)
             if bad.any():
                 i = int(np.argmax(bad))

@@ -29,6 +29,17 @@ import numpy as np
 CLUSTER_RANK_SHIFT = 24  # a DSMEM address: (rank + 1) << 24 | offset
 
 
+def cluster_address(rank, offset):
+    """The address of shared offset `offset` in block `rank` of the cluster (what mapa
+    gives)."""
+    return ((rank + 1) << CLUSTER_RANK_SHIFT) | offset
+
+
+def split_cluster_address(addr):
+    """(rank, offset) of shared addresses: rank -1 for an address in the block's own window."""
+    return (addr >> CLUSTER_RANK_SHIFT) - 1, addr & ((1 << CLUSTER_RANK_SHIFT) - 1)
+
+
 class KernelFault(RuntimeError):
     """What the GPU would report as an illegal address, barrier divergence or hang, found by
     the interpreter and named by kernel, block, thread and address."""

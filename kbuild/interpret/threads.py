@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import types as T
-from .memory import CLUSTER_RANK_SHIFT, Mbarrier
+from .memory import Mbarrier, cluster_address, split_cluster_address
 from .semantics import OPS, _ins, _outs, _rtype, op
 
 _DIMS = {"x": 0, "y": 1, "z": 2}
@@ -46,7 +46,7 @@ def _lane_id(program, o, _):
     return run
 
 
-@op("gpu.barrier")
+@op("gpu.barrier", "nvvm.barrier0", "nvvm.barrier", "rocdl.barrier", "rocdl.s.barrier")
 def _barrier(program, o, _):
     def run(m):
         m.barrier()
@@ -85,7 +85,7 @@ def _mapa(program, o, _):
     (p, rank), (r,) = _ins(program, o), _outs(program, o)
 
     def run(m):
-        m.vals[r] = ((m.vals[rank] + 1) << CLUSTER_RANK_SHIFT) | m.vals[p]
+        m.vals[r] = cluster_address(m.vals[rank], m.vals[p])
 
     return run
 
@@ -129,12 +129,9 @@ def _shuffle(program, o, _):
 
 def _bars(m, lanes, addr):
     """(owner block, offset) pairs of mbarrier addresses (local or mapa'd remote)."""
-    owner = m.local_block[lanes].copy()
-    remote = addr >= (1 << CLUSTER_RANK_SHIFT)
-    rank = (addr >> CLUSTER_RANK_SHIFT) - 1
-    owner = np.where(remote, owner - m.rank[lanes] + rank, owner)
-    offset = addr & ((1 << CLUSTER_RANK_SHIFT) - 1)
-    return owner, offset
+    rank, offset = split_cluster_address(addr)
+    local = m.local_block[lanes]
+    return np.where(rank >= 0, local - m.rank[lanes] + rank, local), offset
 
 
 def mbarrier_init(m, bar, count) -> None:
@@ -188,10 +185,10 @@ def store_async(m, slot, value, bar, rank) -> None:
     lanes = np.nonzero(m.mask)[0]
     if not lanes.size:
         return
-    tag = (rank[lanes] + 1) << CLUSTER_RANK_SHIFT
+    slot_there, bar_there = (cluster_address(rank[lanes], a[lanes]) for a in (slot, bar))
     i32 = T.parse_type("i32")
-    write(m, T.SHARED_CLUSTER, lanes, tag | slot[lanes], value[lanes], i32, 4, "st.async")
-    owner, offset = _bars(m, lanes, tag | bar[lanes])
+    write(m, T.SHARED_CLUSTER, lanes, slot_there, value[lanes], i32, 4, "st.async")
+    owner, offset = _bars(m, lanes, bar_there)
     for lane, b, a in zip(lanes, owner, offset, strict=True):
         state = _barrier_at(m, b, a, lane)
         state.tx -= 4
@@ -220,7 +217,3 @@ def _inline_asm(program, o, _):
             m.vals[r] = T.wrap(v, t.width) if t.kind == "int" else v
 
     return run
-
-
-OPS["nvvm.barrier0"] = _barrier
-OPS["nvvm.barrier"] = _barrier
