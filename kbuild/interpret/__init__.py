@@ -17,14 +17,13 @@ the kernel, the block, the thread and the address.
 
 from __future__ import annotations
 
-from .launcher import Launcher, enabled, interpret_target, launcher_for, run_spec, track
+from .launcher import Launcher, interpret_target, launcher_for, run_spec, track
 from .memory import KernelFault, RaceError
 
 __all__ = [
     "KernelFault",
     "Launcher",
     "RaceError",
-    "enabled",
     "interpret_target",
     "launcher_for",
     "run_spec",

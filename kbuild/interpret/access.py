@@ -10,7 +10,7 @@ from .types import GLOBAL, SHARED, SHARED_CLUSTER, parse_type
 
 
 @op("llvm.mlir.addressof")
-def _addressof(program, o, _):
+def _addressof(program, o):
     from mlir import ir
 
     (r,) = _outs(program, o)
@@ -27,7 +27,7 @@ def _addressof(program, o, _):
 
 
 @op("llvm.getelementptr")
-def _gep(program, o, _):
+def _gep(program, o):
     from mlir import ir
 
     ins, (r,) = _ins(program, o), _outs(program, o)
@@ -48,7 +48,7 @@ def _gep(program, o, _):
 
 
 @op("llvm.ptrtoint", "llvm.inttoptr", "llvm.addrspacecast")
-def _ptr_cast(program, o, _):
+def _ptr_cast(program, o):
     (a,), (r,) = _ins(program, o), _outs(program, o)
     dst = _rtype(o)
 
@@ -119,7 +119,7 @@ def _check_global(m, lanes, addr, region, size, what) -> None:
 
 
 @op("llvm.load")
-def _load(program, o, _):
+def _load(program, o):
     (p,), (r,) = _ins(program, o), _outs(program, o)
     t = _rtype(o)
     space = _otype(o).space
@@ -136,7 +136,7 @@ def _load(program, o, _):
 
 
 @op("llvm.store")
-def _store(program, o, _):
+def _store(program, o):
     v, p = _ins(program, o)
     t = _otype(o, 0)
     space = _otype(o, 1).space
@@ -167,7 +167,7 @@ _ATOMIC = {
 
 
 @op("llvm.atomicrmw")
-def _atomicrmw(program, o, _):
+def _atomicrmw(program, o):
     (p, v), (r,) = _ins(program, o), _outs(program, o)
     kind = str(o).split("llvm.atomicrmw", 1)[1].split()[0]
     fn = _ATOMIC[kind]
@@ -192,7 +192,7 @@ def _atomicrmw(program, o, _):
 
 
 @op("nvvm.cp.async.shared.global")
-def _cp_async(program, o, _):
+def _cp_async(program, o):
     dst, src = _ins(program, o)[:2]
     size = _int_attr(o, "size")
     t = parse_type(f"vector<{size}xi8>")
@@ -206,7 +206,7 @@ def _cp_async(program, o, _):
     return run
 
 
-def _nothing(program, o, _):
+def _nothing(program, o):
     def run(m):
         return None
 

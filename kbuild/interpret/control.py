@@ -14,7 +14,7 @@ def _where(c: np.ndarray, a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 @op("scf.yield", "scf.condition", "gpu.return", "llvm.return", "gpu.terminator")
-def _yield(program, o, _):
+def _yield(program, o):
     ins = _ins(program, o)
 
     def run(m):
@@ -24,7 +24,7 @@ def _yield(program, o, _):
 
 
 @op("scf.if")
-def _if(program, o, _):
+def _if(program, o):
     (c,) = _ins(program, o)
     outs = _outs(program, o)
     then = region(program, o.regions[0])
@@ -60,7 +60,7 @@ def _uniform(x: np.ndarray, mask: np.ndarray):
 
 
 @op("scf.for")
-def _for(program, o, _):
+def _for(program, o):
     ins, outs = _ins(program, o), _outs(program, o)
     lb, ub, step, inits = ins[0], ins[1], ins[2], ins[3:]
     body = region(program, o.regions[0])
@@ -98,7 +98,7 @@ def _for(program, o, _):
 
 
 @op("scf.while")
-def _while(program, o, _):
+def _while(program, o):
     ins, outs = _ins(program, o), _outs(program, o)
     before = region(program, o.regions[0])
     after = region(program, o.regions[1])

@@ -22,11 +22,6 @@ BLOCKS_PER_SM = 32
 SHARED_PER_SM = 228 * 1024
 
 
-def enabled() -> bool:
-    """KBUILD_INTERPRET set (to anything but "" or "0")."""
-    return os.environ.get("KBUILD_INTERPRET", "") not in ("", "0")
-
-
 def from_lowered() -> bool:
     """KBUILD_INTERPRET_LOWERED=1: run the lowered module (NVVM / ROCDL) instead of the
     builder's, so the lowering's own ops execute too."""

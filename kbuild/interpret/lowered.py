@@ -79,7 +79,7 @@ def _operand_groups(program, o):
 
 
 @op("llvm.br", "cf.br")
-def _br(program, o, _):
+def _br(program, o):
     (args,) = _operand_groups(program, o)
 
     def run(m):
@@ -89,7 +89,7 @@ def _br(program, o, _):
 
 
 @op("llvm.cond_br", "cf.cond_br")
-def _cond_br(program, o, _):
+def _cond_br(program, o):
     cond = _ins(program, o)[0]
     then_args, else_args = _operand_groups(program, o)
 
@@ -104,7 +104,7 @@ def _cond_br(program, o, _):
 
 
 @op("llvm.mlir.poison", "llvm.mlir.undef", "llvm.mlir.zero")
-def _poison(program, o, _):
+def _poison(program, o):
     (r,) = _outs(program, o)
     t = _rtype(o)
 
@@ -115,7 +115,7 @@ def _poison(program, o, _):
 
 
 @op("llvm.extractelement")
-def _extractelement(program, o, _):
+def _extractelement(program, o):
     (v, i), (r,) = _ins(program, o), _outs(program, o)
 
     def run(m):
@@ -126,7 +126,7 @@ def _extractelement(program, o, _):
 
 
 @op("llvm.insertelement")
-def _insertelement(program, o, _):
+def _insertelement(program, o):
     (v, x, i), (r,) = _ins(program, o), _outs(program, o)
 
     def run(m):
@@ -152,7 +152,7 @@ for _n, _f in {"smin": np.minimum, "smax": np.maximum}.items():
 
 
 def _reduce_maker(fn):
-    def maker(program, o, _):
+    def maker(program, o):
         ins, (r,) = _ins(program, o), _outs(program, o)
         t = _rtype(o)
 
@@ -182,7 +182,7 @@ for _n, _f in {
 
 
 @op("llvm.call")
-def _call(program, o, _):
+def _call(program, o):
     """Calls into the vendor math library (libdevice's __nv_*, ROCm's __ocml_*)."""
     from mlir import ir
 
@@ -192,14 +192,14 @@ def _call(program, o, _):
     fn = MATH.get(name) or MATH.get(name.removesuffix("f"))
     if fn is None:
         raise NotImplementedError(f"the interpreter does not know the function {callee}")
-    return _elementwise(fn)(program, o, _)
+    return _elementwise(fn)(program, o)
 
 
 # -- NVVM ----------------------------------------------------------------------------------
 
 
 def _sreg(read):
-    def maker(program, o, _):
+    def maker(program, o):
         (r,) = _outs(program, o)
 
         def run(m):
@@ -221,7 +221,7 @@ OPS["nvvm.read.ptx.sreg.laneid"] = _sreg(lambda m: m.tid % m.warp_size)
 
 
 @op("nvvm.shfl.sync")
-def _shfl_sync(program, o, _):
+def _shfl_sync(program, o):
     """PTX shfl.sync: c = ((32 - width) << 8) | clamp; lanes outside [min, max] keep their
     own value (PTX ISA, shfl.sync's pseudo-code)."""
     (_mask, v, b, c), outs = _ins(program, o), _outs(program, o)
@@ -266,7 +266,7 @@ OPS["rocdl.grid.dim.y"] = OPS["nvvm.read.ptx.sreg.nctaid.y"]
 
 
 @op("rocdl.mbcnt.lo", "rocdl.mbcnt.hi")
-def _mbcnt(program, o, _):
+def _mbcnt(program, o):
     """Bits of `mask` set below this lane (lo: lanes 0-31, hi: 32-63), plus `base`."""
     (mask, base), (r,) = _ins(program, o), _outs(program, o)
     high = o.name.endswith("hi")
@@ -283,7 +283,7 @@ def _mbcnt(program, o, _):
 
 
 @op("rocdl.ds_bpermute")
-def _ds_bpermute(program, o, _):
+def _ds_bpermute(program, o):
     """Lane i reads `data` of lane (address[i] / 4) mod 64 of its wave."""
     (addr, data), (r,) = _ins(program, o), _outs(program, o)
 
@@ -296,7 +296,7 @@ def _ds_bpermute(program, o, _):
 
 
 @op("rocdl.ds_swizzle")
-def _ds_swizzle(program, o, _):
+def _ds_swizzle(program, o):
     """The swizzle pattern in `offset`: bit 15 set, four 2-bit lane selectors within each
     quad; clear, the bitmask mode over 32 lanes: ((lane & and) | or) ^ xor."""
     (data, offset), (r,) = _ins(program, o), _outs(program, o)

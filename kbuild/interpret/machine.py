@@ -134,17 +134,14 @@ class Machine:
         row = self.smem.bytes.shape[1]
         block, offset = divmod(int(word) * 4, row)
         if other is None:
-            by = "read by another thread" if reader == -2 else f"read by {self._actor(reader)}"
+            by = "read by another thread" if reader == -2 else f"read by {self.who(int(reader))}"
         else:
-            by = f"written by {self._actor(other)}"
+            by = f"written by {self.who(int(other))}"
         raise RaceError(
             f"{self.kernel}: race: {self.who(int(lane))} {verb} shared word {offset:#x} of "
             f"block {self.first_block + block}, {by} with no barrier between (lockstep "
             "would hide it; set KBUILD_INTERPRET_RACES=0 to run on regardless)"
         )
-
-    def _actor(self, actor: int) -> str:
-        return self.who(int(actor))
 
     # -- what inline asm acts on (dsl.asm_semantics) -----------------------------------
 

@@ -13,13 +13,7 @@ paths join.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
-import numpy as np
-
-from .types import parse_type, zeros
-
-Run = Callable[["object"], None]
+from .types import parse_type
 
 
 class Program:
@@ -104,7 +98,3 @@ def _array_attr(attrs, names, default):
         if n in attrs:
             return list(ir.DenseI32ArrayAttr(attrs[n]))
     return default
-
-
-def fresh(t_text: str, lanes: int) -> np.ndarray:
-    return zeros(parse_type(t_text), lanes)

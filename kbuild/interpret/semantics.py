@@ -46,7 +46,7 @@ def region(program, reg) -> Region:
         for i, block in enumerate(blocks):
             last = list(block.operations)[-1].operation
             successors[i] = [_index_of(blocks, s) for s in last.successors]
-    made = [[_make(program, o, None) for o in block.operations] for block in blocks]
+    made = [[_make(program, o) for o in block.operations] for block in blocks]
     return Region(made, args, successors)
 
 
@@ -57,16 +57,12 @@ def _index_of(blocks, block) -> int:
     raise ValueError("a branch to a block outside its region")
 
 
-def _make(program, o, block_index) -> Callable:
+def _make(program, o) -> Callable:
     name = o.operation.name
     maker = OPS.get(name)
     if maker is None:
         raise NotImplementedError(f"the interpreter does not know {name} (in {program.name})")
-    return maker(program, o.operation, block_index)
-
-
-class Terminated(Exception):
-    pass
+    return maker(program, o.operation)
 
 
 def run_region(reg: Region, m) -> list | None:
@@ -106,10 +102,6 @@ def _otype(o, i=0) -> T.Type:
     return parse_type(str(o.operands[i].type))
 
 
-def _attr(o, name):
-    return o.attributes[name]
-
-
 def _int_attr(o, name) -> int:
     from mlir import ir
 
@@ -126,7 +118,7 @@ def _fix(x: np.ndarray, t: T.Type) -> np.ndarray:
 
 
 def _elementwise(fn):
-    def maker(program, o, _):
+    def maker(program, o):
         ins, (r,) = _ins(program, o), _outs(program, o)
         t = _rtype(o)
 
@@ -150,7 +142,7 @@ def _quiet(fn):
 
 
 @op("arith.constant", "llvm.mlir.constant")
-def _constant(program, o, _):
+def _constant(program, o):
     (r,) = _outs(program, o)
     t = _rtype(o)
     value = _constant_value(o.attributes["value"], t)
@@ -199,7 +191,7 @@ def _remsi(a, b):
 
 
 def _unsigned_op(fn):
-    def maker(program, o, _):
+    def maker(program, o):
         ins, (r,) = _ins(program, o), _outs(program, o)
         t = _rtype(o)
         w = _otype(o).width
@@ -236,7 +228,7 @@ def _lanes_like(c, a):
 
 
 @op("arith.shli")
-def _shli(program, o, _):
+def _shli(program, o):
     (a, b), (r,) = _ins(program, o), _outs(program, o)
     t = _rtype(o)
 
@@ -248,7 +240,7 @@ def _shli(program, o, _):
 
 
 @op("arith.shrui")
-def _shrui(program, o, _):
+def _shrui(program, o):
     (a, b), (r,) = _ins(program, o), _outs(program, o)
     t = _rtype(o)
 
@@ -262,7 +254,7 @@ def _shrui(program, o, _):
 
 
 @op("arith.shrsi")
-def _shrsi(program, o, _):
+def _shrsi(program, o):
     (a, b), (r,) = _ins(program, o), _outs(program, o)
     t = _rtype(o)
 
@@ -283,7 +275,7 @@ _CMPI = {
 
 
 @op("arith.cmpi", "llvm.icmp")
-def _cmpi(program, o, _):
+def _cmpi(program, o):
     (a, b), (r,) = _ins(program, o), _outs(program, o)
     pred = _int_attr(o, "predicate")
     w = _otype(o).width
@@ -322,7 +314,7 @@ _CMPF = {
 
 
 @op("arith.cmpf")
-def _cmpf(program, o, _):
+def _cmpf(program, o):
     (a, b), (r,) = _ins(program, o), _outs(program, o)
     pred = _int_attr(o, "predicate")
     if pred in (0, 15):
@@ -341,7 +333,7 @@ def _cmpf(program, o, _):
 
 
 def _cast(fn):
-    def maker(program, o, _):
+    def maker(program, o):
         (a,), (r,) = _ins(program, o), _outs(program, o)
         src, dst = _otype(o), _rtype(o)
 
@@ -455,7 +447,7 @@ for _n, _f in MATH.items():
 
 
 @op("llvm.call_intrinsic")
-def _intrinsic(program, o, _):
+def _intrinsic(program, o):
     from mlir import ir
 
     name = ir.StringAttr(o.attributes["intrin"]).value  # llvm.exp2.v8f32
@@ -463,14 +455,14 @@ def _intrinsic(program, o, _):
     fn = MATH.get(parts[1])
     if fn is None:
         raise NotImplementedError(f"the interpreter does not know the intrinsic {name}")
-    return _elementwise(fn)(program, o, _)
+    return _elementwise(fn)(program, o)
 
 
 # -- vectors -----------------------------------------------------------------------------
 
 
 @op("vector.broadcast", "vector.splat")
-def _broadcast(program, o, _):
+def _broadcast(program, o):
     (a,), (r,) = _ins(program, o), _outs(program, o)
     t = _rtype(o)
 
@@ -488,7 +480,7 @@ def _positions(o):
 
 
 @op("vector.extract")
-def _extract(program, o, _):
+def _extract(program, o):
     ins, (r,) = _ins(program, o), _outs(program, o)
     pos = _positions(o)
     if len(pos) != 1 or pos[0] < 0 or len(ins) != 1:
@@ -502,7 +494,7 @@ def _extract(program, o, _):
 
 
 @op("vector.insert")
-def _insert(program, o, _):
+def _insert(program, o):
     ins, (r,) = _ins(program, o), _outs(program, o)
     (p,) = _positions(o)
 
@@ -515,7 +507,7 @@ def _insert(program, o, _):
 
 
 @op("vector.from_elements")
-def _from_elements(program, o, _):
+def _from_elements(program, o):
     ins, (r,) = _ins(program, o), _outs(program, o)
 
     def run(m):
@@ -528,7 +520,7 @@ def shuffle_maker(array_attr):
     """vector.shuffle / llvm.shufflevector: lanes of the two vectors by the static mask
     (`array_attr`: the mask attribute's array type; -1, an undefined lane, reads lane 0)."""
 
-    def maker(program, o, _):
+    def maker(program, o):
         (a, b), (r,) = _ins(program, o), _outs(program, o)
         mask = [max(i, 0) for i in array_attr(o.attributes["mask"])]
 
@@ -565,7 +557,7 @@ _REDUCE = {
 
 
 @op("vector.reduction")
-def _reduction(program, o, _):
+def _reduction(program, o):
     ins, (r,) = _ins(program, o), _outs(program, o)
     text = str(o).split("vector.reduction")[1].lstrip(" <")
     kind = text.split(">")[0].split(",")[0].strip()

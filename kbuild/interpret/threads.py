@@ -18,7 +18,7 @@ def _dimension(o) -> int:
 def _dimension_maker(read):
     """gpu.thread_id / block_id / grid_dim / block_dim: `read(machine, dimension)`."""
 
-    def maker(program, o, _):
+    def maker(program, o):
         (r,) = _outs(program, o)
         d = _dimension(o)
 
@@ -37,7 +37,7 @@ OPS["gpu.block_dim"] = _dimension_maker(lambda m, d: m.block if d == 0 else 1)
 
 
 @op("gpu.lane_id")
-def _lane_id(program, o, _):
+def _lane_id(program, o):
     (r,) = _outs(program, o)
 
     def run(m):
@@ -47,7 +47,7 @@ def _lane_id(program, o, _):
 
 
 @op("gpu.barrier", "nvvm.barrier0", "nvvm.barrier", "rocdl.barrier", "rocdl.s.barrier")
-def _barrier(program, o, _):
+def _barrier(program, o):
     def run(m):
         m.barrier()
 
@@ -55,7 +55,7 @@ def _barrier(program, o, _):
 
 
 @op("nvvm.cluster.arrive", "nvvm.cluster.arrive.relaxed")
-def _cluster_arrive(program, o, _):
+def _cluster_arrive(program, o):
     def run(m):  # lockstep: every thread arrives now; the wait checks they all did
         m.check_uniform("cluster arrive", m.block * m.cluster)
 
@@ -63,7 +63,7 @@ def _cluster_arrive(program, o, _):
 
 
 @op("nvvm.cluster.wait")
-def _cluster_wait(program, o, _):
+def _cluster_wait(program, o):
     def run(m):
         m.cluster_barrier()
 
@@ -71,7 +71,7 @@ def _cluster_wait(program, o, _):
 
 
 @op("nvvm.read.ptx.sreg.cluster.ctarank")
-def _ctarank(program, o, _):
+def _ctarank(program, o):
     (r,) = _outs(program, o)
 
     def run(m):
@@ -81,7 +81,7 @@ def _ctarank(program, o, _):
 
 
 @op("nvvm.mapa")
-def _mapa(program, o, _):
+def _mapa(program, o):
     (p, rank), (r,) = _ins(program, o), _outs(program, o)
 
     def run(m):
@@ -94,7 +94,7 @@ _SHUFFLE_MODES = ("xor", "down", "up", "idx")
 
 
 @op("gpu.shuffle")
-def _shuffle(program, o, _):
+def _shuffle(program, o):
     (v, offset, width), (r, valid) = _ins(program, o), _outs(program, o)
     mode = str(o.attributes["mode"]).rstrip(">").split()[-1]
     if mode not in _SHUFFLE_MODES:
@@ -196,7 +196,7 @@ def store_async(m, slot, value, bar, rank) -> None:
 
 
 @op("llvm.inline_asm")
-def _inline_asm(program, o, _):
+def _inline_asm(program, o):
     from mlir import ir
 
     from ..dsl.asm_semantics import lookup
