@@ -287,6 +287,7 @@ def vocab_specs(V: int, dtypes=("f32", "f16", "bf16")) -> list:
     cluster_target = target_for_arch(CLUSTER_TARGET)
     specs = []
     for dtype in dtypes:
+        many = forward_keywords(V, dtype, True, MANY_ROWS, cluster_target)  # a cluster target
         for index in INDEX_DTYPES:
             for smoothing, z_loss, softcap in itertools.product((False, True), repeat=3):
                 for grad in (True, False):
@@ -301,8 +302,7 @@ def vocab_specs(V: int, dtypes=("f32", "f16", "bf16")) -> list:
                         vectorize=True,
                     )
                     specs.append(build_cross_entropy_fwd.spec(**values))
-                    many = forward_keywords(V, dtype, True, MANY_ROWS, cluster_target)
-                    if many:  # a call of many rows on a cluster target
+                    if many:  # the plan of a call of many rows differs from the chooser's
                         specs.append(build_cross_entropy_fwd.spec(**values, **many))
         specs.append(build_cross_entropy_rescale.spec(N=V, dtype=dtype, vectorize=True))
     return specs
