@@ -3,6 +3,7 @@
     kbuild warmup --arch sm_90 --module bench/bench_loss.py --cache-dir .kbuild-aot
     pip install --no-deps liger_kernel-0.8.5-py3-none-any.whl     # pure Python
     KBUILD_CACHE_DIR=.kbuild-aot KBUILD_OFFLINE=1 python bench/bench_loss.py [out.json]
+        [--parts ce,fused] [--heads "gemma2 head,..."] [--chunks 256,512,1024,2048,4096]
 
 Cross-entropy: forward + backward (the call as training makes it: `loss.backward()` of the
 mean) at 8192 tokens x V, bf16 logits, against torch eager (F.cross_entropy), torch.compile
@@ -19,10 +20,13 @@ On 2026-12-07 (7cc59e8) the check computed the reference after the call, from lo
 had overwritten (relative error 1.05), and Liger's row was dropped; had it passed, every peer
 timed after it would have read Liger's gradient in place of the logits.
 
-Fused linear cross-entropy at a Llama-3-8B head (H 4096, V 128256; 8192 and 16384 tokens) and
-a Gemma 2 head (H 2304, V 256000, soft cap 30): time of forward + backward and peak memory of
-kbuild.linear_cross_entropy, the unfused path as Hugging Face runs it (logits, upcast to fp32,
-F.cross_entropy) eager and compiled, and Liger's fused linear cross-entropy.
+Fused linear cross-entropy at a Llama-3-8B head (H 4096, V 128256; 8192 and 16384 tokens), a
+Gemma 2 head (H 2304, V 256000, soft cap 30) and the other heads of bench/patch_models.py's
+models (Qwen3-1.7B, Gemma-3-1B, GPT-2; 8192 tokens): time of forward + backward and peak
+memory of kbuild.linear_cross_entropy, the unfused path as Hugging Face runs it (logits,
+upcast to fp32, F.cross_entropy) eager and compiled, and Liger's fused linear cross-entropy.
+`--chunks` times kbuild at other rows per chunk beside the chosen one (`chunk_rows`): the
+measurements its rule comes from.
 
 Every implementation is first checked against an fp64 reference on a small case (a fast
 wrong one must not pass for a result); a peer that fails to import or run is recorded with
@@ -41,6 +45,7 @@ The run prints each case's peak.
 
 from __future__ import annotations
 
+import argparse
 import gc
 import os
 import sys
@@ -61,7 +66,12 @@ HEADS = (  # (name, tokens, hidden, vocabulary, soft cap)
     ("llama3-8b head", 8192, 4096, 128256, None),
     ("llama3-8b head", 16384, 4096, 128256, None),
     ("gemma2 head", 8192, 2304, 256000, 30.0),
+    # the other heads of bench/patch_models.py's models, at their 8192 tokens a step
+    ("qwen3-1.7b head", 8192, 2048, 151936, None),
+    ("gemma3-1b head", 8192, 1152, 262144, None),
+    ("gpt2 head", 8192, 768, 50257, None),
 )
+CHUNKS = (256, 512, 1024, 2048, 4096)  # `--chunks`: kbuild's rows per chunk, timed beside
 
 
 def warmup_specs() -> list:
@@ -96,8 +106,9 @@ def peers() -> dict:
     return found
 
 
-def fused_peers(softcap) -> dict:
-    """name -> fn(hidden, weight, target) of the linear cross-entropy implementations."""
+def fused_peers(softcap, chunks=()) -> dict:
+    """name -> fn(hidden, weight, target) of the linear cross-entropy implementations; kbuild
+    also at each of `chunks` rows per chunk ("kbuild chunk=R") beside its chosen chunk."""
 
     def unfused(h, w, t):  # Hugging Face's path: logits, fp32 upcast, cross-entropy
         x = F.linear(h, w).float()
@@ -107,6 +118,12 @@ def fused_peers(softcap) -> dict:
 
     found = {
         "kbuild": lambda h, w, t: kbuild.linear_cross_entropy(h, w, t, softcap=softcap),
+        **{
+            f"kbuild chunk={rows}": lambda h, w, t, rows=rows: kbuild.linear_cross_entropy(
+                h, w, t, softcap=softcap, chunk_size=rows
+            )
+            for rows in chunks
+        },
         "torch": unfused,
         "torch.compile": torch.compile(unfused),
     }
@@ -284,9 +301,13 @@ def forward_kernel(x: torch.Tensor, t: torch.Tensor, plan: dict | None = None):
     return run, loss, d
 
 
-def fused_cases(copy: float) -> tuple[list[Case], dict]:
-    cases, memory, errors, overwrote, peaks = [], {}, {}, {}, {}
-    for name, tokens, H, V, cap in HEADS:
+def fused_cases(copy: float, heads=HEADS, chunks=()) -> tuple[list[Case], dict]:
+    """The fused heads: every peer, and kbuild at each of `chunks` rows per chunk."""
+    from kbuild.ops.linear_loss import chunk_rows
+
+    cases, memory, errors, overwrote, peaks, chosen = [], {}, {}, {}, {}, {}
+    for name, tokens, H, V, cap in heads:
+        chosen[f"{name} {tokens}"] = chunk_rows(tokens, V, H)
 
         def small(H=H, V=V):
             h = torch.randn(256, H, device="cuda", dtype=torch.bfloat16).requires_grad_()
@@ -301,7 +322,8 @@ def fused_cases(copy: float) -> tuple[list[Case], dict]:
             loss = F.cross_entropy(x, t)
             return loss, torch.autograd.grad(loss, [hd, wd])
 
-        errors[name], impls, overwrote[name] = check(fused_peers(cap), small, reference)
+        sweep = [rows for rows in chunks if rows < tokens]
+        errors[name], impls, overwrote[name] = check(fused_peers(cap, sweep), small, reference)
         h = torch.randn(tokens, H, device="cuda", dtype=torch.bfloat16).requires_grad_()
         w = (torch.randn(V, H, device="cuda", dtype=torch.bfloat16) * H**-0.5).requires_grad_()
         t = torch.randint(0, V, (tokens,), device="cuda")
@@ -316,19 +338,36 @@ def fused_cases(copy: float) -> tuple[list[Case], dict]:
         del h, w, t, runs, impls, case
         free()
     extra = {"fused_check_errors": errors, "fused_inputs_overwritten": overwrote}
+    extra["fused_chunk_rows_chosen"] = chosen
     return cases, {**extra, "fused_peak_mib": memory, "fused_case_peak_gib": peaks}
 
 
-def main(path: str | None) -> None:
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("out", nargs="?", help="results JSON")
+    p.add_argument("--parts", default="ce,fused", help="ce, fused or both (default)")
+    p.add_argument("--heads", default="", help="comma-separated head names (default: all)")
+    p.add_argument("--chunks", default="", help=f"kbuild rows per chunk to time beside "
+                   f"the chosen one, e.g. {','.join(map(str, CHUNKS))}")  # fmt: skip
+    a = p.parse_args()
+    parts = set(a.parts.split(","))
+    if not parts or parts - {"ce", "fused"}:
+        p.error(f"--parts takes ce and/or fused; got {a.parts!r}")
+    heads = [h for h in HEADS if not a.heads or h[0] in a.heads.split(",")]
+    chunks = [int(c) for c in a.chunks.split(",") if c]
     copy = measure_copy()
-    cases, ce_extra = ce_cases(copy)
-    fused, fused_extra = fused_cases(copy)
-    cases += fused
-    peaks = {**ce_extra["case_peak_gib"], **fused_extra["fused_case_peak_gib"]}
-    print(f"largest case peak: {max(peaks.values())} GiB allocated", flush=True)
-    if path:
-        write_results(path, cases, copy, {**ce_extra, **fused_extra})
+    cases, extra = [], {}
+    if "ce" in parts:
+        found, more = ce_cases(copy)
+        cases, extra = cases + found, {**extra, **more}
+    if "fused" in parts:
+        found, more = fused_cases(copy, heads, chunks)
+        cases, extra = cases + found, {**extra, **more}
+    peaks = {**extra.get("case_peak_gib", {}), **extra.get("fused_case_peak_gib", {})}
+    print(f"largest case peak: {max(peaks.values(), default=0)} GiB allocated", flush=True)
+    if a.out:
+        write_results(a.out, cases, copy, extra)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else None)
+    main()

@@ -8,6 +8,7 @@
 #   bash bench/gpu_checks.sh custom_softmax math_accuracy host
 #   bash bench/gpu_checks.sh models profile
 #   bash bench/gpu_checks.sh loss block
+#     (LOSS_ARGS: bench_loss.py's options, e.g. '--parts fused --chunks 512,1024,2048,4096')
 #   bash bench/gpu_checks.sh interpret ce_clusters
 #     (interpret: the interpreter's values, carried, against the GPU's: interpret.log)
 #   bash bench/gpu_checks.sh patch_models
@@ -56,7 +57,7 @@ for name in "${steps[@]}"; do
         block) step block python3 bench/bench_block.py "$out/block.json" ;;
         models) step models python3 bench/models.py "$out" --models gpt2-d1024-l6,gpt2-d768-l4,gpt2-124m --modes eager ;;
         profile) step profile python3 bench/model_profile.py "$out" --model gpt2-d1024-l6 ;;
-        loss) step loss python3 bench/bench_loss.py "$out/loss.json" ;;
+        loss) step loss python3 bench/bench_loss.py "$out/loss.json" ${LOSS_ARGS:-} ;;
         ce_clusters) step ce_clusters python3 bench/bench_ce_clusters.py "$out/ce_clusters.json" ;;
         interpret) python3 -c "import lzma, shutil; shutil.copyfileobj(lzma.open('.carry/cpu.pt.xz'), open('.carry/cpu.pt', 'wb'))"
                    step interpret_run python3 bench/interpret_vs_gpu.py run cuda "$out/gpu.pt"
