@@ -22,7 +22,7 @@ def _inputs(M=37, H=24, V=103, dtype=torch.float32, bias=False, seed=0):
     w = (torch.randn(V, H, generator=g) * 0.7).to(dtype).requires_grad_()
     b = (torch.randn(V, generator=g)).to(dtype).requires_grad_() if bias else None
     t = torch.randint(0, V, (M,), generator=g)
-    t[3] = IGNORE
+    t[3:4] = IGNORE
     return h, w, b, t
 
 
@@ -102,6 +102,20 @@ def test_the_result_does_not_depend_on_the_chunk_in_fp32_and_repeats_bitwise():
             assert torch.allclose(a, r, rtol=1e-5, atol=1e-6)
     for a, r in zip(runs[1], runs[4], strict=True):  # the same chunk twice: bitwise
         assert torch.equal(a, r)
+
+
+def test_no_rows_give_a_zero_weight_gradient():
+    """d(weight) is set by the first chunk's product, not zero-filled first: with no rows there
+    is no chunk, and it must still come back zeros (memory poisoned with NaN before, so an
+    unset gradient shows)."""
+    h, w, b, t = _inputs(M=0, bias=True)
+    for _ in range(3):
+        torch.full(w.shape, float("nan")).sum()  # freed blocks of the weight's size hold NaN
+        for a in (h, w, b):
+            a.grad = None
+        kbuild.linear_cross_entropy(h, w, t, b, reduction="sum").backward()
+        assert torch.equal(w.grad, torch.zeros_like(w)) and torch.equal(b.grad, torch.zeros_like(b))
+        assert h.grad.shape == (0, w.shape[1])
 
 
 def test_only_the_gradients_asked_for_are_computed():

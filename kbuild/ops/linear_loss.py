@@ -109,6 +109,7 @@ def _pass(hidden, weight, bias, target, coefs, options, chunk, wants, dloss=None
     dh, dw, db = wants
     grad = bool(dh.numel() or dw.numel() or db.numel())
     flag = torch.zeros(1, dtype=torch.int32, device=hidden.device)
+    first = True  # d(weight) is set by the first chunk's product (no zero fill, no read of it)
     for start, end in _chunks(hidden, weight, chunk):
         h, t = hidden[start:end], target[start:end]
         logits = _logits(h, weight, bias)  # becomes its own gradient below
@@ -121,12 +122,18 @@ def _pass(hidden, weight, bias, target, coefs, options, chunk, wants, dloss=None
             rescale_(logits, dloss[start:end], coefs)
         if dh.numel():
             torch.mm(logits, weight, out=dh[start:end])
-        if dw_sum is not None and dw.numel():
-            dw.add_(torch.mm(logits.t(), h))  # fp32 across chunks, one rounding each
+        if dw_sum is not None and dw.numel():  # fp32 across chunks, one rounding each
+            part = torch.mm(logits.t(), h)
+            dw.copy_(part) if first else dw.add_(part)
+        elif dw.numel() and first:
+            torch.mm(logits.t(), h, out=dw)
         elif dw.numel():
             dw.addmm_(logits.t(), h)
         if db.numel():
             db += logits.sum(0, dtype=torch.float32)
+        first = False
+    if first and grad:
+        dw.zero_()  # no rows: no chunk set it
     return loss, lse, flag
 
 
@@ -142,12 +149,13 @@ def _on_device(t: torch.Tensor):
 
 def _wants(hidden, weight, bias, grad_hidden, grad_weight, grad_bias, make=None):
     """(d hidden, d weight, d bias fp32): new tensors where asked, else empty ones (distinct:
-    a custom op's outputs may not alias). `make(shape, like, dtype)` makes the sums (zeros);
-    d hidden, written whole chunk by chunk, is left unset."""
+    a custom op's outputs may not alias). `make(shape, like, dtype)` makes d(bias)'s sum
+    (zeros); d hidden, written whole chunk by chunk, and d weight, set by the first chunk, are
+    left unset."""
     make = make or (lambda shape, like, dtype: like.new_zeros(shape, dtype=dtype))
     return (
         _empty(hidden.shape if grad_hidden else 0, hidden, hidden.dtype),
-        make(weight.shape if grad_weight else 0, weight, weight.dtype),
+        _empty(weight.shape if grad_weight else 0, weight, weight.dtype),
         make(weight.shape[0] if grad_bias and bias is not None else 0, hidden, torch.float32),
     )
 
