@@ -56,6 +56,8 @@ length's `error`); each length's ms and peak, and `longest` the last that traine
 The parent merges each worker's fragment (OUT_DIR/patch_models/<model>.<variant>.json, its log
 beside it) into OUT_DIR/patch_models.json, keeping the models, variants and modes of earlier
 runs (so the work may be split by --models, --variants or --modes over several calls), and
+`--rounds N` runs each model's variants N times, alternating (stock, liger, kbuild, stock, ...),
+and keeps each mode's median round (`ms_per_step_rounds` lists them all). It
 prints ms/step and peak GiB per variant with kbuild / stock and kbuild / liger ratios (below 1:
 kbuild faster / smaller) and how far each variant's loss curve is from stock's. The environment
 passes through (KBUILD_CACHE_DIR, KBUILD_OFFLINE, PYTORCH_CUDA_ALLOC_CONF). Time, estimated
@@ -531,6 +533,25 @@ def _merge(entry: dict, variant: str, record: dict) -> None:
     entry["variants"][variant] = record
 
 
+def _rounds(records: list[dict]) -> dict:
+    """One variant's record from its rounds (`--rounds`): per mode, the round of the median
+    ms/step, with every round's ms/step (`ms_per_step_rounds`) beside it; the first round's
+    longest-sequence search."""
+    record = dict(records[0])
+    record["modes"] = {}
+    for mode in {m for r in records for m in r.get("modes", {})}:
+        rows = [r["modes"][mode] for r in records if mode in r.get("modes", {})]
+        timed = sorted((row for row in rows if "ms_per_step" in row), key=_ms)
+        row = dict(timed[(len(timed) - 1) // 2] if timed else rows[0])
+        row["ms_per_step_rounds"] = [r.get("ms_per_step") for r in rows]
+        record["modes"][mode] = row
+    return record
+
+
+def _ms(row: dict) -> float:
+    return row["ms_per_step"]
+
+
 def _ratio(a, b):
     return round(a / b, 3) if a and b else None
 
@@ -628,15 +649,21 @@ def parent(args) -> None:
         entry = result["models"].setdefault(name, {})
         entry.update(family=MODELS[name][0], batch=[batch, seq], tiny=args.tiny)
         entry.setdefault("variants", {})
-        for variant in variants:
-            record = _run_worker(args, name, variant, frag_dir)
+        runs: dict[str, list[dict]] = {v: [] for v in variants}
+        for _ in range(args.rounds):  # the variants alternate: drift hits each alike
+            for variant in variants:
+                runs[variant].append(_run_worker(args, name, variant, frag_dir))
+                if len(runs[variant]) > 1:  # the longest-sequence search: the first round's
+                    runs[variant][-1].pop("longest", None)
+        for variant, records in runs.items():
+            record = _rounds(records)
             for key in ("device", "torch", "transformers"):
                 if key in record:
                     result[key] = record[key]
             _merge(entry, variant, record)
-            _summarise(entry)
-            with open(path, "w") as f:
-                json.dump(result, f, indent=1)
+        _summarise(entry)
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1)
     print(_table(result))
     print(f"wrote {path}")
 
@@ -658,6 +685,7 @@ def main() -> None:
     p.add_argument("--no-longest", action="store_true", help="skip the longest-sequence search")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=10, help="timed steps")
+    p.add_argument("--rounds", type=int, default=1, help="alternating runs; the median is kept")
     p.add_argument("--timeout", type=int, default=900, help="seconds for each worker")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--tiny", action="store_true", help="tiny configs (the CPU check)")

@@ -41,7 +41,7 @@ def merged(tmp_path_factory):
     first = _run(out, "--models", ",".join(NAMES), "--variants", "stock,liger,kbuild",
                  "--longest-cap", "32")  # fmt: skip
     # a second run of one variant of one model: the rest of the first run's results stay
-    second = _run(out, "--models", "gpt2-124m", "--variants", "liger")
+    second = _run(out, "--models", "gpt2-124m", "--variants", "liger,stock", "--rounds", "2")
     return out, first, second
 
 
@@ -95,6 +95,11 @@ def test_second_run_merges(merged):
     assert set(second["models"]) == set(NAMES)
     assert second["models"]["llama3-8b-l2"] == first["models"]["llama3-8b-l2"]
     assert set(second["models"]["gpt2-124m"]["variants"]) == {"stock", "liger", "kbuild"}
+    rounds = second["models"]["gpt2-124m"]["variants"]["stock"]["modes"]["eager"]
+    assert (
+        len(rounds["ms_per_step_rounds"]) == 2
+        and rounds["ms_per_step"] in rounds["ms_per_step_rounds"]
+    )
     for name in NAMES:
         for variant in ("stock", "kbuild"):
             assert (out / "patch_models" / f"{name}.{variant}.json").exists()
@@ -125,6 +130,22 @@ def test_merge_keeps_modes_of_earlier_runs():
     assert entry["variants"]["kbuild"]["longest"] == {"longest": 2}
     pm._summarise(entry)
     assert entry["ratios"]["compile"]["kbuild/stock"] == {"ms": None, "peak": None}
+
+
+def test_rounds_keep_the_median_round_per_mode():
+    """Catches `--rounds` keeping the last or the first round instead of the median one, a
+    round's other figures mixed with another round's time, or an errored round counted."""
+    rounds = [
+        {"modes": {"eager": {"ms_per_step": 5.0, "peak_gib": 1}}, "longest": {"longest": 8}},
+        {"modes": {"eager": {"ms_per_step": 3.0, "peak_gib": 2}, "compile": {"error": "x"}}},
+        {"modes": {"eager": {"ms_per_step": 4.0, "peak_gib": 3},
+                   "compile": {"ms_per_step": 1.0}}},
+    ]  # fmt: skip
+    record = pm._rounds(rounds)
+    assert record["modes"]["eager"] == {"ms_per_step": 4.0, "peak_gib": 3,
+                                        "ms_per_step_rounds": [5.0, 3.0, 4.0]}  # fmt: skip
+    assert record["modes"]["compile"] == {"ms_per_step": 1.0, "ms_per_step_rounds": [None, 1.0]}
+    assert record["longest"] == {"longest": 8}
 
 
 def _args(**kw) -> argparse.Namespace:
