@@ -4,6 +4,7 @@
     pip install --no-deps liger_kernel-0.8.5-py3-none-any.whl     # pure Python
     KBUILD_CACHE_DIR=.kbuild-aot KBUILD_OFFLINE=1 python bench/bench_loss.py [out.json]
         [--parts ce,fused] [--heads "gemma2 head,..."] [--chunks 256,512,1024,2048,4096]
+        [--skip torch.compile]
 
 Cross-entropy: forward + backward (the call as training makes it: `loss.backward()` of the
 mean) at 8192 tokens x V, bf16 logits, against torch eager (F.cross_entropy), torch.compile
@@ -301,7 +302,7 @@ def forward_kernel(x: torch.Tensor, t: torch.Tensor, plan: dict | None = None):
     return run, loss, d
 
 
-def fused_cases(copy: float, heads=HEADS, chunks=()) -> tuple[list[Case], dict]:
+def fused_cases(copy: float, heads=HEADS, chunks=(), skip=()) -> tuple[list[Case], dict]:
     """The fused heads: every peer, and kbuild at each of `chunks` rows per chunk."""
     from kbuild.ops.linear_loss import chunk_rows
 
@@ -323,7 +324,8 @@ def fused_cases(copy: float, heads=HEADS, chunks=()) -> tuple[list[Case], dict]:
             return loss, torch.autograd.grad(loss, [hd, wd])
 
         sweep = [rows for rows in chunks if rows < tokens and rows != rows_chosen]
-        errors[name], impls, overwrote[name] = check(fused_peers(cap, sweep), small, reference)
+        found = {k: f for k, f in fused_peers(cap, sweep).items() if k not in skip}
+        errors[name], impls, overwrote[name] = check(found, small, reference)
         h = torch.randn(tokens, H, device="cuda", dtype=torch.bfloat16).requires_grad_()
         w = (torch.randn(V, H, device="cuda", dtype=torch.bfloat16) * H**-0.5).requires_grad_()
         t = torch.randint(0, V, (tokens,), device="cuda")
@@ -347,6 +349,7 @@ def main() -> None:
     p.add_argument("out", nargs="?", help="results JSON")
     p.add_argument("--parts", default="ce,fused", help="ce, fused or both (default)")
     p.add_argument("--heads", default="", help="comma-separated head names (default: all)")
+    p.add_argument("--skip", default="", help="comma-separated peers not to run (torch.compile)")
     p.add_argument("--chunks", default="", help=f"kbuild rows per chunk to time beside "
                    f"the chosen one, e.g. {','.join(map(str, CHUNKS))}")  # fmt: skip
     a = p.parse_args()
@@ -361,7 +364,7 @@ def main() -> None:
         found, more = ce_cases(copy)
         cases, extra = cases + found, {**extra, **more}
     if "fused" in parts:
-        found, more = fused_cases(copy, heads, chunks)
+        found, more = fused_cases(copy, heads, chunks, a.skip.split(","))
         cases, extra = cases + found, {**extra, **more}
     peaks = {**extra.get("case_peak_gib", {}), **extra.get("fused_case_peak_gib", {})}
     print(f"largest case peak: {max(peaks.values(), default=0)} GiB allocated", flush=True)
