@@ -130,12 +130,18 @@ def test_only_the_gradients_asked_for_are_computed():
 
 
 def test_chunk_rows_follows_the_weight_size():
-    """The chunk's logits a quarter of the weight (or hidden, if larger), a multiple of
-    MIN_ROWS, at least MIN_ROWS, at most M: few chunks (each costs 4 weights of traffic)."""
+    """The chunk's logits a quarter of the weight (or hidden, or 256 MiB, if larger), a
+    multiple of MIN_ROWS, at least MIN_ROWS, at most M: few chunks (each costs 4 weights of
+    traffic and a few launches). Catches the small heads' chunks shrinking to launch-bound
+    slivers (GPT-2's were 64 rows: 128 chunks)."""
     assert linear_loss.chunk_rows(8192, 128256, 4096) == 1024  # Llama-3-8B: 8 chunks
     assert linear_loss.chunk_rows(16384, 128256, 4096) == 1024  # 16
     assert linear_loss.chunk_rows(8192, 256000, 2304) == 576  # Gemma 2: 15
     assert linear_loss.chunk_rows(65536, 32000, 4096) == 8384  # hidden larger: its size
+    assert linear_loss.chunk_rows(8192, 151936, 2048) == 832  # Qwen3-1.7B: the floor, 10
+    assert linear_loss.chunk_rows(8192, 262144, 1152) == 512  # Gemma-3-1B: 16
+    assert linear_loss.chunk_rows(8192, 50257, 768) == 2624  # GPT-2: 4
+    assert linear_loss.chunk_rows(8192, 50257, 768, itemsize=4) == 1280  # fp32 logits: 7
     assert linear_loss.chunk_rows(10, 50257, 768) == 10
 
 

@@ -24,8 +24,9 @@ Memory. At most one chunk of logits lives at a time (the gradient takes its plac
 d(hidden) (the size of hidden) and d(weight) (the size of the weight, in its dtype), both
 held from the forward to the backward: Liger-Kernel's fused linear cross-entropy keeps the
 same. The chunk is chosen from the shapes so its logits are a quarter of the weight's size (or
-hidden's, if larger; at least 64 rows): every chunk costs four weights of memory traffic, so
-they are few (`chunk_rows`); `chunk_size` overrides it (smaller: less memory, more traffic).
+hidden's, or 256 MiB, if larger; at least 64 rows): every chunk costs four weights of memory
+traffic and a few launches, so they are few (`chunk_rows`); `chunk_size` overrides it
+(smaller: less memory, more traffic).
 
 Precision. The logits are rounded to hidden's dtype once (the matmul's output), the loss and
 log-sum-exp are fp32, the gradient of a chunk's logits is rounded to their dtype once. d(weight)
@@ -59,23 +60,29 @@ from .loss_options import check_options, make_coefs, switches, z_loss_of
 from .opdef import Ids
 
 MIN_ROWS = 64  # the smallest chunk chosen: fewer rows make the matmuls inefficient
+MIN_CHUNK_BYTES = 256 << 20  # the logits a chunk may always hold (see chunk_rows)
 
 # ----------------------------------------------------------------------------- chunks
 
 
-def chunk_rows(M: int, V: int, H: int) -> int:
-    """Rows per chunk: the chunk's logits (rows x V) as large as a quarter of the weight
-    (V x H), or hidden (M x H) where that is larger; a multiple of MIN_ROWS, at most M. Each
-    chunk reads the weight twice (its logits, d hidden) and reads and writes d(weight) once,
-    4 x V x H elements of traffic a chunk whatever its rows: so the chunks are few, and the
-    memory they take stays a quarter of the weight's above what d(weight) itself needs
+def chunk_rows(M: int, V: int, H: int, itemsize: int = 2) -> int:
+    """Rows per chunk: the chunk's logits (rows x V, `itemsize` bytes each) as large as a
+    quarter of the weight (V x H), or hidden (M x H) where that is larger, or 256 MiB where
+    that is larger still; a multiple of MIN_ROWS, at most M.
+
+    Each chunk reads the weight twice (its logits, d hidden) and reads and writes d(weight)
+    once, 4 x V x H elements of traffic a chunk whatever its rows: so the chunks are few, and
+    the memory they take stays a quarter of the weight's above what d(weight) itself needs
     (peak <= 1.25x Liger's, whose chunks are smaller). Logits about hidden's size made 128
     chunks at the Gemma 2 head (284.8 ms against Liger's 141.0 on an H100, 2026-12-07, 156 ms
-    of it d(weight)'s traffic): now 14. From the shapes alone (not the free memory), so the
-    chunks, and with them the rounding of a 16-bit d(weight)'s sum, are the same on every
-    run, captured or not, forward and recompute. `chunk_size=` sets it (fewer rows: less
-    memory, more traffic)."""
-    budget = max(M * H, V * H // 4)  # logits elements a chunk may hold
+    of it d(weight)'s traffic): now 14. A small head's quarter would make chunks whose
+    matmuls take less time than their launches (GPT-2's: 192 rows of 50257, about 30 us of
+    GPU time a matmul): the 256 MiB floor keeps them a few (GPT-2's 2624 rows, Qwen3-1.7B's
+    832, Gemma-3-1B's 512), about 3% of an 8 GB card. From the shapes alone (not the free
+    memory), so the chunks, and with them the rounding of a 16-bit d(weight)'s sum, are the
+    same on every run, captured or not, forward and recompute. `chunk_size=` sets it (fewer
+    rows: less memory, more traffic)."""
+    budget = max(M * H, V * H // 4, MIN_CHUNK_BYTES // itemsize)  # logits elements a chunk holds
     rows = max(MIN_ROWS, budget // V // MIN_ROWS * MIN_ROWS)
     return max(1, min(rows, M))
 
@@ -83,7 +90,7 @@ def chunk_rows(M: int, V: int, H: int) -> int:
 def _chunks(hidden: torch.Tensor, weight: torch.Tensor, chunk: int) -> list[tuple[int, int]]:
     M = hidden.shape[0]
     if chunk <= 0:
-        chunk = chunk_rows(M, weight.shape[0], hidden.shape[1])
+        chunk = chunk_rows(M, weight.shape[0], hidden.shape[1], hidden.element_size())
     return [(s, min(M, s + chunk)) for s in range(0, M, chunk)]
 
 
