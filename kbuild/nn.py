@@ -163,7 +163,8 @@ class LinearCrossEntropy(Module):
     (keywords, `OPTIONS` their defaults) are kbuild.linear_cross_entropy's."""
 
     OPTIONS = dict(ignore_index=-100, reduction="mean", label_smoothing=0.0,
-                   lse_square_scale=0.0, softcap=None, chunk_size=None)  # fmt: skip
+                   lse_square_scale=0.0, softcap=None, chunk_size=None,
+                   memory_budget=None)  # fmt: skip
 
     def __init__(self, in_features: int, num_classes: int, bias: bool = False, device=None,
                  dtype=None, **options):  # fmt: skip
@@ -439,11 +440,12 @@ def swap_norms(model: torch.nn.Module) -> list[str]:
 
 
 def patch(model: torch.nn.Module, norms: bool = True, rope: bool = True, mlp: bool = True,
-          loss: bool = True):  # fmt: skip
+          loss: bool | str = True):  # fmt: skip
     """Put kbuild's norms, rotary embedding, MLP activation and fused linear cross-entropy into
     a Hugging Face causal LM in place, each swap per module instance and after a numerical
     check on the module's own device; returns a PatchReport (what was patched, what was left
-    and why; `.unpatch()` undoes it). See kbuild/patching/__init__.py."""
+    and why; `.unpatch()` undoes it). `loss="low_memory"`: the fused loss in its least memory,
+    slower. See kbuild/patching/__init__.py."""
     from .patching import patch as _patch
 
     return _patch(model, norms=norms, rope=rope, mlp=mlp, loss=loss)

@@ -104,6 +104,30 @@ def test_the_result_does_not_depend_on_the_chunk_in_fp32_and_repeats_bitwise():
         assert torch.equal(a, r)
 
 
+def test_memory_budget_sets_the_chunk():
+    """`memory_budget` (bytes of a chunk's logits) gives the rows that fit, a multiple of 64
+    where more fit; the result is the chunk_size one's bitwise. Catches the budget ignored (the
+    default chunk taken) or counted in elements, not bytes."""
+    assert linear_loss.budget_rows(8192 * 4096 * 2, 128256, 2) == 256  # hidden's bytes, Llama-3
+    assert linear_loss.budget_rows(100 * 103 * 4, 103, 4) == 64
+    assert linear_loss.budget_rows(10 * 103 * 4, 103, 4) == 10
+    assert linear_loss.budget_rows(1, 103, 4) == 1
+    h, w, b, t = _inputs(M=50, bias=True)
+    runs = []
+    for kw in (dict(memory_budget=7 * 103 * 4 + 3), dict(chunk_size=7)):
+        for a in (h, w, b):
+            a.grad = None
+        kbuild.linear_cross_entropy(h, w, t, b, **kw).backward()
+        runs.append((h.grad.clone(), w.grad.clone()))
+    assert all(torch.equal(a, r) for a, r in zip(*runs, strict=True))
+    with pytest.raises(ValueError, match="give chunk_size or memory_budget, not both"):
+        kbuild.linear_cross_entropy(h, w, t, chunk_size=8, memory_budget=1 << 20)
+    with pytest.raises(TypeError, match=r"memory_budget must be None or an int \(bytes\)"):
+        kbuild.linear_cross_entropy(h, w, t, memory_budget=1.5)
+    with pytest.raises(ValueError, match="memory_budget must be >= 1 byte; got 0"):
+        kbuild.linear_cross_entropy(h, w, t, memory_budget=0)
+
+
 def test_no_rows_give_a_zero_weight_gradient():
     """d(weight) is set by the first chunk's product, not zero-filled first: with no rows there
     is no chunk, and it must still come back zeros (memory poisoned with NaN before, so an

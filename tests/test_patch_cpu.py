@@ -376,6 +376,8 @@ def test_meta_and_arguments():
         patch("model")
     with pytest.raises(TypeError, match="rope must be a bool"):
         patch(Tiny(), rope="module")
+    with pytest.raises(TypeError, match="loss must be a bool or \"low_memory\", got 'small'"):
+        patch(Tiny(), loss="small")
 
 
 def test_report_reads():
@@ -715,3 +717,33 @@ def test_mixed_precision_training_step(hf, kind):
     head = model.lm_head.weight  # GPT-2's is tied to its embedding
     assert head.grad.dtype == torch.float32
     assert_close_rel(head.grad, stock.lm_head.weight.grad, 5e-2, "lm_head")
+
+
+def test_low_memory_loss_is_asked_for_and_named(hf, monkeypatch):
+    """Catches loss="low_memory" ignored (the default chunks taken: no memory budget, or one
+    other than the hidden states' bytes), left out of the report, or a loss or gradient that
+    differs from the default patch's beyond the chunks' summation order."""
+    from kbuild.ops import linear_loss
+
+    budgets, real = [], linear_loss.linear_cross_entropy
+
+    def spy(h, *args, **kwargs):
+        budgets.append((kwargs.get("memory_budget"), h.numel() * h.element_size()))
+        return real(h, *args, **kwargs)
+
+    monkeypatch.setattr(linear_loss, "linear_cross_entropy", spy)
+    stock = hf_model(hf, "gemma2")
+    fast, small = copy.deepcopy(stock), copy.deepcopy(stock)
+    patch(fast)
+    report = patch(small, loss="low_memory")
+    named = [s.what for s in report.swaps if s.kind == "loss"]
+    assert named == ["linear_cross_entropy(softcap=2, low_memory)"], named
+    ids = _ids()
+    budgets.clear()
+    losses = [m(input_ids=ids, labels=ids).loss for m in (fast, small)]
+    (none, _), (budget, hidden_bytes) = budgets
+    assert none is None and budget == hidden_bytes
+    assert_close_rel(losses[1], losses[0], 1e-6, "loss")
+    for loss in losses:
+        loss.backward()
+    assert_close_rel(small.lm_head.weight.grad, fast.lm_head.weight.grad, 1e-5, "d(lm_head)")

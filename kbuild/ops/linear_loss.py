@@ -87,6 +87,17 @@ def chunk_rows(M: int, V: int, H: int, itemsize: int = 2) -> int:
     return max(1, min(rows, M))
 
 
+def budget_rows(memory_budget: int, V: int, itemsize: int) -> int:
+    """The rows per chunk whose logits (rows x V, `itemsize` bytes each) fit `memory_budget`
+    bytes: a multiple of MIN_ROWS where more than MIN_ROWS fit, at least one row."""
+    if isinstance(memory_budget, bool) or not isinstance(memory_budget, int):
+        raise TypeError(f"memory_budget must be None or an int (bytes), got {memory_budget!r}")
+    if memory_budget < 1:
+        raise ValueError(f"memory_budget must be >= 1 byte; got {memory_budget}")
+    rows = memory_budget // (V * itemsize)
+    return rows // MIN_ROWS * MIN_ROWS if rows >= MIN_ROWS else max(1, rows)
+
+
 def _chunks(hidden: torch.Tensor, weight: torch.Tensor, chunk: int) -> list[tuple[int, int]]:
     M = hidden.shape[0]
     if chunk <= 0:
@@ -334,6 +345,7 @@ def linear_cross_entropy(
     chunk_size: int | None = None,
     return_z_loss: bool = False,
     check_targets: bool = True,
+    memory_budget: int | None = None,
 ):
     """cross_entropy(hidden @ weight.T + bias, target) without the logits of all tokens.
 
@@ -341,10 +353,12 @@ def linear_cross_entropy(
     device (under autocast, all three are cast to autocast's dtype first, as F.linear's inputs
     are); target (...) int32 / int64 class ids. The options are kbuild.cross_entropy's
     (kbuild/ops/loss.py); `chunk_size` is the rows per chunk (default: chosen from the shapes,
-    module docstring). Returns the loss in fp32 (as Hugging Face's loss of upcast logits): the
-    mean over rows whose target is in [0, V) and not `ignore_index`, the sum, or each row's
-    ("none", target's shape); with `return_z_loss`, (loss, z_loss) as kbuild.cross_entropy
-    gives them. Saved for backward: d(hidden) and d(weight) (and d(bias)), computed by the
+    module docstring), or `memory_budget` the bytes a chunk's logits may take (the rows that
+    fit, a multiple of 64 where more than 64 fit, at least one: a smaller budget costs time,
+    one more read and write of d(weight) a chunk); give one of the two. Returns the loss in
+    fp32 (as Hugging Face's loss of upcast logits): the mean over rows whose target is in
+    [0, V) and not `ignore_index`, the sum, or each row's ("none", target's shape); with
+    `return_z_loss`, (loss, z_loss) as kbuild.cross_entropy gives them. Saved for backward: d(hidden) and d(weight) (and d(bias)), computed by the
     forward, for a mean or a sum; hidden, weight, bias and target for "none" (the backward
     recomputes the chunks' logits)."""
     PENDING.poll()
@@ -374,6 +388,10 @@ def linear_cross_entropy(
         raise TypeError(f"chunk_size must be None or an int, got {chunk_size!r}")
     if chunk_size is not None and chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1; got {chunk_size}")
+    if memory_budget is not None:
+        if chunk_size is not None:
+            raise ValueError("give chunk_size or memory_budget, not both")
+        chunk_size = budget_rows(memory_budget, V, hidden.element_size())
     for name, value in (("return_z_loss", return_z_loss), ("check_targets", check_targets)):
         if not isinstance(value, bool):
             raise TypeError(f"{name} must be a bool, got {value!r}")

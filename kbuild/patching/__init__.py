@@ -39,12 +39,13 @@ def patch(
     norms: bool = True,
     rope: bool = True,
     mlp: bool = True,
-    loss: bool = True,
+    loss: bool | str = True,
 ) -> PatchReport:
     """Put kbuild's ops into `model` in place (module docstring) and report what was patched
     and what was left stock and why; `report.unpatch()` restores the model.
 
-    Each flag turns one kind of swap on or off. Every swap is instance-level. A second call
+    Each flag turns one kind of swap on or off; `loss="low_memory"` takes the fused loss in
+    its least memory, slower (kbuild/patching/loss.py). Every swap is instance-level. A second call
     patches nothing more (the modules say they are already kbuild's). Models on the meta
     device, or in dtypes kbuild does not compute in, are left stock (nothing to check on).
 
@@ -56,8 +57,9 @@ def patch(
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     flags = dict(norms=norms, rope=rope, mlp=mlp, loss=loss)
     for name, flag in flags.items():
-        if not isinstance(flag, bool):
-            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
+        if not isinstance(flag, bool) and not (name == "loss" and flag == "low_memory"):
+            allowed = 'a bool or "low_memory"' if name == "loss" else "a bool"
+            raise TypeError(f"{name} must be {allowed}, got {flag!r}")
     report = PatchReport(type(model).__name__)
     if norms:
         _patch_norms(model, report)
@@ -66,7 +68,7 @@ def patch(
     if rope:
         patch_rope(model, report)
     if loss:
-        patch_loss(model, report)
+        patch_loss(model, report, low_memory=loss == "low_memory")
     return report
 
 

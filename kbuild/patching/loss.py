@@ -9,7 +9,15 @@ ForCausalLMLoss (labels shifted left, -100 padded; `shift_labels`, `ignore_index
 output class with `logits=None`: the logits are not returned when labels are (as Liger's fused
 loss does); `return_dict=False` gives stock's tuple, None in the logits' slot. Without labels,
 in eval mode or under no_grad (Trainer's prediction step, which wants the logits), it is the
-stock forward, unchanged. Its signature is stock's (`inspect.signature`). Labels are not checked
+stock forward, unchanged. Its signature is stock's (`inspect.signature`).
+
+Memory against time. By default the loss's chunks of tokens hold logits up to a quarter of
+the head's weight (or 256 MiB; kbuild/ops/linear_loss.py's chunk_rows): its time is then
+about the unfused path's, its memory a small part of it. `patch(model, loss="low_memory")`
+asks for the least memory instead: chunks whose logits take at most the hidden states' bytes,
+as Liger's do, at the cost of one more read and write of d(weight) per chunk (more chunks:
+at the Gemma 2 head 128 of them took twice Liger's time on an H100, 2026-12-07). The report
+names the choice. Labels are not checked
 against the vocabulary on the device (`check_targets=False`: a check reads a flag, a host
 synchronisation every step, which stock's loss does not make); a label outside it adds
 nothing to the loss, as -100 would.
@@ -53,6 +61,7 @@ def causal_lm_loss(
     ignore_index: int = -100,
     num_items_in_batch: torch.Tensor | int | None = None,
     shift_labels: torch.Tensor | None = None,
+    low_memory: bool = False,
 ) -> torch.Tensor:
     """transformers' ForCausalLMLoss of logits = softcap(hidden @ weight.T + bias), computed
     by kbuild.ops.linear_loss.linear_cross_entropy without the logits.
@@ -61,7 +70,9 @@ def causal_lm_loss(
     `shift_labels` (B, T) is given: the targets as they are). Targets are labels shifted left by
     one, the last position `ignore_index`. The mean over targets that are not ignore_index, or
     with `num_items_in_batch` the sum divided by it (gradient accumulation across batches).
-    Returns a 0-d fp32 loss; the gradient flows to hidden, weight and bias."""
+    `low_memory`: chunks whose logits take at most hidden's bytes (as Liger's), slower than the
+    default chunks where the head is large (module docstring). Returns a 0-d fp32 loss; the
+    gradient flows to hidden, weight and bias."""
     from ..ops.linear_loss import linear_cross_entropy
 
     if shift_labels is None:
@@ -69,9 +80,10 @@ def causal_lm_loss(
     target = shift_labels.reshape(-1).to(hidden.device)
     h = hidden.reshape(-1, hidden.shape[-1])
     reduction = "mean" if num_items_in_batch is None else "sum"
+    budget = h.numel() * h.element_size() if low_memory else None
     loss = linear_cross_entropy(h, weight, target, bias, ignore_index=ignore_index,
-                                reduction=reduction, softcap=softcap,
-                                check_targets=False)  # fmt: skip
+                                reduction=reduction, softcap=softcap, check_targets=False,
+                                memory_budget=budget)  # fmt: skip
     if num_items_in_batch is not None:
         if torch.is_tensor(num_items_in_batch):
             num_items_in_batch = num_items_in_batch.to(loss.device)
@@ -79,7 +91,7 @@ def causal_lm_loss(
     return loss
 
 
-def _forward(stock, names: tuple[str, ...], base: str, softcap: bool, output):
+def _forward(stock, names: tuple[str, ...], base: str, softcap: bool, output, low_memory: bool):
     """(the patched CausalLM forward, its fused path) (module docstring); `names`: stock's
     positional names. The forward shows stock's signature (`inspect.signature`), which
     Trainer's remove_unused_columns reads to keep the columns the model takes."""
@@ -107,6 +119,7 @@ def _forward(stock, names: tuple[str, ...], base: str, softcap: bool, output):
             kwargs.get("ignore_index", -100),
             kwargs.get("num_items_in_batch"),
             kwargs.get("shift_labels"),
+            low_memory,
         )
         fields = {f: getattr(outputs, f, None) for f in output.__dataclass_fields__}
         fields.update(loss=loss, logits=None)
@@ -163,9 +176,9 @@ def _probe_check(model, fused, dtype) -> str | None:
         )
 
 
-def patch_loss(model: torch.nn.Module, report: PatchReport) -> None:
+def patch_loss(model: torch.nn.Module, report: PatchReport, low_memory: bool = False) -> None:
     """Every CausalLM in `model` (a module with `lm_head`) of a family in FAMILIES, after the
-    check (module docstring)."""
+    check (module docstring); `low_memory`: causal_lm_loss's."""
     for path, module in model.named_modules():
         if not isinstance(getattr(module, "lm_head", None), torch.nn.Module):
             continue
@@ -190,13 +203,15 @@ def patch_loss(model: torch.nn.Module, report: PatchReport) -> None:
             if "labels" not in names or "logits_to_keep" not in names:
                 why = "its forward takes no labels or logits_to_keep"
             else:
-                forward, fused = _forward(stock, names, base, softcap, output)
+                forward, fused = _forward(stock, names, base, softcap, output, low_memory)
                 why = _probe_check(module, fused, at[1])
         if why is not None:
             report.keep(path, "loss", why)
             continue
         cap = module.config.final_logit_softcapping if softcap else None
-        what = "linear_cross_entropy" + (f"(softcap={cap:g})" if cap else "")
+        options = [f"softcap={cap:g}"] if cap else []
+        options += ["low_memory"] if low_memory else []
+        what = "linear_cross_entropy" + (f"({', '.join(options)})" if options else "")
         report.add(Swap(path, "loss", what), bind.bind(module, forward, f"loss {what}"))
 
 
