@@ -358,9 +358,9 @@ def linear_cross_entropy(
     one more read and write of d(weight) a chunk); give one of the two. Returns the loss in
     fp32 (as Hugging Face's loss of upcast logits): the mean over rows whose target is in
     [0, V) and not `ignore_index`, the sum, or each row's ("none", target's shape); with
-    `return_z_loss`, (loss, z_loss) as kbuild.cross_entropy gives them. Saved for backward: d(hidden) and d(weight) (and d(bias)), computed by the
-    forward, for a mean or a sum; hidden, weight, bias and target for "none" (the backward
-    recomputes the chunks' logits)."""
+    `return_z_loss`, (loss, z_loss) as kbuild.cross_entropy gives them. Saved for backward:
+    d(hidden) and d(weight) (and d(bias)), computed by the forward, for a mean or a sum;
+    hidden, weight, bias and target for "none" (the backward recomputes the chunks' logits)."""
     PENDING.poll()
     check_input("hidden", hidden)
     check_input("weight", weight)
