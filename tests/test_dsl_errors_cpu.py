@@ -308,7 +308,14 @@ MISUSES = [
         "if_else branch without a value",
         lambda v: dsl.if_else(v.flag, lambda: v.f32, lambda: None),
         TypeError,
-        "dsl.if_else: otherwise() must return a V, got None",
+        "dsl.if_else: otherwise() must return a V or a list of them, got None",
+    ),
+    (
+        "if_else branches of different lists",
+        lambda v: dsl.if_else(v.flag, lambda: [v.f32, v.f32], lambda: [v.f32, v.bf16]),
+        TypeError,
+        "dsl.if_else: the branches return different types, then() (f32, f32) and "
+        "otherwise() (f32, bf16)",
     ),
     (
         "if_then on vector flags",

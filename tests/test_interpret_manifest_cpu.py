@@ -12,7 +12,7 @@ representative to the public op call that launches it and runs the calls interpr
 child process per arch (KBUILD_INTERPRET), both at once, with KBUILD_RECORD on: every call is
 held to fp64 (a test each), and the record must hold every representative, so the sweep ran
 each kernel it claims. A call the interpreter's race check stops runs again with the check
-off: its values still count, and the race fails it unless it is known (`known_race`).
+off: its values still count, and the race fails it all the same.
 Sized for CI: about 1230 representatives in 950 calls on sm_90, 1190 in 900 on gfx942, 2.9
 min on two cores (2026-12-07); most of it builds kernels, and rows of 65536 and more.
 """
@@ -41,7 +41,7 @@ pytest.importorskip("mlir")
 from kbuild.kernels import get_builder, norm_backward, norm_forward, row_plan  # noqa: E402
 from kbuild.kernels.config import RowConfig  # noqa: E402
 from kbuild.kernels.encoder import columns_shape  # noqa: E402
-from kbuild.kernels.table import FUSED_ADD_RMSNORM_BWD, RMSNORM_BWD, kernel_def  # noqa: E402
+from kbuild.kernels.table import kernel_def  # noqa: E402
 from kbuild.targets import Target, target_for_arch  # noqa: E402
 
 from .examples import import_example  # noqa: E402
@@ -169,50 +169,11 @@ def sweep(arch: str) -> Sweep:
     return Sweep({s: branches[s] for s in narrowest.values()}, dict(calls))
 
 
-# ----------------------------------------------------------------------------- known failures
-
-
-class RaceCheck(Exception):
-    """The interpreter's race check stopped a call whose values held (with the check off)."""
-
-
-# The plain RMSNorm backward's bf16 rows of 65536 split over 8 blocks, dw wanted (the fused
-# form's too, without a residual gradient): the chooser's lagged exchange. Before a block's
-# first row it receives a "previous" row past the end without waiting, reading the slots the
-# first row's st.async is landing in, and throws the values away (dsl/exchange.py
-# LaggedExchange.receive, norm_backward.py lagged_rows); the race check stops it there. The
-# values match fp64 with the check off (checked below all the same).
-LAGGED_RACE = (
-    "the lagged exchange reads its cluster slots unawaited before a block's first row "
-    "(thread 1 reads shared word 0x8000 while thread 0's st.async writes it)"
-)
-
-
-def known_race(arch: str, call: Call) -> str | None:
-    """Why the race check stops `call` on `arch` (a kernel's race, left to be settled in the
-    kernel or the check); None where it should not."""
-    o = dict(call.options)
-    if o.get("mode") != "train" or call.op not in ("rmsnorm", "fused_add_rmsnorm"):
-        return None
-    if call.op == "rmsnorm":  # the backward a training step launches (ops/rmsnorm.py)
-        more = (True,) if o["strided"] else ()
-        backward = RMSNORM_BWD.spec(call.N, o["dtype"], o["weight"], o["weight"] is not None,
-                                    o["aligned"], o["offset"], *more)  # fmt: skip
-    else:
-        backward = FUSED_ADD_RMSNORM_BWD.spec(call.N, o["dtype"], o["weight"], o["residual"],
-                                              o["dres"], True, True, o["offset"],
-                                              o["residual_in"])  # fmt: skip
-    lagged = "exchange=lagged" in plan_branch(backward, target_for_arch(arch))
-    return LAGGED_RACE if lagged else None
-
-
 def _calls() -> list:
     params = []
     for arch in ARCHES:
         for call in sweep(arch).calls:
-            race = known_race(arch, call)
-            marks = [pytest.mark.xfail(reason=race, raises=RaceCheck, strict=True)] if race else []
-            params.append(pytest.param(arch, call, id=f"{arch}-{call.label}", marks=marks))
+            params.append(pytest.param(arch, call, id=f"{arch}-{call.label}"))
     return params
 
 
@@ -269,8 +230,8 @@ def test_the_call_matches_fp64_interpreted(swept, arch, call):
     what = ", ".join(s.short() for s in sweep(arch).calls[call]) or "a test's own kernel"
     values = result.get("without_race_check", result["error"])
     assert values is None, f"{what}:\n{values}"
-    if result["error"] is not None:
-        raise RaceCheck(f"{what}:\n{result['error']}")
+    race = result["error"]
+    assert race is None, f"{what}: the values hold, the race check failed:\n{race}"
 
 
 @pytest.mark.parametrize("arch", ARCHES)

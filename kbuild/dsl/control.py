@@ -38,36 +38,43 @@ def if_then(cond: V, body: Callable[[], None], otherwise: Callable[[], None] | N
             scf.YieldOp([])
 
 
-def _branch_value(v: object, fn: str, what: str) -> V:
-    if not isinstance(v, V):
-        raise TypeError(f"{fn}: {what} must return a V, got {describe(v)}")
-    return v
+def _branch_values(v: object, fn: str, what: str) -> list[V]:
+    """A branch's result as a list: one V, or a list / tuple of them."""
+    values = [v] if isinstance(v, V) else _values(v)
+    if not values or not all(isinstance(x, V) for x in values):
+        raise TypeError(f"{fn}: {what} must return a V or a list of them, got {describe(v)}")
+    return values
 
 
-def if_else(cond: V, then: Callable[[], V], otherwise: Callable[[], V]) -> V:
-    """A value: `then()` where `cond` holds, else `otherwise()` (both of one type)."""
+def if_else(cond: V, then: Callable[[], object], otherwise: Callable[[], object]):
+    """A value: `then()` where `cond` holds, else `otherwise()` (both of one type); or, where
+    the branches return lists of values, the list (of the same types, in order)."""
     fn = "dsl.if_else"
     need_flag(cond, fn)
     _callable(then, fn, "then")
     _callable(otherwise, fn, "otherwise")
-    # Build `then` first in a scratch op to learn the result type, then the real op.
+    # Build `then` first in a scratch op to learn the result types, then the real op.
     probe = scf.IfOp(cond.value, [], has_else=False)
     with ir.InsertionPoint(probe.then_block):
-        result_type = _branch_value(then(), fn, "then()").type
+        first = then()
+        types = [v.type for v in _branch_values(first, fn, "then()")]
         scf.YieldOp([])
     probe.operation.erase()
-    op = scf.IfOp(cond.value, [result_type], has_else=True)
+    op = scf.IfOp(cond.value, types, has_else=True)
     with ir.InsertionPoint(op.then_block):
-        scf.YieldOp([_branch_value(then(), fn, "then()").value])
+        scf.YieldOp([v.value for v in _branch_values(then(), fn, "then()")])
     with ir.InsertionPoint(op.else_block):
-        other = _branch_value(otherwise(), fn, "otherwise()")
-        if other.type != result_type:
+        other = _branch_values(otherwise(), fn, "otherwise()")
+        got = [v.type for v in other]
+        if got != types:
+            shown = lambda ts: ts[0] if len(ts) == 1 else f"({', '.join(map(str, ts))})"  # noqa: E731
             raise TypeError(
-                f"{fn}: the branches return different types, then() {result_type} and "
-                f"otherwise() {other.type}"
+                f"{fn}: the branches return different types, then() {shown(types)} and "
+                f"otherwise() {shown(got)}"
             )
-        scf.YieldOp([other.value])
-    return V(op.results[0])
+        scf.YieldOp([v.value for v in other])
+    results = [V(r) for r in op.results]
+    return results[0] if isinstance(first, V) else results
 
 
 def _values(x: object) -> list | None:

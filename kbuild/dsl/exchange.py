@@ -66,7 +66,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from .control import if_then
+from .control import if_else, if_then
 from .mbarrier import (
     arrive_expect_tx,
     fence_mbarrier_init,
@@ -284,20 +284,18 @@ class LaggedExchange:
     def receive(self, phase: V, merge: Merge, sent: V | None = None) -> list[V]:
         """Wait for the row sent with `phase` and merge its n values in rank order. `sent`
         (i1, the same in the whole block): whether that row was sent at all; where not,
-        nothing is waited for and the merge reads whatever the slots hold, which the caller
-        must discard (the backward's row before the first: its stores are off and its terms
-        zero). Those reads may meet a peer's st.async of the first row landing in the same
-        slots: harmless for values that are thrown away."""
+        nothing is waited for nor read (the slots may be taking a peer's st.async of the
+        next row: reading them would race it) and the n values are zeros (the backward's row
+        before the first: its stores are off and its terms zero)."""
         slots = _Slots(self.ex, self.n, phase, self.buffer)
 
-        def wait() -> None:
+        def received() -> list[V]:
             self.ex._wait(self.n, phase, slots, self.bars)
+            return slots.merge([const(0.0)] * self.n, merge)  # every value was sent: _check
 
         if sent is None:
-            wait()
-        else:
-            if_then(sent, wait)
-        return slots.merge([const(0.0)] * self.n, merge)  # every value was sent: see _check
+            return received()
+        return if_else(sent, received, lambda: [const(0.0)] * self.n)
 
     def _check(self, state: list[V]) -> None:
         """Every row sends all n values (the bytes a receive waits for count on it)."""
