@@ -43,7 +43,7 @@ nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,power.limit --format=cs
 [ -d .kbuild-aot ] || [ ! -f .carry/aot.tar.xz ] ||
     python3 -c "import tarfile; tarfile.open('.carry/aot.tar.xz').extractall('.')"
 # Liger-Kernel (pure Python), the peer of the loss and block steps, where its wheel was carried
-ls .carry/liger_kernel-*.whl >/dev/null 2>&1 && pip install -q --no-deps .carry/liger_kernel-*.whl
+ls .carry/liger_kernel-*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-deps .carry/liger_kernel-*.whl
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(gpu_tests custom_softmax math_accuracy host_versions)
 for name in "${steps[@]}"; do
