@@ -107,12 +107,16 @@ def peers() -> dict:
     return found
 
 
-def fused_peers(softcap, chunks=()) -> dict:
+def fused_peers(softcap, chunks=(), vocab=None) -> dict:
     """name -> fn(hidden, weight, target) of the linear cross-entropy implementations; kbuild
-    also at each of `chunks` rows per chunk ("kbuild chunk=R") beside its chosen chunk."""
+    also at each of `chunks` rows per chunk ("kbuild chunk=R") beside its chosen chunk. Where
+    `vocab` is not a multiple of 64, "torch V padded" is the unfused path with the weight's
+    rows padded to one (zeros, sliced off the logits), as nanoGPT pads GPT-2's 50257: what
+    the logits' odd row stride costs cuBLAS."""
 
-    def unfused(h, w, t):  # Hugging Face's path: logits, fp32 upcast, cross-entropy
-        x = F.linear(h, w).float()
+    def unfused(h, w, t, pad=0):  # Hugging Face's path: logits, fp32 upcast, cross-entropy
+        x = F.linear(h, F.pad(w, (0, 0, 0, pad)) if pad else w)
+        x = (x[:, : w.shape[0]] if pad else x).float()
         if softcap is not None:
             x = softcap * torch.tanh(x / softcap)
         return F.cross_entropy(x, t)
@@ -128,6 +132,8 @@ def fused_peers(softcap, chunks=()) -> dict:
         "torch": unfused,
         "torch.compile": torch.compile(unfused),
     }
+    if vocab is not None and vocab % 64:
+        found["torch V padded"] = lambda h, w, t: unfused(h, w, t, pad=-vocab % 64)
     try:
         from liger_kernel.transformers.fused_linear_cross_entropy import (
             LigerFusedLinearCrossEntropyLoss,
@@ -324,7 +330,7 @@ def fused_cases(copy: float, heads=HEADS, chunks=(), skip=()) -> tuple[list[Case
             return loss, torch.autograd.grad(loss, [hd, wd])
 
         sweep = [rows for rows in chunks if rows < tokens and rows != rows_chosen]
-        found = {k: f for k, f in fused_peers(cap, sweep).items() if k not in skip}
+        found = {k: f for k, f in fused_peers(cap, sweep, V).items() if k not in skip}
         errors[name], impls, overwrote[name] = check(found, small, reference)
         h = torch.randn(tokens, H, device="cuda", dtype=torch.bfloat16).requires_grad_()
         w = (torch.randn(V, H, device="cuda", dtype=torch.bfloat16) * H**-0.5).requires_grad_()
