@@ -14,15 +14,12 @@
 #   bash bench/gpu_checks.sh patch_models
 #     (split over calls by PATCH_MODELS_ARGS, e.g. '--modes eager'; the results merge)
 #   bash bench/gpu_checks.sh host_versions
-# Owed since 2026-12-05 (no device lent that day): the GPU suite over the peeled widths (4097,
-# 65537, the example's 4097 / 50257 / 3001) and the example's one-reduction softmax;
-# bench_rows.py (odd widths against the aligned ones, the long-row cluster alternatives);
-# host.py (the generic op's forward); models.py with the two host-bound GPT-2 shapes;
-# kbuild.cross_entropy's and kbuild.softmax / log_softmax's kernels (their _gpu tests);
-# bench_loss.py (cross-entropy and the fused linear cross-entropy beside torch, torch.compile,
-# Liger and quack); the RoPE, QK-norm + RoPE and activation kernels and kbuild.nn.patch
-# (their _gpu tests); bench_block.py (those kernels beside Liger and torch.compile at
-# Llama-3-8B shapes); patch_models.py (stock, Liger and kbuild.nn.patch end to end).
+# Owed as of 2026-12-07 (bench/NOTES.md says what each showed last): patch_models with Liger
+# in the same run, three rounds (PATCH_MODELS_ARGS='--modes eager --rounds 3'), then compile;
+# loss (the fused heads' peaks after the one-buffer change, "torch V padded" at GPT-2's head);
+# gpu_tests (the lagged-exchange kernels changed; the fused loss's new peak test); block and
+# rows (forwards behind torch.compile, odd-width norm backward, the long-row softmax plan);
+# host; every step from gpu_prepare.sh's cache alone, on H100 and H200.
 # Results under $OUT (or ./gpu-results). Each step writes its own file and log; a failing
 # step does not stop the next. With no step named, all four run.
 set -uo pipefail
