@@ -83,8 +83,7 @@ def chunk_rows(M: int, V: int, H: int, itemsize: int = 2) -> int:
     same on every run, captured or not, forward and recompute. `chunk_size=` sets it (fewer
     rows: less memory, more traffic)."""
     budget = max(M * H, V * H // 4, MIN_CHUNK_BYTES // itemsize)  # logits elements a chunk holds
-    rows = max(MIN_ROWS, budget // V // MIN_ROWS * MIN_ROWS)
-    return max(1, min(rows, M))
+    return max(1, min(max(MIN_ROWS, _fitting_rows(budget, V)), M))
 
 
 def budget_rows(memory_budget: int, V: int, itemsize: int) -> int:
@@ -94,8 +93,13 @@ def budget_rows(memory_budget: int, V: int, itemsize: int) -> int:
         raise TypeError(f"memory_budget must be None or an int (bytes), got {memory_budget!r}")
     if memory_budget < 1:
         raise ValueError(f"memory_budget must be >= 1 byte; got {memory_budget}")
-    rows = memory_budget // (V * itemsize)
-    return rows // MIN_ROWS * MIN_ROWS if rows >= MIN_ROWS else max(1, rows)
+    return max(1, _fitting_rows(memory_budget // itemsize, V))
+
+
+def _fitting_rows(elements: int, V: int) -> int:
+    """The rows of V that `elements` hold, a multiple of MIN_ROWS where more than MIN_ROWS."""
+    rows = elements // V
+    return rows // MIN_ROWS * MIN_ROWS if rows >= MIN_ROWS else rows
 
 
 def _chunks(hidden: torch.Tensor, weight: torch.Tensor, chunk: int) -> list[tuple[int, int]]:
@@ -120,11 +124,10 @@ def _pass(hidden, weight, bias, target, coefs, options, chunk, wants, dloss=None
     A weight (and bias) wider than hidden (fp32 under autocast) is cast to hidden's dtype for
     the matmuls, and d(weight) sums each chunk's 16-bit product in its own dtype."""
     ignore_index, smoothing, z_loss, softcap = options
-    dw_sum = None
-    if weight.dtype != hidden.dtype:
+    widened = weight.dtype != hidden.dtype  # d(weight) is wider than the chunks' products
+    if widened:
         weight = weight.to(hidden.dtype)
         bias = None if bias is None else bias.to(hidden.dtype)
-        dw_sum = wants[1]
     M = hidden.shape[0]
     loss, lse = (hidden.new_empty(M, dtype=torch.float32) for _ in range(2))
     dh, dw, db = wants
@@ -149,19 +152,29 @@ def _pass(hidden, weight, bias, target, coefs, options, chunk, wants, dloss=None
             rescale_(logits, dloss[start:end], coefs)
         if dh.numel():
             torch.mm(logits, weight, out=dh[start:end])
-        if dw_sum is not None and dw.numel():  # fp32 across chunks, one rounding each
-            part = torch.mm(logits.t(), h)
-            dw.copy_(part) if first else dw.add_(part)
-        elif dw.numel() and first:
-            torch.mm(logits.t(), h, out=dw)
-        elif dw.numel():
-            dw.addmm_(logits.t(), h)
+        if dw.numel():
+            _add_dweight(dw, logits, h, first, widened)
         if db.numel():
             db += logits.sum(0, dtype=torch.float32)
         first = False
     if first and grad:
         dw.zero_()  # no rows: no chunk set it
     return loss, lse, flag
+
+
+def _add_dweight(dw, dlogits, h, first: bool, widened: bool) -> None:
+    """d(weight) += dlogits.T @ h, set by the `first` chunk; a `widened` (fp32) d(weight) sums
+    each chunk's 16-bit product, one rounding each."""
+    if widened:
+        part = torch.mm(dlogits.t(), h)
+        if first:
+            dw.copy_(part)
+        else:
+            dw.add_(part)
+    elif first:
+        torch.mm(dlogits.t(), h, out=dw)
+    else:
+        dw.addmm_(dlogits.t(), h)
 
 
 @contextlib.contextmanager

@@ -45,8 +45,8 @@ def patch(
     and what was left stock and why; `report.unpatch()` restores the model.
 
     Each flag turns one kind of swap on or off; `loss="low_memory"` takes the fused loss in
-    its least memory, slower (kbuild/patching/loss.py). Every swap is instance-level. A second call
-    patches nothing more (the modules say they are already kbuild's). Models on the meta
+    its least memory, slower (kbuild/patching/loss.py). Every swap is instance-level. A second
+    call patches nothing more (the modules say they are already kbuild's). Models on the meta
     device, or in dtypes kbuild does not compute in, are left stock (nothing to check on).
 
     With `loss`, a forward given labels in training (train mode, grad enabled) returns
@@ -55,11 +55,11 @@ def patch(
     patched model's `forward` has stock's signature."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    flags = dict(norms=norms, rope=rope, mlp=mlp, loss=loss)
-    for name, flag in flags.items():
-        if not isinstance(flag, bool) and not (name == "loss" and flag == "low_memory"):
-            allowed = 'a bool or "low_memory"' if name == "loss" else "a bool"
-            raise TypeError(f"{name} must be {allowed}, got {flag!r}")
+    for name, flag in dict(norms=norms, rope=rope, mlp=mlp).items():
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
+    if not isinstance(loss, bool) and loss != "low_memory":
+        raise TypeError(f'loss must be a bool or "low_memory", got {loss!r}')
     report = PatchReport(type(model).__name__)
     if norms:
         _patch_norms(model, report)

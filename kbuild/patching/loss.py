@@ -9,7 +9,10 @@ ForCausalLMLoss (labels shifted left, -100 padded; `shift_labels`, `ignore_index
 output class with `logits=None`: the logits are not returned when labels are (as Liger's fused
 loss does); `return_dict=False` gives stock's tuple, None in the logits' slot. Without labels,
 in eval mode or under no_grad (Trainer's prediction step, which wants the logits), it is the
-stock forward, unchanged. Its signature is stock's (`inspect.signature`).
+stock forward, unchanged. Its signature is stock's (`inspect.signature`). Labels are not
+checked against the vocabulary on the device (`check_targets=False`: stock's loss does not
+check them, and a check costs every step a copy of a flag to the host); a label outside it
+adds nothing to the loss, as -100 would.
 
 Memory against time. By default the loss's chunks of tokens hold logits up to a quarter of
 the head's weight (or 256 MiB; kbuild/ops/linear_loss.py's chunk_rows): its time is then
@@ -17,10 +20,7 @@ about the unfused path's, its memory a small part of it. `patch(model, loss="low
 asks for the least memory instead: chunks whose logits take at most the hidden states' bytes,
 as Liger's do, at the cost of one more read and write of d(weight) per chunk (more chunks:
 at the Gemma 2 head 128 of them took twice Liger's time on an H100, 2026-12-07). The report
-names the choice. Labels are not checked
-against the vocabulary on the device (`check_targets=False`: a check reads a flag, a host
-synchronisation every step, which stock's loss does not make); a label outside it adds
-nothing to the loss, as -100 would.
+names the choice.
 
 Only families whose CausalLM forward is exactly lm_head, optional softcap, ForCausalLMLoss are
 taken (`FAMILIES`): a family that adds to the loss (MoE router losses) or scales its logits
