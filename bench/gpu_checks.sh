@@ -25,14 +25,16 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-gpu-results}"
-mkdir -p "$out"
+mkdir -p "$out/launched"
 export KBUILD_CACHE_DIR="$PWD/.kbuild-aot" KBUILD_OFFLINE=1 PYTHONPATH="$PWD"
 export KBUILD_NATIVE_DIR="$PWD/.kbuild-native"
-step() {  # name, command...: the command's output in $out/name.log, its status in the summary
+step() {  # name, command...: the command's output in $out/name.log, its status in the summary,
+    # and every kernel spec it asked for in $out/launched/name.jsonl (KBUILD_RECORD; the CPU
+    # test tests/test_launched_cpu.py holds the warm lists to these records)
     local name=$1
     shift
     local start=$SECONDS
-    "$@" >"$out/$name.log" 2>&1
+    KBUILD_RECORD="$out/launched/$name.jsonl" "$@" >"$out/$name.log" 2>&1
     echo "$name: exit $? in $((SECONDS - start)) s" | tee -a "$out/summary.txt"
 }
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,power.limit --format=csv >"$out/gpu.txt"
