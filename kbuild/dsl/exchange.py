@@ -64,7 +64,8 @@ variant, counts outputs that differ bit for bit).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from contextlib import AbstractContextManager
+from typing import Protocol
 
 from .control import if_else, if_then
 from .mbarrier import (
@@ -78,13 +79,28 @@ from .mbarrier import (
 from .memory import get_llvm_ptr, load, store
 from .values import V, cast, const
 
-if TYPE_CHECKING:
-    from .kernel import Kernel
-
 Merge = Callable[[list[V], list[V]], list[V]]
 
 MODES = ("barrier", "mbarrier", "lagged")
 HALVES = 2  # the block's warp slots and, but lagged, the cluster slots: phase % 2
+
+
+class ClusterKernel(Protocol):
+    """What an exchange uses of its kernel (dsl.kernel.Kernel, which makes it): the cluster's
+    size, thread and block ids, shared memory and the cluster barrier."""
+
+    cluster: int
+
+    def thread_id(self) -> V: ...
+    def cluster_rank(self) -> V: ...
+    def remote(self, shared_ptr: V, rank: V) -> V: ...
+    def cluster_arrive(self) -> None: ...
+    def cluster_wait(self) -> None: ...
+    def at_cluster_start(self) -> AbstractContextManager: ...
+    def ensure_cluster_started(self) -> None: ...
+    def shared(self, count: int, dtype: str = "f32") -> V: ...
+    def shared_array(self, count: int, dtype: str = "f32") -> str: ...
+    def shared_address(self, name: str) -> V: ...
 
 
 def _buffer_and_parity(buffers: int) -> str:
@@ -106,7 +122,7 @@ class ClusterExchange:
 
     __slots__ = ("_k", "_mode", "buffers")
 
-    def __init__(self, k: Kernel, mode: str = "barrier"):
+    def __init__(self, k: ClusterKernel, mode: str = "barrier"):
         if mode not in MODES:
             raise ValueError(f"exchange must be one of {MODES}, not {mode!r}")
         if mode != "barrier" and k.cluster == 1:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import types as T
-from .semantics import _ins, _int_attr, _otype, _outs, _rtype, op
+from .registry import int_attr, op, operand_slots, operand_type, result_slots, result_type
 from .types import GLOBAL, SHARED, SHARED_CLUSTER, parse_type
 
 
@@ -13,7 +13,7 @@ from .types import GLOBAL, SHARED, SHARED_CLUSTER, parse_type
 def _addressof(program, o):
     from mlir import ir
 
-    (r,) = _outs(program, o)
+    (r,) = result_slots(program, o)
     name = ir.FlatSymbolRefAttr(o.attributes["global_name"]).value
     if name == program.dynamic_global:
         offset = None
@@ -30,7 +30,7 @@ def _addressof(program, o):
 def _gep(program, o):
     from mlir import ir
 
-    ins, (r,) = _ins(program, o), _outs(program, o)
+    ins, (r,) = operand_slots(program, o), result_slots(program, o)
     raw = list(ir.DenseI32ArrayAttr(o.attributes["rawConstantIndices"]))
     elem = str(ir.TypeAttr(o.attributes["elem_type"]).value)
     if len(raw) != 1:
@@ -49,8 +49,8 @@ def _gep(program, o):
 
 @op("llvm.ptrtoint", "llvm.inttoptr", "llvm.addrspacecast")
 def _ptr_cast(program, o):
-    (a,), (r,) = _ins(program, o), _outs(program, o)
-    dst = _rtype(o)
+    (a,), (r,) = operand_slots(program, o), result_slots(program, o)
+    dst = result_type(o)
 
     def run(m):
         v = m.vals[a]
@@ -61,7 +61,7 @@ def _ptr_cast(program, o):
 
 def _alignment(o, t: T.Type) -> int:
     if "alignment" in o.attributes:
-        return _int_attr(o, "alignment")
+        return int_attr(o, "alignment")
     return max(1, t.width // 8)
 
 
@@ -120,9 +120,9 @@ def _check_global(m, lanes, addr, region, size, what) -> None:
 
 @op("llvm.load")
 def _load(program, o):
-    (p,), (r,) = _ins(program, o), _outs(program, o)
-    t = _rtype(o)
-    space = _otype(o).space
+    (p,), (r,) = operand_slots(program, o), result_slots(program, o)
+    t = result_type(o)
+    space = operand_type(o).space
     align = _alignment(o, t)
 
     def run(m):
@@ -137,9 +137,9 @@ def _load(program, o):
 
 @op("llvm.store")
 def _store(program, o):
-    v, p = _ins(program, o)
-    t = _otype(o, 0)
-    space = _otype(o, 1).space
+    v, p = operand_slots(program, o)
+    t = operand_type(o, 0)
+    space = operand_type(o, 1).space
     align = _alignment(o, t)
 
     def run(m):
@@ -168,11 +168,11 @@ _ATOMIC = {
 
 @op("llvm.atomicrmw")
 def _atomicrmw(program, o):
-    (p, v), (r,) = _ins(program, o), _outs(program, o)
+    (p, v), (r,) = operand_slots(program, o), result_slots(program, o)
     kind = str(o).split("llvm.atomicrmw", 1)[1].split()[0]
     fn = _ATOMIC[kind]
-    t = _rtype(o)
-    space = _otype(o, 0).space
+    t = result_type(o)
+    space = operand_type(o, 0).space
 
     def run(m):  # one lane at a time, in lane order: each sees the one before
         lanes = _active(m)
@@ -193,8 +193,8 @@ def _atomicrmw(program, o):
 
 @op("nvvm.cp.async.shared.global")
 def _cp_async(program, o):
-    dst, src = _ins(program, o)[:2]
-    size = _int_attr(o, "size")
+    dst, src = operand_slots(program, o)[:2]
+    size = int_attr(o, "size")
     t = parse_type(f"vector<{size}xi8>")
 
     def run(m):  # copied at once: the wait that follows orders nothing more here

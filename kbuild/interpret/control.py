@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .semantics import _ins, _outs, op, region, run_region
+from .regions import region, run_region
+from .registry import op, operand_slots, result_slots
 
 
 def _where(c: np.ndarray, a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -15,7 +16,7 @@ def _where(c: np.ndarray, a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 @op("scf.yield", "scf.condition", "gpu.return", "llvm.return", "gpu.terminator")
 def _yield(program, o):
-    ins = _ins(program, o)
+    ins = operand_slots(program, o)
 
     def run(m):
         return [m.vals[i] for i in ins]
@@ -25,8 +26,8 @@ def _yield(program, o):
 
 @op("scf.if")
 def _if(program, o):
-    (c,) = _ins(program, o)
-    outs = _outs(program, o)
+    (c,) = operand_slots(program, o)
+    outs = result_slots(program, o)
     then = region(program, o.regions[0])
     other = region(program, o.regions[1]) if len(o.regions[1].blocks) else None
 
@@ -61,7 +62,7 @@ def _uniform(x: np.ndarray, mask: np.ndarray):
 
 @op("scf.for")
 def _for(program, o):
-    ins, outs = _ins(program, o), _outs(program, o)
+    ins, outs = operand_slots(program, o), result_slots(program, o)
     lb, ub, step, inits = ins[0], ins[1], ins[2], ins[3:]
     body = region(program, o.regions[0])
     iv, carried = body.args[0][0], body.args[0][1:]
@@ -99,7 +100,7 @@ def _for(program, o):
 
 @op("scf.while")
 def _while(program, o):
-    ins, outs = _ins(program, o), _outs(program, o)
+    ins, outs = operand_slots(program, o), result_slots(program, o)
     before = region(program, o.regions[0])
     after = region(program, o.regions[1])
 

@@ -3,12 +3,9 @@ unstructured control flow and the ops the lowering introduces, so that the lower
 work (NVIDIA's shfl.sync with its clamp word, AMD's ds_swizzle / ds_bpermute shuffles and
 mbcnt lane ids) executes too.
 
-Control flow is a graph of blocks. Each lane has a program counter (its block); the lanes
-waiting at the earliest block in the region's order run it together. The structured lowering
-(scf -> cf) lays a construct's blocks out before the block that follows it, so lanes that
-took different branches meet again where their paths join, and a loop's lanes run its body
-until the last one leaves before any runs what comes after the loop. (Reverse post-order is
-not enough: it may place a loop's exit before its body.)
+Control flow is a graph of blocks: the branches here return a `regions.Jump` (per lane, the
+successor taken and the values passed), and `regions.run_blocks` moves each lane's program
+counter by it.
 """
 
 from __future__ import annotations
@@ -16,60 +13,18 @@ from __future__ import annotations
 import numpy as np
 
 from . import types as T
-from .semantics import MATH, OPS, _elementwise, _ins, _outs, _rtype, op, shuffle_maker
+from .regions import Jump
+from .registry import OPS, elementwise, op, operand_slots, result_slots, result_type
+from .semantics import MATH, shuffle_maker
 
 # -- control flow ------------------------------------------------------------------------
-
-
-class Jump:
-    """A terminator's outcome: per lane, the successor index it goes to and the values it
-    passes (successor k gets `args[k]`); a lane going nowhere (-1) has returned."""
-
-    __slots__ = ("target", "args")
-
-    def __init__(self, target: np.ndarray, args: list[list[np.ndarray]]):
-        self.target, self.args = target, args
-
-
-def run_blocks(reg, m) -> None:
-    """Run a multi-block region to its returns (every active lane reaches one)."""
-    outer = m.mask
-    pc = np.where(outer, 0, -1)
-    while True:
-        waiting = pc >= 0
-        if not waiting.any():
-            break
-        here = int(pc[waiting].min())
-        lanes = pc == here
-        m.mask = lanes
-        jump = None
-        for fn in reg.blocks[here]:
-            jump = fn(m)
-        if not isinstance(jump, Jump):
-            pc = np.where(lanes, -1, pc)
-            continue
-        targets = reg.successors[here]
-        going = np.where(lanes, jump.target, -2)
-        for k, dest in enumerate(targets):
-            taking = going == k
-            if not taking.any():
-                continue
-            for slot, value in zip(reg.args[dest], jump.args[k], strict=True):
-                old = m.vals[slot]
-                if old is None or old.shape != value.shape:
-                    old = np.zeros_like(value)
-                mask = taking if value.ndim == 1 else taking[:, None]
-                m.vals[slot] = np.where(mask, value, old)
-            pc = np.where(taking, dest, pc)
-        pc = np.where(lanes & (going == -1), -1, pc)
-    m.mask = outer
 
 
 def _operand_groups(program, o):
     """The operands each successor is given (MLIR's operand segments of a branch)."""
     from mlir import ir
 
-    slots = _ins(program, o)
+    slots = operand_slots(program, o)
     if o.name == "llvm.br" or o.name == "cf.br":
         return [slots]
     sizes = list(ir.DenseI32ArrayAttr(o.attributes["operandSegmentSizes"]))
@@ -90,7 +45,7 @@ def _br(program, o):
 
 @op("llvm.cond_br", "cf.cond_br")
 def _cond_br(program, o):
-    cond = _ins(program, o)[0]
+    cond = operand_slots(program, o)[0]
     then_args, else_args = _operand_groups(program, o)
 
     def run(m):
@@ -105,8 +60,8 @@ def _cond_br(program, o):
 
 @op("llvm.mlir.poison", "llvm.mlir.undef", "llvm.mlir.zero")
 def _poison(program, o):
-    (r,) = _outs(program, o)
-    t = _rtype(o)
+    (r,) = result_slots(program, o)
+    t = result_type(o)
 
     def run(m):
         m.vals[r] = T.zeros(t, m.lanes)
@@ -116,7 +71,7 @@ def _poison(program, o):
 
 @op("llvm.extractelement")
 def _extractelement(program, o):
-    (v, i), (r,) = _ins(program, o), _outs(program, o)
+    (v, i), (r,) = operand_slots(program, o), result_slots(program, o)
 
     def run(m):
         vec = m.vals[v]
@@ -127,7 +82,7 @@ def _extractelement(program, o):
 
 @op("llvm.insertelement")
 def _insertelement(program, o):
-    (v, x, i), (r,) = _ins(program, o), _outs(program, o)
+    (v, x, i), (r,) = operand_slots(program, o), result_slots(program, o)
 
     def run(m):
         vec = m.vals[v].copy()
@@ -146,15 +101,14 @@ def _shuffle_attr_i32(attr):
 OPS["llvm.shufflevector"] = shuffle_maker(_shuffle_attr_i32)
 
 
-OPS["llvm.fcmp"] = OPS["arith.cmpf"]
 for _n, _f in {"smin": np.minimum, "smax": np.maximum}.items():
-    OPS[f"llvm.intr.{_n}"] = _elementwise(_f)
+    OPS[f"llvm.intr.{_n}"] = elementwise(_f)
 
 
 def _reduce_maker(fn):
     def maker(program, o):
-        ins, (r,) = _ins(program, o), _outs(program, o)
-        t = _rtype(o)
+        ins, (r,) = operand_slots(program, o), result_slots(program, o)
+        t = result_type(o)
 
         def run(m):  # in order from the start value (no reassoc flag: LLVM's order)
             *start, v = (m.vals[i] for i in ins)
@@ -192,7 +146,7 @@ def _call(program, o):
     fn = MATH.get(name) or MATH.get(name.removesuffix("f"))
     if fn is None:
         raise NotImplementedError(f"the interpreter does not know the function {callee}")
-    return _elementwise(fn)(program, o)
+    return elementwise(fn)(program, o)
 
 
 # -- NVVM ----------------------------------------------------------------------------------
@@ -200,7 +154,7 @@ def _call(program, o):
 
 def _sreg(read):
     def maker(program, o):
-        (r,) = _outs(program, o)
+        (r,) = result_slots(program, o)
 
         def run(m):
             m.vals[r] = read(m).astype(np.int64)
@@ -224,7 +178,7 @@ OPS["nvvm.read.ptx.sreg.laneid"] = _sreg(lambda m: m.tid % m.warp_size)
 def _shfl_sync(program, o):
     """PTX shfl.sync: c = ((32 - width) << 8) | clamp; lanes outside [min, max] keep their
     own value (PTX ISA, shfl.sync's pseudo-code)."""
-    (_mask, v, b, c), outs = _ins(program, o), _outs(program, o)
+    (_mask, v, b, c), outs = operand_slots(program, o), result_slots(program, o)
     kind = str(o.attributes["kind"]).rstrip(">").split()[-1].split("<")[-1]
     pair = "return_value_and_is_valid" in o.attributes
     if pair:
@@ -268,7 +222,7 @@ OPS["rocdl.grid.dim.y"] = OPS["nvvm.read.ptx.sreg.nctaid.y"]
 @op("rocdl.mbcnt.lo", "rocdl.mbcnt.hi")
 def _mbcnt(program, o):
     """Bits of `mask` set below this lane (lo: lanes 0-31, hi: 32-63), plus `base`."""
-    (mask, base), (r,) = _ins(program, o), _outs(program, o)
+    (mask, base), (r,) = operand_slots(program, o), result_slots(program, o)
     high = o.name.endswith("hi")
 
     def run(m):
@@ -285,7 +239,7 @@ def _mbcnt(program, o):
 @op("rocdl.ds_bpermute")
 def _ds_bpermute(program, o):
     """Lane i reads `data` of lane (address[i] / 4) mod 64 of its wave."""
-    (addr, data), (r,) = _ins(program, o), _outs(program, o)
+    (addr, data), (r,) = operand_slots(program, o), result_slots(program, o)
 
     def run(m):
         lane = m.tid % m.warp_size
@@ -299,7 +253,7 @@ def _ds_bpermute(program, o):
 def _ds_swizzle(program, o):
     """The swizzle pattern in `offset`: bit 15 set, four 2-bit lane selectors within each
     quad; clear, the bitmask mode over 32 lanes: ((lane & and) | or) ^ xor."""
-    (data, offset), (r,) = _ins(program, o), _outs(program, o)
+    (data, offset), (r,) = operand_slots(program, o), result_slots(program, o)
 
     def run(m):
         lane = m.tid % m.warp_size

@@ -14,6 +14,8 @@ import numpy as np
 from . import threads
 from .memory import ALLOCATIONS, KernelFault, RaceError, SharedMemory, split_cluster_address
 from .program import Program
+from .regions import run_region
+from .types import splat
 
 LANES_PER_CHUNK = 1 << 15
 
@@ -199,8 +201,6 @@ def run(
     dynamic_shared: int = 0,
 ) -> None:
     """Run `program` over `grid` blocks with the kernel's arguments (addresses and ints)."""
-    from . import semantics
-
     dims = (grid,) if isinstance(grid, int) else tuple(grid)
     dims = tuple(int(d) for d in dims) + (1,) * (3 - len(dims))
     if len(args) != len(program.params):
@@ -219,5 +219,5 @@ def run(
         blocks = min(per, total - first)
         m = Machine(program, dims, first, blocks, warp_size, dynamic_shared, gmem)
         for slot, t, value in zip(program.params, program.param_types, args, strict=True):
-            m.vals[slot] = semantics.splat(value, t, m.lanes)
-        semantics.run_region(program.body, m)
+            m.vals[slot] = splat(value, t, m.lanes)
+        run_region(program.body, m)

@@ -2,17 +2,22 @@
 once (one numpy lane per thread).
 
 `Program(module_op, name)` walks the `gpu.func` once: each SSA value gets a slot, each op a
-closure `run(machine)` from the semantic tables (`semantics.py`); a region is the list of its
-ops' closures. Control flow is structured in the builder's module (scf), so divergence is a
-mask: `scf.if` runs its branches under `mask & cond` and `mask & ~cond` and merges what
-they yield; `scf.for` / `scf.while` loop while any lane is still in, lanes that are done
-keeping their values. The lowered module's unstructured control flow (cf.br / cf.cond_br) runs
-the same ops block by block, earliest waiting block first, so lanes meet again where their
-paths join.
+closure `run(machine)` from the op table (`registry.OPS`, filled by the semantics modules
+semantics.py, access.py, threads.py, control.py and lowered.py, all imported here); a region
+is the list of its ops' closures (`regions.py`). Control flow is structured in the builder's
+module (scf), so divergence is a mask: `scf.if` runs its branches under `mask & cond` and
+`mask & ~cond` and merges what they yield; `scf.for` / `scf.while` loop while any lane is
+still in, lanes that are done keeping their values. The lowered module's unstructured control
+flow (cf.br / cf.cond_br) runs the same ops block by block, earliest waiting block first, so
+lanes meet again where their paths join.
 """
 
 from __future__ import annotations
 
+# each semantics module registers its ops into registry.OPS when imported: all of them are
+# here before a kernel is read
+from . import access, control, lowered, semantics, threads  # noqa: F401
+from .regions import region
 from .types import parse_type
 
 
@@ -20,8 +25,6 @@ class Program:
     """One kernel of a module, ready to run (no MLIR objects are kept)."""
 
     def __init__(self, module_op, name: str | None = None) -> None:
-        from . import semantics
-
         self.globals: dict[str, tuple[int, int]] = {}  # shared array -> (offset, bytes)
         self.dynamic_global: str | None = None
         self.static_shared = 0
@@ -47,7 +50,7 @@ class Program:
         entry = body.blocks[0]
         self.params = [self.slot(a) for a in entry.arguments]
         self.param_types = [parse_type(str(a.type)) for a in entry.arguments]
-        self.body = semantics.region(self, body)
+        self.body = region(self, body)
 
     # -- building ---------------------------------------------------------------------
 
@@ -79,8 +82,8 @@ class Program:
 
 def _walk(op):
     yield op
-    for region in op.operation.regions:
-        for block in region.blocks:
+    for reg in op.operation.regions:
+        for block in reg.blocks:
             for inner in block.operations:
                 yield from _walk(inner)
 

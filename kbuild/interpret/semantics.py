@@ -1,133 +1,28 @@
-"""What each op of a kernel module computes, on every lane at once.
+"""What the arith, math and vector ops compute, on every lane at once: their entries of
+registry.OPS (the LLVM dialect's twins of them too), the `MATH` table of elementwise math
+functions (lowered.py's intrinsics and library calls use it as well) and `shuffle_maker`.
 
-`region(program, region)` turns a region into closures; `run_region` runs them. Each op's
-meaning is one entry of `OPS` (op name -> a maker that reads the op once and returns the
-closure). Arithmetic is exact IEEE (numpy float32 rounds each operation to nearest even, as
-.rn instructions do); a fused multiply-add rounds once (the product is exact in float64);
-the approximate instructions (rsqrt.approx, ex2.approx, tanh.approx) are computed in float64
-and rounded once, which lies inside the hardware's documented error bounds.
+Arithmetic is exact IEEE (numpy float32 rounds each operation to nearest even, as .rn
+instructions do); a fused multiply-add rounds once (the product is exact in float64); the
+approximate instructions (rsqrt.approx, ex2.approx, tanh.approx) are computed in float64 and
+rounded once, which lies inside the hardware's documented error bounds.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import numpy as np
 
 from . import types as T
-from .types import parse_type, wrap
-
-OPS: dict[str, Callable] = {}
-
-
-def op(*names: str):
-    def register(fn):
-        for n in names:
-            OPS[n] = fn
-        return fn
-
-    return register
-
-
-class Region:
-    __slots__ = ("blocks", "args", "successors")
-
-    def __init__(self, blocks, args, successors) -> None:
-        self.blocks = blocks  # [[closure...]] one list a block
-        self.args = args  # per block: the slots of its arguments
-        self.successors = successors  # per block: the indices its terminator may go to
-
-
-def region(program, reg) -> Region:
-    blocks = list(reg.blocks)
-    args = [[program.slot(a) for a in block.arguments] for block in blocks]
-    successors = [[] for _ in blocks]
-    if len(blocks) > 1:
-        for i, block in enumerate(blocks):
-            last = list(block.operations)[-1].operation
-            successors[i] = [_index_of(blocks, s) for s in last.successors]
-    made = [[_make(program, o) for o in block.operations] for block in blocks]
-    return Region(made, args, successors)
-
-
-def _index_of(blocks, block) -> int:
-    for i, b in enumerate(blocks):
-        if b == block:
-            return i
-    raise ValueError("a branch to a block outside its region")
-
-
-def _make(program, o) -> Callable:
-    name = o.operation.name
-    maker = OPS.get(name)
-    if maker is None:
-        raise NotImplementedError(f"the interpreter does not know {name} (in {program.name})")
-    return maker(program, o.operation)
-
-
-def run_region(reg: Region, m) -> list | None:
-    """Run a single-block region; returns what its terminator yields (slots' values)."""
-    if len(reg.blocks) > 1:
-        from .lowered import run_blocks
-
-        return run_blocks(reg, m)
-    out = None
-    for fn in reg.blocks[0]:
-        out = fn(m)
-    return out
-
-
-def splat(value, t: T.Type, lanes: int) -> np.ndarray:
-    if t.kind == "float":
-        return np.full(lanes, value, T.NUMPY[t.name])
-    return np.full(lanes, int(value), np.int64)
-
-
-# -- helpers -----------------------------------------------------------------------------
-
-
-def _ins(program, o):
-    return [program.slot(v) for v in o.operands]
-
-
-def _outs(program, o):
-    return [program.slot(v) for v in o.results]
-
-
-def _rtype(o, i=0) -> T.Type:
-    return parse_type(str(o.results[i].type))
-
-
-def _otype(o, i=0) -> T.Type:
-    return parse_type(str(o.operands[i].type))
-
-
-def _int_attr(o, name) -> int:
-    from mlir import ir
-
-    return ir.IntegerAttr(o.attributes[name]).value
-
-
-def _fix(x: np.ndarray, t: T.Type) -> np.ndarray:
-    """A result as its type holds it: ints wrapped, bf16 rounded."""
-    if t.kind == "int":
-        return wrap(x, t.width) if t.width != 1 else x.astype(bool)
-    if t.kind == "float":
-        return T.as_float(x, t.name)
-    return x
-
-
-def _elementwise(fn):
-    def maker(program, o):
-        ins, (r,) = _ins(program, o), _outs(program, o)
-        t = _rtype(o)
-
-        def run(m):
-            m.vals[r] = _fix(fn(*(m.vals[i] for i in ins)), t)
-
-        return run
-
-    return maker
+from .registry import (
+    OPS,
+    elementwise,
+    int_attr,
+    op,
+    operand_slots,
+    operand_type,
+    result_slots,
+    result_type,
+)
 
 
 def _quiet(fn):
@@ -143,8 +38,8 @@ def _quiet(fn):
 
 @op("arith.constant", "llvm.mlir.constant")
 def _constant(program, o):
-    (r,) = _outs(program, o)
-    t = _rtype(o)
+    (r,) = result_slots(program, o)
+    t = result_type(o)
     value = _constant_value(o.attributes["value"], t)
 
     def run(m):
@@ -192,34 +87,35 @@ def _remsi(a, b):
 
 def _unsigned_op(fn):
     def maker(program, o):
-        ins, (r,) = _ins(program, o), _outs(program, o)
-        t = _rtype(o)
-        w = _otype(o).width
+        ins, (r,) = operand_slots(program, o), result_slots(program, o)
+        t = result_type(o)
+        w = operand_type(o).width
 
         def run(m):
             a, b = (T.unsigned(m.vals[i], w) for i in ins)
-            m.vals[r] = _fix(np.asarray(fn(a, np.where(b == 0, 1, b) if fn is not None else b)), t)
+            got = fn(a, np.where(b == 0, 1, b) if fn is not None else b)
+            m.vals[r] = T.as_type(np.asarray(got), t)
 
         return run
 
     return maker
 
 
-OPS["arith.addi"] = _elementwise(lambda a, b: a + b)
-OPS["arith.subi"] = _elementwise(lambda a, b: a - b)
-OPS["arith.muli"] = _elementwise(lambda a, b: a * b)
-OPS["arith.divsi"] = _elementwise(_divsi)
-OPS["arith.remsi"] = _elementwise(_remsi)
+OPS["arith.addi"] = elementwise(lambda a, b: a + b)
+OPS["arith.subi"] = elementwise(lambda a, b: a - b)
+OPS["arith.muli"] = elementwise(lambda a, b: a * b)
+OPS["arith.divsi"] = elementwise(_divsi)
+OPS["arith.remsi"] = elementwise(_remsi)
 OPS["arith.divui"] = _unsigned_op(lambda a, b: a // b)
 OPS["arith.remui"] = _unsigned_op(lambda a, b: a % b)
-OPS["arith.andi"] = _elementwise(lambda a, b: a & b)
-OPS["arith.ori"] = _elementwise(lambda a, b: a | b)
-OPS["arith.xori"] = _elementwise(lambda a, b: a ^ b)
-OPS["arith.minsi"] = _elementwise(np.minimum)
-OPS["arith.maxsi"] = _elementwise(np.maximum)
+OPS["arith.andi"] = elementwise(lambda a, b: a & b)
+OPS["arith.ori"] = elementwise(lambda a, b: a | b)
+OPS["arith.xori"] = elementwise(lambda a, b: a ^ b)
+OPS["arith.minsi"] = elementwise(np.minimum)
+OPS["arith.maxsi"] = elementwise(np.maximum)
 OPS["arith.minui"] = _unsigned_op(np.minimum)
 OPS["arith.maxui"] = _unsigned_op(np.maximum)
-OPS["arith.select"] = _elementwise(lambda c, a, b: np.where(_lanes_like(c, a), a, b))
+OPS["arith.select"] = elementwise(lambda c, a, b: np.where(_lanes_like(c, a), a, b))
 OPS["llvm.select"] = OPS["arith.select"]
 
 
@@ -229,37 +125,37 @@ def _lanes_like(c, a):
 
 @op("arith.shli")
 def _shli(program, o):
-    (a, b), (r,) = _ins(program, o), _outs(program, o)
-    t = _rtype(o)
+    (a, b), (r,) = operand_slots(program, o), result_slots(program, o)
+    t = result_type(o)
 
     def run(m):
         n = m.vals[b]
-        m.vals[r] = np.where(n < t.width, _fix(m.vals[a] << np.clip(n, 0, 63), t), 0)
+        m.vals[r] = np.where(n < t.width, T.as_type(m.vals[a] << np.clip(n, 0, 63), t), 0)
 
     return run
 
 
 @op("arith.shrui")
 def _shrui(program, o):
-    (a, b), (r,) = _ins(program, o), _outs(program, o)
-    t = _rtype(o)
+    (a, b), (r,) = operand_slots(program, o), result_slots(program, o)
+    t = result_type(o)
 
     def run(m):
         n = m.vals[b]
         u = T.unsigned(m.vals[a], t.width)
         shifted = u >> np.clip(n, 0, 63).astype(u.dtype)
-        m.vals[r] = np.where(n < t.width, _fix(shifted.astype(np.int64), t), 0)
+        m.vals[r] = np.where(n < t.width, T.as_type(shifted.astype(np.int64), t), 0)
 
     return run
 
 
 @op("arith.shrsi")
 def _shrsi(program, o):
-    (a, b), (r,) = _ins(program, o), _outs(program, o)
-    t = _rtype(o)
+    (a, b), (r,) = operand_slots(program, o), result_slots(program, o)
+    t = result_type(o)
 
     def run(m):
-        m.vals[r] = _fix(m.vals[a] >> np.clip(m.vals[b], 0, 63), t)
+        m.vals[r] = T.as_type(m.vals[a] >> np.clip(m.vals[b], 0, 63), t)
 
     return run
 
@@ -276,9 +172,9 @@ _CMPI = {
 
 @op("arith.cmpi", "llvm.icmp")
 def _cmpi(program, o):
-    (a, b), (r,) = _ins(program, o), _outs(program, o)
-    pred = _int_attr(o, "predicate")
-    w = _otype(o).width
+    (a, b), (r,) = operand_slots(program, o), result_slots(program, o)
+    pred = int_attr(o, "predicate")
+    w = operand_type(o).width
     if o.name == "llvm.icmp":  # eq ne slt sle sgt sge ult ule ugt uge
         pred = {0: 0, 1: 1, 2: 2, 3: 3, 4: 4, 5: 5, 6: 6, 7: 7, 8: 8, 9: 9}[pred]
     if pred <= 5:
@@ -313,10 +209,10 @@ _CMPF = {
 }
 
 
-@op("arith.cmpf")
+@op("arith.cmpf", "llvm.fcmp")
 def _cmpf(program, o):
-    (a, b), (r,) = _ins(program, o), _outs(program, o)
-    pred = _int_attr(o, "predicate")
+    (a, b), (r,) = operand_slots(program, o), result_slots(program, o)
+    pred = int_attr(o, "predicate")
     if pred in (0, 15):
         value = pred == 15
 
@@ -334,11 +230,11 @@ def _cmpf(program, o):
 
 def _cast(fn):
     def maker(program, o):
-        (a,), (r,) = _ins(program, o), _outs(program, o)
-        src, dst = _otype(o), _rtype(o)
+        (a,), (r,) = operand_slots(program, o), result_slots(program, o)
+        src, dst = operand_type(o), result_type(o)
 
         def run(m):
-            m.vals[r] = _fix(fn(m.vals[a], src, dst), dst)
+            m.vals[r] = T.as_type(fn(m.vals[a], src, dst), dst)
 
         return run
 
@@ -375,16 +271,16 @@ OPS["vector.bitcast"] = OPS["arith.bitcast"]
 OPS["llvm.bitcast"] = OPS["arith.bitcast"]
 
 # floats: numpy's float32 operations round once to nearest even (add.rn / mul.rn / div.rn)
-OPS["arith.addf"] = _elementwise(_quiet(lambda a, b: a + b))
-OPS["arith.subf"] = _elementwise(_quiet(lambda a, b: a - b))
-OPS["arith.mulf"] = _elementwise(_quiet(lambda a, b: a * b))
-OPS["arith.divf"] = _elementwise(_quiet(lambda a, b: a / b))
-OPS["arith.remf"] = _elementwise(_quiet(np.fmod))
-OPS["arith.negf"] = _elementwise(lambda a: -a)
-OPS["arith.maximumf"] = _elementwise(np.maximum)  # NaN wins
-OPS["arith.minimumf"] = _elementwise(np.minimum)
-OPS["arith.maxnumf"] = _elementwise(np.fmax)  # NaN loses
-OPS["arith.minnumf"] = _elementwise(np.fmin)
+OPS["arith.addf"] = elementwise(_quiet(lambda a, b: a + b))
+OPS["arith.subf"] = elementwise(_quiet(lambda a, b: a - b))
+OPS["arith.mulf"] = elementwise(_quiet(lambda a, b: a * b))
+OPS["arith.divf"] = elementwise(_quiet(lambda a, b: a / b))
+OPS["arith.remf"] = elementwise(_quiet(np.fmod))
+OPS["arith.negf"] = elementwise(lambda a: -a)
+OPS["arith.maximumf"] = elementwise(np.maximum)  # NaN wins
+OPS["arith.minimumf"] = elementwise(np.minimum)
+OPS["arith.maxnumf"] = elementwise(np.fmax)  # NaN loses
+OPS["arith.minnumf"] = elementwise(np.fmin)
 for _n, _f in {
     "llvm.fadd": lambda a, b: a + b,
     "llvm.fsub": lambda a, b: a - b,
@@ -400,7 +296,7 @@ for _n, _f in {
     "llvm.sdiv": _divsi,
     "llvm.srem": _remsi,
 }.items():
-    OPS[_n] = _elementwise(_quiet(_f))
+    OPS[_n] = elementwise(_quiet(_f))
 OPS["llvm.shl"] = _shli
 OPS["llvm.lshr"] = _shrui
 OPS["llvm.ashr"] = _shrsi
@@ -442,8 +338,8 @@ MATH = {
     "cos": _f64(np.cos),
 }
 for _n, _f in MATH.items():
-    OPS[f"math.{_n}"] = _elementwise(_f)
-    OPS[f"llvm.intr.{_n}"] = _elementwise(_f)
+    OPS[f"math.{_n}"] = elementwise(_f)
+    OPS[f"llvm.intr.{_n}"] = elementwise(_f)
 
 
 @op("llvm.call_intrinsic")
@@ -455,7 +351,7 @@ def _intrinsic(program, o):
     fn = MATH.get(parts[1])
     if fn is None:
         raise NotImplementedError(f"the interpreter does not know the intrinsic {name}")
-    return _elementwise(fn)(program, o)
+    return elementwise(fn)(program, o)
 
 
 # -- vectors -----------------------------------------------------------------------------
@@ -463,8 +359,8 @@ def _intrinsic(program, o):
 
 @op("vector.broadcast", "vector.splat")
 def _broadcast(program, o):
-    (a,), (r,) = _ins(program, o), _outs(program, o)
-    t = _rtype(o)
+    (a,), (r,) = operand_slots(program, o), result_slots(program, o)
+    t = result_type(o)
 
     def run(m):
         v = m.vals[a]
@@ -481,7 +377,7 @@ def _positions(o):
 
 @op("vector.extract")
 def _extract(program, o):
-    ins, (r,) = _ins(program, o), _outs(program, o)
+    ins, (r,) = operand_slots(program, o), result_slots(program, o)
     pos = _positions(o)
     if len(pos) != 1 or pos[0] < 0 or len(ins) != 1:
         raise NotImplementedError("vector.extract with dynamic or nested positions")
@@ -495,7 +391,7 @@ def _extract(program, o):
 
 @op("vector.insert")
 def _insert(program, o):
-    ins, (r,) = _ins(program, o), _outs(program, o)
+    ins, (r,) = operand_slots(program, o), result_slots(program, o)
     (p,) = _positions(o)
 
     def run(m):
@@ -508,7 +404,7 @@ def _insert(program, o):
 
 @op("vector.from_elements")
 def _from_elements(program, o):
-    ins, (r,) = _ins(program, o), _outs(program, o)
+    ins, (r,) = operand_slots(program, o), result_slots(program, o)
 
     def run(m):
         m.vals[r] = np.stack([m.vals[i] for i in ins], axis=1)
@@ -521,7 +417,7 @@ def shuffle_maker(array_attr):
     (`array_attr`: the mask attribute's array type; -1, an undefined lane, reads lane 0)."""
 
     def maker(program, o):
-        (a, b), (r,) = _ins(program, o), _outs(program, o)
+        (a, b), (r,) = operand_slots(program, o), result_slots(program, o)
         mask = [max(i, 0) for i in array_attr(o.attributes["mask"])]
 
         def run(m):
@@ -558,22 +454,18 @@ _REDUCE = {
 
 @op("vector.reduction")
 def _reduction(program, o):
-    ins, (r,) = _ins(program, o), _outs(program, o)
+    ins, (r,) = operand_slots(program, o), result_slots(program, o)
     text = str(o).split("vector.reduction")[1].lstrip(" <")
     kind = text.split(">")[0].split(",")[0].strip()
     fn = _REDUCE[kind]
-    t = _rtype(o)
+    t = result_type(o)
 
     def run(m):  # in order, element 0 first, as the sequential LLVM reduction
         v = m.vals[ins[0]]
         acc = v[:, 0] if len(ins) == 1 else fn(m.vals[ins[1]], v[:, 0])
         with np.errstate(all="ignore"):
             for j in range(1 if len(ins) == 1 else 1, v.shape[1]):
-                acc = _fix(fn(acc, v[:, j]), t)
-        m.vals[r] = _fix(acc, t)
+                acc = T.as_type(fn(acc, v[:, j]), t)
+        m.vals[r] = T.as_type(acc, t)
 
     return run
-
-
-# the other tables register themselves into OPS
-from . import access, control, lowered, threads  # noqa: E402,F401

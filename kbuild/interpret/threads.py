@@ -5,8 +5,9 @@ from __future__ import annotations
 import numpy as np
 
 from . import types as T
+from .access import write
 from .memory import Mbarrier, cluster_address, split_cluster_address
-from .semantics import OPS, _ins, _outs, _rtype, op
+from .registry import OPS, op, operand_slots, result_slots, result_type
 
 _DIMS = {"x": 0, "y": 1, "z": 2}
 
@@ -19,7 +20,7 @@ def _dimension_maker(read):
     """gpu.thread_id / block_id / grid_dim / block_dim: `read(machine, dimension)`."""
 
     def maker(program, o):
-        (r,) = _outs(program, o)
+        (r,) = result_slots(program, o)
         d = _dimension(o)
 
         def run(m):
@@ -38,7 +39,7 @@ OPS["gpu.block_dim"] = _dimension_maker(lambda m, d: m.block if d == 0 else 1)
 
 @op("gpu.lane_id")
 def _lane_id(program, o):
-    (r,) = _outs(program, o)
+    (r,) = result_slots(program, o)
 
     def run(m):
         m.vals[r] = m.tid % m.warp_size
@@ -72,7 +73,7 @@ def _cluster_wait(program, o):
 
 @op("nvvm.read.ptx.sreg.cluster.ctarank")
 def _ctarank(program, o):
-    (r,) = _outs(program, o)
+    (r,) = result_slots(program, o)
 
     def run(m):
         m.vals[r] = m.rank.copy()
@@ -82,7 +83,7 @@ def _ctarank(program, o):
 
 @op("nvvm.mapa")
 def _mapa(program, o):
-    (p, rank), (r,) = _ins(program, o), _outs(program, o)
+    (p, rank), (r,) = operand_slots(program, o), result_slots(program, o)
 
     def run(m):
         m.vals[r] = cluster_address(m.vals[rank], m.vals[p])
@@ -95,7 +96,7 @@ _SHUFFLE_MODES = ("xor", "down", "up", "idx")
 
 @op("gpu.shuffle")
 def _shuffle(program, o):
-    (v, offset, width), (r, valid) = _ins(program, o), _outs(program, o)
+    (v, offset, width), (r, valid) = operand_slots(program, o), result_slots(program, o)
     mode = str(o.attributes["mode"]).rstrip(">").split()[-1]
     if mode not in _SHUFFLE_MODES:
         raise NotImplementedError(f"gpu.shuffle {mode}")
@@ -180,8 +181,6 @@ def wait_parity(m, bar, parity) -> None:
 
 def store_async(m, slot, value, bar, rank) -> None:
     """st.async of 4 bytes into block `rank`'s copy of `slot`, counted on its `bar`."""
-    from .access import write
-
     lanes = np.nonzero(m.mask)[0]
     if not lanes.size:
         return
@@ -208,8 +207,8 @@ def _inline_asm(program, o):
             f"the interpreter has no semantics for the inline asm {text!r}: register them "
             "beside the helper that emits it (kbuild.dsl.asm_semantics.register)"
         )
-    ins, outs = _ins(program, o), _outs(program, o)
-    types = [_rtype(o, i) for i in range(len(outs))]
+    ins, outs = operand_slots(program, o), result_slots(program, o)
+    types = [result_type(o, i) for i in range(len(outs))]
 
     def run(m):
         got = meaning(m, *(m.vals[i] for i in ins))

@@ -163,3 +163,19 @@ def zeros(t: Type, lanes: int) -> np.ndarray:
     if t.kind == "float":
         return np.zeros(shape, NUMPY[t.name])
     return np.zeros(shape, bool if t.width == 1 else np.int64)
+
+
+def splat(value, t: Type, lanes: int) -> np.ndarray:
+    """One scalar `value` of type `t` in every lane (a kernel argument)."""
+    if t.kind == "float":
+        return np.full(lanes, value, NUMPY[t.name])
+    return np.full(lanes, int(value), np.int64)
+
+
+def as_type(x: np.ndarray, t: Type) -> np.ndarray:
+    """A result as its type holds it: ints wrapped, bf16 rounded."""
+    if t.kind == "int":
+        return wrap(x, t.width) if t.width != 1 else x.astype(bool)
+    if t.kind == "float":
+        return as_float(x, t.name)
+    return x
