@@ -20,6 +20,8 @@ figure above into kernels and what is left (launch gaps, the engine's fixed cost
 most. On the H200 the spread between rounds is real (the board runs these kernels at its
 700 W power cap and the SM clock moves between ~1500 and 1980 MHz: bench/NOTES.md,
 "Measuring"), so a figure near a threshold is read from one run's rounds, not from one round.
+Default file: bench/results/<gpu>_backward_chain_<date>.json (name a variant's run by a word
+after the date, as the committed ones are: ..._2026-12-04_rounds.json).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import kbuild  # noqa: E402
-from bench.harness import measure_copy  # noqa: E402
+from bench.harness import default_path, measure_copy  # noqa: E402
 from kbuild.manifest import BENCH_ELEMENTS, BENCH_N, QK_HEADS  # noqa: E402
 from kbuild.timing import kernel_device_us, median_ms  # noqa: E402
 
@@ -91,8 +93,14 @@ NORMS = {
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("path", nargs="?", default="bench/results/backward_chain.json")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "path",
+        nargs="?",
+        help="results JSON (default: bench/results/<gpu>_backward_chain_<date>.json)",
+    )
     parser.add_argument("--n", default=",".join(map(str, BENCH_N)), help="row lengths")
     parser.add_argument("--ops", default=",".join(NORMS), help="comma-separated norms")
     parser.add_argument("--view", action="store_true", help="q views of fused qkv buffers")
@@ -102,7 +110,7 @@ def main() -> None:
     if args.rounds < 1:
         parser.error(f"--rounds must be at least 1, not {args.rounds}")
     build = views if args.view else chain
-    path = args.path
+    path = args.path or default_path("{gpu}_backward_chain_{date}.json")
     copy = measure_copy()
     bytes_per_norm = 3 * BENCH_ELEMENTS * 2  # read x, dy; write dx
 

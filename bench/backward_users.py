@@ -6,10 +6,12 @@ device time (profiler), kbuild and torch eager, bf16, M * N = 64 Mi.
 
 The cases (shapes, bytes) are those of bench_rmsnorm_bwd.py and bench_layernorm.py; in the
 results, "event_ms" / "event_of_copy" is the users' timing, "ms" / "of_copy" the device time.
+Default file: bench/results/<gpu>_backward_users.json (h200_backward_users.json on the H200).
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 
@@ -18,7 +20,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from bench import bench_layernorm, bench_rmsnorm_bwd  # noqa: E402
-from bench.harness import add_event_of_copy, measure_copy, run_cases, write_results  # noqa: E402
+from bench.harness import (  # noqa: E402
+    add_event_of_copy,
+    default_path,
+    measure_copy,
+    run_cases,
+    write_results,
+)
 from kbuild.timing import host_us_per_call  # noqa: E402
 
 IMPLS = ("kbuild", "eager")
@@ -49,7 +57,13 @@ def engine_floor_us() -> dict[str, float]:
 
 
 def main() -> None:
-    path = sys.argv[1] if len(sys.argv) > 1 else "bench/results/backward_users.json"
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "out", nargs="?", help="results JSON (default: bench/results/<gpu>_backward_users.json)"
+    )
+    path = parser.parse_args().out or default_path("{gpu}_backward_users.json")
     copy = measure_copy()
     done = run_cases(cases(), copy, device_time=True)
     add_event_of_copy(done, copy)

@@ -3,11 +3,14 @@ weight and bias, M*N = 64 Mi, copy bandwidth in the same run.
 
     KBUILD_CACHE_DIR=.kbuild-aot KBUILD_OFFLINE=1 python bench/bench_layernorm.py [out.json]
 
-Bytes: forward reads x, writes y; backward reads x, dy, writes dx (as for RMSNorm).
+Bytes: forward reads x, writes y; backward reads x, dy, writes dx (as for RMSNorm). Its
+results file is the "layernorm" columns of README.md's speed table (bench/readme_table.py;
+default name bench/results/<gpu>_layernorm.json).
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 
@@ -18,8 +21,14 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import kbuild  # noqa: E402
-from bench.bench_rmsnorm_bwd import grad_fn  # noqa: E402
-from bench.harness import Case, measure_copy, run_cases, write_results  # noqa: E402
+from bench.harness import (  # noqa: E402
+    Case,
+    default_path,
+    grad_fn,
+    measure_copy,
+    run_cases,
+    write_results,
+)
 from kbuild.manifest import BENCH_ELEMENTS, BENCH_N  # noqa: E402
 
 
@@ -50,7 +59,13 @@ def cases() -> list[Case]:
 
 
 def main() -> None:
-    path = sys.argv[1] if len(sys.argv) > 1 else "bench/results/layernorm.json"
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "out", nargs="?", help="results JSON (default: bench/results/<gpu>_layernorm.json)"
+    )
+    path = parser.parse_args().out or default_path("{gpu}_layernorm.json")
     copy = measure_copy()
     write_results(path, run_cases(cases(), copy, device_time=True), copy)
 

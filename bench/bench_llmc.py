@@ -11,10 +11,12 @@ with a frequent id (a third of the positions, as text has), so the backward's lo
   read, dwte (V rows) and dwpe written.
 - bias_grad: kbuild.bias_grad against `dout.sum(0)` on (M, OC) = 64 Mi elements; bytes: dout
   read once (the target is read bandwidth), dbias written.
+Default file: bench/results/<gpu>_llmc_<date>.json.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import sys
@@ -24,8 +26,15 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import kbuild  # noqa: E402
-from bench.bench_rmsnorm_bwd import grad_fn  # noqa: E402
-from bench.harness import Case, add_event_of_copy, measure_copy, run_cases, write_results  # noqa: E402
+from bench.harness import (  # noqa: E402
+    Case,
+    add_event_of_copy,
+    default_path,
+    grad_fn,
+    measure_copy,
+    run_cases,
+    write_results,
+)
 from kbuild.manifest import BENCH_C, BENCH_ELEMENTS  # noqa: E402
 
 V, T = 50257, 1024
@@ -83,7 +92,11 @@ def cases() -> list[Case]:
 
 
 def main() -> None:
-    path = sys.argv[1] if len(sys.argv) > 1 else "bench/results/llmc.json"
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("out", nargs="?", help="results JSON (default: see above)")
+    path = parser.parse_args().out or default_path("{gpu}_llmc_{date}.json")
     copy = measure_copy()
     done = run_cases(cases(), copy, device_time=True)
     add_event_of_copy(done, copy)

@@ -3,11 +3,14 @@
     KBUILD_CACHE_DIR=.kbuild-aot KBUILD_OFFLINE=1 python bench/bench_rmsnorm.py [out.json]
 
 Bytes: read x + write y (the weight, N elements, is noise). Also host microseconds per call
-at a tiny shape, and the cost of a disk-cache hit in a fresh process.
+at a tiny shape, and the cost of a disk-cache hit in a fresh process. Its results file is
+the "rmsnorm fwd" column of README.md's speed table (bench/readme_table.py); the default name,
+bench/results/<gpu>_rmsnorm_fwd.json, is the one that table reads (h200_rmsnorm_fwd.json).
 """
 
 from __future__ import annotations
 
+import argparse
 import functools
 import os
 import subprocess
@@ -19,7 +22,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import kbuild  # noqa: E402
-from bench.harness import Case, measure_copy, run_cases, write_results  # noqa: E402
+from bench.harness import Case, default_path, measure_copy, run_cases, write_results  # noqa: E402
 from kbuild.manifest import BENCH_ELEMENTS, BENCH_N, TINY_SHAPE  # noqa: E402
 from kbuild.timing import host_us_per_call  # noqa: E402
 
@@ -97,7 +100,13 @@ def cold_load() -> dict[str, float]:
 
 
 def main() -> None:
-    path = sys.argv[1] if len(sys.argv) > 1 else "bench/results/rmsnorm_fwd.json"
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "out", nargs="?", help="results JSON (default: bench/results/<gpu>_rmsnorm_fwd.json)"
+    )
+    path = parser.parse_args().out or default_path("{gpu}_rmsnorm_fwd.json")
     copy = measure_copy()
     cases = run_cases(forward_cases(), copy)
     extra = {"host_overhead": host_overhead(), "cold_load": cold_load()}

@@ -7,11 +7,14 @@ Bytes (what must move): rmsnorm backward reads x, dy and writes dx; fused forwar
 residual and writes residual_out, out; fused backward reads dy, d(residual_out),
 residual_out and writes dx (dresidual is the same tensor). The weight gradient's traffic is
 not counted (it is part of our cost, not of the budget). Backward times are of
-torch.autograd.grad over the same graph for every implementation.
+torch.autograd.grad over the same graph for every implementation. Its results file is the
+"rmsnorm bwd", "fused add fwd" and "fused add bwd" columns of README.md's speed table
+(bench/readme_table.py; default name bench/results/<gpu>_rmsnorm_bwd_fused.json).
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 
@@ -22,20 +25,20 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import kbuild  # noqa: E402
-from bench.harness import Case, measure_copy, run_cases, write_results  # noqa: E402
+from bench.harness import (  # noqa: E402
+    Case,
+    default_path,
+    grad_fn,
+    measure_copy,
+    run_cases,
+    write_results,
+)
 from kbuild.manifest import BENCH_ELEMENTS, BENCH_N  # noqa: E402
 
 
 def torch_fused(x, residual, w, eps):
     added = x + residual
     return F.rms_norm(added, (x.shape[-1],), w, eps), added
-
-
-def grad_fn(fn, args, inputs, grads):
-    """Time only the backward: the graph of fn(*args) built once, replayed (retain_graph)."""
-    outputs = fn(*args)
-    outputs = outputs if isinstance(outputs, tuple) else (outputs,)
-    return lambda: torch.autograd.grad(outputs, inputs, grads[: len(outputs)], retain_graph=True)
 
 
 def cases() -> list[Case]:
@@ -75,7 +78,13 @@ def cases() -> list[Case]:
 
 
 def main() -> None:
-    path = sys.argv[1] if len(sys.argv) > 1 else "bench/results/rmsnorm_bwd.json"
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "out", nargs="?", help="results JSON (default: bench/results/<gpu>_rmsnorm_bwd_fused.json)"
+    )
+    path = parser.parse_args().out or default_path("{gpu}_rmsnorm_bwd_fused.json")
     copy = measure_copy()
     write_results(path, run_cases(cases(), copy, device_time=True), copy)
 

@@ -1,7 +1,8 @@
 """Rows of any width at vector speed: the row kernels at widths that are not a whole number of
 16-byte vectors (peeled rows, dsl/rows.py) beside the aligned width next to them, and the user
-softmax (examples/custom_softmax.py) at GPT-2's vocabulary and at long rows, with torch in the
-same run and copy bandwidth measured there too.
+softmax (examples/custom_softmax.py) beside torch.softmax at GPT-2's vocabulary, at long rows
+and at the shapes its acceptance names ((16384, 4096), (4096, 32768)), with the copy
+bandwidth measured in the same run.
 
     kbuild warmup --arch sm_90 --module bench/bench_rows.py --cache-dir .kbuild-aot
     KBUILD_CACHE_DIR=.kbuild-aot KBUILD_OFFLINE=1 python bench/bench_rows.py [out.json]
@@ -11,10 +12,19 @@ phase (a fast wrong kernel must not pass for a result). The softmax rows also ti
 launch-plan alternatives for long rows (`cluster`: blocks a row is split over), which is how
 the example's plan for them was chosen. Norms: forward by CUDA events, backward by the kernels'
 device time (profiler) through autograd's replayed graph, as bench_rmsnorm_bwd.py does.
+
+Softmax routes: "kbuild" is the op called as users call it (kbuild.Op: its checks, torch's
+dispatcher, then the C++ generic kernel, kbuild/native/generic.h); "kbuild python launch" the
+op's Python launch path (what runs where the C++ extension cannot be built); torch's backward
+is `torch._softmax_backward_data`, what its autograd runs. "softmax fwd+bwd (autograd)" is
+`torch.autograd.grad(softmax(x), x, dy)` as users call it (bytes: both passes'). Backward and
+autograd rows record the kernels' device time (profiler) and the events around each call
+(`event_of_copy`). Results are written only where out.json is named.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 
@@ -26,7 +36,14 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "examples")]
 import custom_softmax as user  # noqa: E402
 
 import kbuild  # noqa: E402
-from bench.harness import Case, measure_copy, run_cases, write_results  # noqa: E402
+from bench.harness import (  # noqa: E402
+    Case,
+    add_event_of_copy,
+    grad_fn,
+    measure_copy,
+    run_cases,
+    write_results,
+)
 from kbuild.manifest import BENCH_ELEMENTS  # noqa: E402
 
 SOFTMAX = ((4096, 50257), (4096, 32768), (16384, 4096), (4096, 4097))
@@ -134,12 +151,31 @@ def softmax_cases() -> tuple[list[Case], list[Case]]:
         x = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
         dy = torch.randn_like(x)
         y = torch.softmax(x, -1)
+        leaf = x.clone().requires_grad_()
         size = M * N * 2
-        fwd = {"kbuild": lambda x=x: user.softmax(x), "torch": lambda x=x: torch.softmax(x, -1)}
+        fwd = {
+            "kbuild": lambda x=x: user.softmax(x),
+            "kbuild python launch": lambda x=x: user.softmax._launch_cuda(x),
+            "torch": lambda x=x: torch.softmax(x, -1),
+        }
         bwd = {
             "kbuild": lambda y=y, dy=dy: user.softmax.backward(y, dy),
+            "kbuild python launch": lambda y=y, dy=dy: user.softmax.backward._launch_cuda(y, dy),
             "torch": lambda y=y, dy=dy: torch._softmax_backward_data(dy, y, -1, y.dtype),
         }
+        both = {
+            "kbuild": lambda leaf=leaf, dy=dy: torch.autograd.grad(user.softmax(leaf), leaf, dy),
+            "torch": lambda leaf=leaf, dy=dy: torch.autograd.grad(
+                torch.softmax(leaf, -1), leaf, dy
+            ),
+        }
+        want_dx = torch._softmax_backward_data(dy, y, -1, y.dtype)
+        for got, want in (
+            (user.softmax._launch_cuda(x), y),
+            (user.softmax.backward._launch_cuda(y, dy), want_dx),
+        ):  # the Python launch path: its own binding of the same kernels
+            error = relative(got, want)
+            assert error < 2e-2, (N, "python launch", error)
         for c in CLUSTERS.get(N, ()):
             out = torch.empty_like(x)
 
@@ -163,15 +199,12 @@ def softmax_cases() -> tuple[list[Case], list[Case]]:
             bwd[f"cluster {c}"] = bwd_variant
         forward.append(Case("softmax fwd", (M, N), 2 * size, fwd))
         backward.append(Case("softmax bwd", (M, N), 3 * size, bwd))
+        backward.append(Case("softmax fwd+bwd (autograd)", (M, N), 5 * size, both))
     return forward, backward
 
 
 def norm_cases() -> tuple[list[Case], list[Case]]:
     import torch.nn.functional as F
-
-    def grad_fn(fn, args, inputs, grads):
-        outputs = fn(*args)
-        return lambda: torch.autograd.grad(outputs, inputs, grads, retain_graph=True)
 
     forward, backward = [], []
     for N in NORM_N:
@@ -201,7 +234,12 @@ def norm_cases() -> tuple[list[Case], list[Case]]:
     return forward, backward
 
 
-def main(path: str | None) -> None:
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("out", nargs="?", help="results JSON (none written without it)")
+    path = parser.parse_args().out
     errors = check_values()
     copy = measure_copy()
     cases = []
@@ -209,9 +247,10 @@ def main(path: str | None) -> None:
         forward, backward = make()
         cases += run_cases(forward, copy)
         cases += run_cases(backward, copy, device_time=True)
+    add_event_of_copy(cases, copy)
     if path:
         write_results(path, cases, copy, {"max_relative_errors": errors})
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else None)
+    main()

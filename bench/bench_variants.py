@@ -17,10 +17,13 @@
   backward. Bytes: forward reads x (2) and the residual (4), writes y (2) and the stream (4);
   backward reads the stream (4), dy (2) and d(stream) (4), writes dx (2) and d(residual) (4).
 Shapes: BENCH_N (QK_N for the QK rows) at 64 Mi elements (L2-cold by size).
+Default file: bench/results/<gpu>_variants_<date>.json (with --only qk:
+<gpu>_variants_qk_<date>.json, as h200_variants_qk_2026-12-04.json).
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 
@@ -30,8 +33,15 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import kbuild  # noqa: E402
-from bench.bench_rmsnorm_bwd import grad_fn  # noqa: E402
-from bench.harness import Case, add_event_of_copy, measure_copy, run_cases, write_results  # noqa: E402
+from bench.harness import (  # noqa: E402
+    Case,
+    add_event_of_copy,
+    default_path,
+    grad_fn,
+    measure_copy,
+    run_cases,
+    write_results,
+)
 from kbuild.manifest import BENCH_ELEMENTS, BENCH_N, QK_HEADS, QK_N, STREAM_BENCH_N  # noqa: E402
 
 
@@ -163,14 +173,14 @@ def cases() -> tuple[list[Case], list[Case]]:
 
 
 def main() -> None:
-    """[out.json] [--only PREFIX]: the cases whose name starts with PREFIX (e.g. qk)."""
-    args = sys.argv[1:]
-    only = ""
-    if "--only" in args:
-        at = args.index("--only")
-        only = args[at + 1]
-        del args[at : at + 2]
-    path = args[0] if args else "bench/results/variants.json"
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("out", nargs="?", help="results JSON (default: see above)")
+    parser.add_argument("--only", default="", help="the cases whose name starts with this (qk)")
+    args = parser.parse_args()
+    only = args.only
+    path = args.out or default_path(f"{{gpu}}_variants{'_' + only if only else ''}_{{date}}.json")
     copy = measure_copy()
     forwards, backwards = cases()
     forwards = [c for c in forwards if c.op.startswith(only)]

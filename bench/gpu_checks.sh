@@ -5,7 +5,7 @@
 # device one or two steps per call (a call may last 10 minutes; host_versions alone takes
 # about that, and wants `.kbuild-before`, a `git archive` of the commit before a change):
 #   bash bench/gpu_checks.sh gpu_tests rows
-#   bash bench/gpu_checks.sh custom_softmax math_accuracy host
+#   bash bench/gpu_checks.sh math_accuracy host
 #   bash bench/gpu_checks.sh models profile
 #   bash bench/gpu_checks.sh loss block
 #     (LOSS_ARGS: bench_loss.py's options, e.g. '--parts fused --chunks 512,1024,2048,4096')
@@ -44,11 +44,10 @@ nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,power.limit --format=cs
 # Liger-Kernel (pure Python), the peer of the loss and block steps, where its wheel was carried
 ls .carry/liger_kernel-*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-deps .carry/liger_kernel-*.whl
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(gpu_tests custom_softmax math_accuracy host_versions)
+[ ${#steps[@]} -eq 0 ] && steps=(gpu_tests rows math_accuracy host_versions)
 for name in "${steps[@]}"; do
     case "$name" in
         gpu_tests) step gpu_tests python3 -m pytest -m gpu tests -q -p no:cacheprovider ;;
-        custom_softmax) step custom_softmax python3 bench/bench_custom_softmax.py "$out/custom_softmax.json" ;;
         math_accuracy) step math_accuracy python3 bench/math_accuracy.py "$out/math_accuracy.json" ;;
         host_versions) step host_versions python3 bench/host_versions.py .kbuild-before . "$out" ;;
         host) step host python3 bench/host.py "$out" ;;

@@ -12,6 +12,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import re
 import subprocess
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -20,6 +21,30 @@ import torch
 
 from kbuild.manifest import BENCH_ELEMENTS
 from kbuild.timing import copy_gbps, device_ms, gbps, median_ms
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def gpu_tag() -> str:
+    """This device's short name as result files spell it: "h200", "h100", "mi300x"."""
+    name = torch.cuda.get_device_name()
+    found = re.search(r"\b([A-Z]{1,3}[0-9]{2,4}[A-Z]?)\b", name)
+    return found.group(1).lower() if found else re.sub(r"\W+", "_", name).strip("_").lower()
+
+
+def default_path(pattern: str) -> str:
+    """The default results file: bench/results/ + pattern, its {gpu} (gpu_tag()) and {date}
+    (today, YYYY-MM-DD) filled in, so a run's file is named as the committed ones are."""
+    date = datetime.date.today().isoformat()
+    name = pattern.format(gpu=gpu_tag() if "{gpu}" in pattern else "", date=date)
+    return os.path.join(RESULTS, name)
+
+
+def grad_fn(fn, args, inputs, grads):
+    """Time only the backward: the graph of fn(*args) built once, replayed (retain_graph)."""
+    outputs = fn(*args)
+    outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+    return lambda: torch.autograd.grad(outputs, inputs, grads[: len(outputs)], retain_graph=True)
 
 
 @dataclass

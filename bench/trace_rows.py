@@ -10,10 +10,13 @@ nanoseconds:
     period    start -> next step's start
 
     kbuild warmup --manifest trace ...   then   python bench/trace_rows.py [out.json]
+
+Default file: bench/results/<gpu>_trace_rows_<date>.json.
 """
 
 from __future__ import annotations
 
+import argparse
 import functools
 import json
 import os
@@ -23,6 +26,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench.harness import default_path  # noqa: E402
 from bench.tune import _arguments  # noqa: E402
 from kbuild.jit import artifact_for, device_target  # noqa: E402
 from kbuild.manifest import BENCH_ELEMENTS, manifest  # noqa: E402
@@ -79,6 +83,11 @@ def summarize(trace: torch.Tensor) -> dict:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("out", nargs="?", help="results JSON (default: see above)")
+    path = parser.parse_args().out or default_path("{gpu}_trace_rows_{date}.json")
     results = []
     for spec in manifest("trace"):
         launcher = Launcher(artifact_for(spec, device_target(0)), 0)
@@ -98,7 +107,7 @@ def main() -> None:
         )
         print(row, flush=True)
         results.append(row)
-    with open(sys.argv[1] if len(sys.argv) > 1 else "bench/results/trace.json", "w") as f:
+    with open(path, "w") as f:
         json.dump({"commit": os.environ.get("KBUILD_COMMIT"), "rows": results}, f, indent=1)
 
 

@@ -5,11 +5,14 @@ to back. Shapes as the benchmarks (bf16, M*N = 64 Mi).
 
     kbuild warmup --manifest tune ...   then   python bench/tune.py [out.json] [kernel:N ...]
 
-(`kernel:N` arguments, e.g. layernorm_bwd:65536: only those kernels' variants.)
+(`kernel:N` arguments, e.g. layernorm_bwd:65536: only those kernels' variants.) Default file:
+bench/results/<gpu>_tune_<date>.json; name the sweep by a word before the date, as the
+committed ones are (h200_tune_lagged_2026-12-04.json).
 """
 
 from __future__ import annotations
 
+import argparse
 import functools
 import json
 import os
@@ -19,7 +22,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.harness import measure_copy  # noqa: E402
+from bench.harness import default_path, measure_copy  # noqa: E402
 from kbuild.jit import artifact_for, device_target  # noqa: E402
 from kbuild.kernels.plans import BackwardPlan, ForwardPlan  # noqa: E402
 from kbuild.kernels.row_plan import override_keywords  # noqa: E402
@@ -135,10 +138,17 @@ def _relative(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("out", nargs="?", help="results JSON (default: see above)")
+    parser.add_argument("kernels", nargs="*", metavar="kernel:N", help="only these kernels")
+    args = parser.parse_args()
+    path = args.out or default_path("{gpu}_tune_{date}.json")
     copy = measure_copy()
     rows = []
     variants = []
-    only = set(sys.argv[2:])
+    only = set(args.kernels)
     for spec in manifest("tune"):
         if only and f"{spec.kernel}:{spec['N']}" not in only:
             continue
@@ -192,7 +202,7 @@ def main() -> None:
         )
         print(row, flush=True)
         rows.append(row)
-    with open(sys.argv[1] if len(sys.argv) > 1 else "bench/results/tune.json", "w") as f:
+    with open(path, "w") as f:
         commit = os.environ.get("KBUILD_COMMIT")
         json.dump({"commit": commit, "copy_gbps": copy, "rows": rows}, f, indent=1)
 
