@@ -14,12 +14,11 @@
 #   bash bench/gpu_checks.sh patch_models
 #     (split over calls by PATCH_MODELS_ARGS, e.g. '--modes eager'; the results merge)
 #   bash bench/gpu_checks.sh host_versions
-# Owed as of 2026-12-07 (bench/NOTES.md says what each showed last): patch_models with Liger
-# in the same run, three rounds (PATCH_MODELS_ARGS='--modes eager --rounds 3'), then compile;
-# loss (the fused heads' peaks after the one-buffer change, "torch V padded" at GPT-2's head);
-# gpu_tests (the lagged-exchange kernels changed; the fused loss's new peak test); block and
-# rows (forwards behind torch.compile, odd-width norm backward, the long-row softmax plan);
-# host; every step from gpu_prepare.sh's cache alone, on H100 and H200.
+# Owed as of 2026-12-07, after 42d94c7's run (bench/NOTES.md says what each showed last):
+# patch_models compile for all six models with Liger (PATCH_MODELS_ARGS='--modes compile';
+# qwen3 ran 1.06x stock compiled), eager three rounds for the four run once; loss (cross-entropy
+# at the floor, GPT-2's padded head); block and rows (forwards behind torch.compile, odd-width
+# norm backward, the long-row softmax plan); host; interpret; every step on an H200 too.
 # Results under $OUT (or ./gpu-results). Each step writes its own file and log; a failing
 # step does not stop the next. With no step named, all four run.
 set -uo pipefail
