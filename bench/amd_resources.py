@@ -17,7 +17,7 @@ import tempfile
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kbuild import cli  # noqa: E402
-from kbuild.manifest import manifest  # noqa: E402
+from kbuild.cli.manifest import manifest  # noqa: E402
 
 FIELDS = ("vgprs", "sgprs", "agprs", "lds_bytes", "scratch_bytes", "block")
 

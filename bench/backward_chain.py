@@ -11,7 +11,7 @@ bf16, M x N = 64 Mi elements per norm, K = 8; reported per norm: ms (the chain's
 time / K, CUDA events around the autograd.grad call, calls back to back) and % of the copy
 bandwidth of the same run, kbuild beside torch eager. `--view`: QK-norm as a model with a
 fused qkv projection runs it: each of the K norms reads the q of its own qkv buffer, a strided
-(T, H, N) view (H = manifest.QK_HEADS), and the one grad call takes all K. `--profile`:
+(T, H, N) view (H = kbuild.cases.QK_HEADS), and the one grad call takes all K. `--profile`:
 also each of kbuild's kernels in the chain, device us per norm (torch.profiler over a few
 calls: the backward kernel beside the column sum of its dw/db partials), the split of the
 figure above into kernels and what is left (launch gaps, the engine's fixed cost / K).
@@ -38,7 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import kbuild  # noqa: E402
 from bench.harness import default_path, measure_copy  # noqa: E402
-from kbuild.manifest import BENCH_ELEMENTS, BENCH_N, QK_HEADS  # noqa: E402
+from kbuild.cases import BENCH_ELEMENTS, BENCH_N, QK_HEADS  # noqa: E402
 from kbuild.timing import kernel_device_us, median_ms  # noqa: E402
 
 K = 8

@@ -52,8 +52,8 @@ sys.path[:0] = [ROOT]
 
 import kbuild  # noqa: E402
 from bench.harness import Case, measure_copy, run_cases, write_results  # noqa: E402
-from kbuild.ops import activations as act  # noqa: E402
-from kbuild.ops import rope as rope_ops  # noqa: E402
+from kbuild.kernels.activations import op as act  # noqa: E402
+from kbuild.kernels.rope import op as rope_ops  # noqa: E402
 
 BF16 = torch.bfloat16
 TOKENS = 8192

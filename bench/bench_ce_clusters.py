@@ -6,14 +6,14 @@ it (`kbuild.cross_entropy(x, t).backward()`), under every cluster size the plan 
     KBUILD_CACHE_DIR=.kbuild-aot KBUILD_OFFLINE=1 python bench/bench_ce_clusters.py OUT.json
 
 A cluster of c splits each row over c blocks (`cluster=` is the builder keyword naming that
-plan field: kernels/row_plan.py, `override_keywords`); 1 is one block per row, walking the row
+plan field: plan/rows.py, `override_keywords`); 1 is one block per row, walking the row
 in chunks where it does not fit in registers. Sizes 1 to the target's portable limit (8 on
 sm_90) that the plan refuses at a V (slices not a whole number of vectors) are left out.
 
 Forward + backward goes through the public function and autograd (the forward kernel writes
 the gradient, the backward's rescale skips rows whose incoming gradient is the one assumed),
-with the forward launch's plan forced by wrapping kbuild.ops.loss's launch for the time of
-the call: nothing of the chooser changes. Every variant is first checked against an fp32
+with the forward launch's plan forced by wrapping kbuild.kernels.loss.cross_entropy's launch for the
+time of the call: nothing of the chooser changes. Every variant is first checked against an fp32
 reference of the loss per row and of the whole gradient (the gradient buffer poisoned with
 NaN first), and timed in ROUNDS interleaved rounds (CUDA events around back-to-back calls,
 median of 50; each round's median kept, so the spread between rounds shows). The
@@ -41,15 +41,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT]
 
 import kbuild  # noqa: E402
-import kbuild.ops.loss as loss_op  # noqa: E402
+import kbuild.kernels.loss.cross_entropy as loss_op  # noqa: E402
 from bench.bench_loss import forward_kernel  # noqa: E402
 from bench.harness import commit, measure_copy  # noqa: E402
-from kbuild.kernels.config import CHUNK_ITERS, RowBudget  # noqa: E402
-from kbuild.kernels.cross_entropy import (  # noqa: E402
+from kbuild.kernels.loss.kernels import (  # noqa: E402
     build_cross_entropy_fwd,
     build_cross_entropy_rescale,
 )
-from kbuild.kernels.row_plan import ONLINE_WORDS, plan_rows  # noqa: E402
+from kbuild.plan.config import CHUNK_ITERS, RowBudget  # noqa: E402
+from kbuild.plan.rows import ONLINE_WORDS, plan_rows  # noqa: E402
 from kbuild.targets import target_for_arch  # noqa: E402
 from kbuild.timing import median_ms  # noqa: E402
 
@@ -116,8 +116,8 @@ def forward_values(V: int) -> dict:
 
 @contextlib.contextmanager
 def forced_plan(keywords: dict, calls: list):
-    """kbuild.ops.loss launches its forward kernel with the plan keywords added (counted in
-    `calls`); other kernels as they are."""
+    """kbuild.kernels.loss.cross_entropy launches its forward kernel with the plan keywords added
+    (counted in `calls`); other kernels as they are."""
     launch = loss_op.launch_kernel
 
     def forced(definition, grid, *args, **params):

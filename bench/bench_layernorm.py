@@ -29,7 +29,7 @@ from bench.harness import (  # noqa: E402
     run_cases,
     write_results,
 )
-from kbuild.manifest import BENCH_ELEMENTS, BENCH_N  # noqa: E402
+from kbuild.cases import BENCH_ELEMENTS, BENCH_N  # noqa: E402
 
 
 def cases() -> list[Case]:

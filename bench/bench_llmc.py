@@ -35,7 +35,7 @@ from bench.harness import (  # noqa: E402
     run_cases,
     write_results,
 )
-from kbuild.manifest import BENCH_C, BENCH_ELEMENTS  # noqa: E402
+from kbuild.cases import BENCH_C, BENCH_ELEMENTS  # noqa: E402
 
 V, T = 50257, 1024
 

@@ -59,7 +59,7 @@ sys.path[:0] = [ROOT]
 
 import kbuild  # noqa: E402
 from bench.harness import Case, measure_copy, run_cases, write_results  # noqa: E402
-from kbuild.kernels.cross_entropy import build_cross_entropy_fwd, vocab_specs  # noqa: E402
+from kbuild.kernels.loss.kernels import build_cross_entropy_fwd, vocab_specs  # noqa: E402
 
 TOKENS = 8192
 VOCABS = (32000, 50257, 128256, 151936, 256000)
@@ -289,7 +289,7 @@ def forward_kernel(x: torch.Tensor, t: torch.Tensor, plan: dict | None = None):
     """The cross-entropy forward kernel (training: it writes the gradient, scaled for a
     mean) launched alone on (M, V) bf16 logits and i64 ids under launch-plan overrides
     `plan` (None: the chosen plan); returns the call and its (loss, gradient) outputs."""
-    from kbuild.ops.launch import rows_grid
+    from kbuild.op.launch import rows_grid
 
     plan = plan or {}
 
@@ -310,7 +310,7 @@ def forward_kernel(x: torch.Tensor, t: torch.Tensor, plan: dict | None = None):
 
 def fused_cases(copy: float, heads=HEADS, chunks=(), skip=()) -> tuple[list[Case], dict]:
     """The fused heads: every peer, and kbuild at each of `chunks` rows per chunk."""
-    from kbuild.ops.linear_loss import chunk_rows
+    from kbuild.kernels.loss.linear import chunk_rows
 
     cases, memory, errors, overwrote, peaks, chosen = [], {}, {}, {}, {}, {}
     for name, tokens, H, V, cap in heads:

@@ -23,14 +23,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import kbuild  # noqa: E402
 from bench.harness import Case, default_path, measure_copy, run_cases, write_results  # noqa: E402
-from kbuild.manifest import BENCH_ELEMENTS, BENCH_N, TINY_SHAPE  # noqa: E402
+from kbuild.cases import BENCH_ELEMENTS, BENCH_N, TINY_SHAPE  # noqa: E402
 from kbuild.timing import host_us_per_call  # noqa: E402
 
 COLD_LOAD = r"""
 import time, torch
 torch.zeros(1, device="cuda"); torch.cuda.synchronize()
 from kbuild.jit import artifact_for, device_target
-from kbuild.ops.rmsnorm import rmsnorm_fwd_spec
+from kbuild.kernels.norms.rmsnorm import rmsnorm_fwd_spec
 from kbuild.runtime.cuda import Launcher
 spec = rmsnorm_fwd_spec(4096, "bf16", "bf16", False, 1e-6)
 target = device_target(0)
@@ -60,7 +60,7 @@ def host_overhead() -> dict[str, float]:
     M, N = TINY_SHAPE
     x = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(N, device="cuda", dtype=torch.bfloat16)
-    from kbuild.ops.rmsnorm import rmsnorm_fwd
+    from kbuild.kernels.norms.rmsnorm import rmsnorm_fwd
 
     out = {
         "kbuild_us": host_us_per_call(lambda: kbuild.rmsnorm(x, w, 1e-6)),
@@ -69,8 +69,8 @@ def host_overhead() -> dict[str, float]:
         "empty_like_us": host_us_per_call(lambda: torch.empty_like(x)),
     }
     from kbuild.jit import artifact_for, device_target
-    from kbuild.ops.common import stream_of
-    from kbuild.ops.rmsnorm import rmsnorm_fwd_spec
+    from kbuild.kernels.norms.rmsnorm import rmsnorm_fwd_spec
+    from kbuild.op.tensors import stream_of
     from kbuild.runtime.cuda import Launcher
 
     y = torch.empty_like(x)

@@ -44,7 +44,7 @@ from bench.harness import (  # noqa: E402
     run_cases,
     write_results,
 )
-from kbuild.manifest import BENCH_ELEMENTS  # noqa: E402
+from kbuild.cases import BENCH_ELEMENTS  # noqa: E402
 
 SOFTMAX = ((4096, 50257), (4096, 32768), (16384, 4096), (4096, 4097))
 NORM_N = (4096, 4097, 5120, 5123)
@@ -68,7 +68,7 @@ def warmup_specs() -> list:
     """What `kbuild warmup --module bench/bench_rows.py` compiles: every kernel it launches,
     the example's softmax and the norms (training steps, for_width) at the timed widths and
     at check_values' widths, and the plan alternatives."""
-    from kbuild.manifest import for_width
+    from kbuild.cli.widths import for_width
 
     names = {torch.bfloat16: "bf16", torch.float32: "f32"}
     widths = [(torch.bfloat16, N) for _, N in SOFTMAX]
@@ -144,7 +144,7 @@ def check_width(N: int, dtype: torch.dtype) -> dict:
 
 
 def softmax_cases() -> tuple[list[Case], list[Case]]:
-    from kbuild.ops.launch import rows_grid
+    from kbuild.op.launch import rows_grid
 
     forward, backward = [], []
     for M, N in SOFTMAX:

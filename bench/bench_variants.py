@@ -42,7 +42,7 @@ from bench.harness import (  # noqa: E402
     run_cases,
     write_results,
 )
-from kbuild.manifest import BENCH_ELEMENTS, BENCH_N, QK_HEADS, QK_N, STREAM_BENCH_N  # noqa: E402
+from kbuild.cases import BENCH_ELEMENTS, BENCH_N, QK_HEADS, QK_N, STREAM_BENCH_N  # noqa: E402
 
 
 def _liger():

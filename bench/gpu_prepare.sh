@@ -13,8 +13,8 @@ mkdir -p .carry
 # Each module's warmup_specs() lists what its step launches (bench_rows.py: its norms too).
 modules=(examples/custom_softmax.py bench/math_accuracy.py bench/bench_rows.py
          bench/bench_loss.py bench/bench_block.py bench/bench_ce_clusters.py
-         bench/interpret_vs_gpu.py kbuild.ops.loss kbuild.ops.softmax
-         kbuild.ops.rope kbuild.ops.activations kbuild.ops.qk_norm_rope)
+         bench/interpret_vs_gpu.py kbuild.kernels.loss.cross_entropy kbuild.kernels.softmax.op
+         kbuild.kernels.rope.op kbuild.kernels.activations.op kbuild.kernels.rope.qk_norm)
 args=()
 for m in "${modules[@]}"; do args+=(--module "$m"); done
 python3 -m kbuild warmup --arch sm_90 --manifest tests --manifest bench "${args[@]}" --cache-dir .kbuild-aot

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kbuild.manifest import BENCH_ELEMENTS
+from kbuild.cases import BENCH_ELEMENTS
 from kbuild.timing import copy_gbps, device_ms, gbps, median_ms
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")

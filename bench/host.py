@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import kbuild  # noqa: E402
 from bench.harness import commit  # noqa: E402
-from kbuild.ops import api  # noqa: E402
+from kbuild.kernels.norms import api  # noqa: E402
 from kbuild.timing import host_us_per_call  # noqa: E402
 
 CALLS = 1200

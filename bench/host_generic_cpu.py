@@ -42,8 +42,9 @@ import custom_softmax as example  # noqa: E402
 
 from bench.harness import commit  # noqa: E402
 from kbuild import native as kbuild_native  # noqa: E402
-from kbuild.ops import op_launch, opdef  # noqa: E402
-from kbuild.ops.opdef import Op  # noqa: E402
+from kbuild.op import binding as op_launch  # noqa: E402
+from kbuild.op import opdef  # noqa: E402
+from kbuild.op.opdef import Op  # noqa: E402
 
 
 def us_per_call(fn, calls: int = 5000, rounds: int = 5) -> float:

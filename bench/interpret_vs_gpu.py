@@ -107,7 +107,7 @@ def warmup_specs():
     import subprocess
     import tempfile
 
-    from kbuild.model_specs import KERNEL_MODULES
+    from kbuild.cli.model_specs import KERNEL_MODULES
     from kbuild.spec import KernelSpec
 
     for module in KERNEL_MODULES:  # they declare the kernels the record names

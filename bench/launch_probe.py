@@ -12,7 +12,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kbuild.jit import artifact_for, device_target  # noqa: E402
-from kbuild.ops.rmsnorm import rmsnorm_fwd_spec  # noqa: E402
+from kbuild.kernels.norms.rmsnorm import rmsnorm_fwd_spec  # noqa: E402
 from kbuild.runtime.cuda import Launcher  # noqa: E402
 from kbuild.timing import host_us_per_call  # noqa: E402
 

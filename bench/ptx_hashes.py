@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kbuild.manifest import manifest  # noqa: E402
+from kbuild.cli.manifest import manifest  # noqa: E402
 from kbuild.spec import KernelSpec  # noqa: E402
 from kbuild.targets import target_for_arch  # noqa: E402
 

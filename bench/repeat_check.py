@@ -14,9 +14,10 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.tune import _OPTIONS, _arguments  # noqa: E402
+from kbuild.cases import BENCH_ELEMENTS  # noqa: E402
+from kbuild.cli.manifest import manifest  # noqa: E402
 from kbuild.jit import artifact_for, device_target  # noqa: E402
-from kbuild.manifest import BENCH_ELEMENTS, manifest  # noqa: E402
-from kbuild.ops.common import stream_of  # noqa: E402
+from kbuild.op.tensors import stream_of  # noqa: E402
 from kbuild.runtime.cuda import Launcher  # noqa: E402
 
 

@@ -28,9 +28,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.harness import default_path  # noqa: E402
 from bench.tune import _arguments  # noqa: E402
+from kbuild.cases import BENCH_ELEMENTS  # noqa: E402
+from kbuild.cli.manifest import manifest  # noqa: E402
 from kbuild.jit import artifact_for, device_target  # noqa: E402
-from kbuild.manifest import BENCH_ELEMENTS, manifest  # noqa: E402
-from kbuild.ops.common import stream_of  # noqa: E402
+from kbuild.op.tensors import stream_of  # noqa: E402
 from kbuild.runtime.cuda import Launcher  # noqa: E402
 from kbuild.trace_layout import TRACE_POINTS as POINTS  # noqa: E402
 

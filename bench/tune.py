@@ -23,12 +23,13 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.harness import default_path, measure_copy  # noqa: E402
+from kbuild.cases import BENCH_ELEMENTS  # noqa: E402
+from kbuild.cli.manifest import manifest  # noqa: E402
 from kbuild.jit import artifact_for, device_target  # noqa: E402
-from kbuild.kernels.plans import BackwardPlan, ForwardPlan  # noqa: E402
-from kbuild.kernels.row_plan import override_keywords  # noqa: E402
-from kbuild.manifest import BENCH_ELEMENTS, manifest  # noqa: E402
-from kbuild.ops.common import stream_of  # noqa: E402
-from kbuild.ops.launch import column_sum, persistent_grid, rows_grid  # noqa: E402
+from kbuild.op.launch import column_sum, persistent_grid, rows_grid  # noqa: E402
+from kbuild.op.tensors import stream_of  # noqa: E402
+from kbuild.plan.norms import BackwardPlan, ForwardPlan  # noqa: E402
+from kbuild.plan.rows import override_keywords  # noqa: E402
 from kbuild.runtime.cuda import Launcher  # noqa: E402
 from kbuild.timing import gbps, median_ms  # noqa: E402
 from kbuild.trace_layout import TRACE_ITERATIONS, TRACE_WORDS  # noqa: E402
@@ -46,7 +47,7 @@ _MOVED = {
 
 
 ROUNDS = 5
-# Launch-plan fields a variant may force, by builder keyword (kbuild/kernels/plans.py).
+# Launch-plan fields a variant may force, by builder keyword (kbuild/plan/norms.py).
 _OPTIONS = tuple(dict.fromkeys(override_keywords(ForwardPlan) + override_keywords(BackwardPlan)))
 # Diagnostic: these kernels also run on a fraction of their persistent grid. If the time per
 # row group stays the same with half the clusters, the loop is bound by its per-row chain

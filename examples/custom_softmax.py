@@ -15,7 +15,7 @@ import torch
 
 import kbuild
 from kbuild import Arg, Launch, Like, Op, Out, Param, Rows
-from kbuild.kernels.row_plan import ONLINE_WORDS, row_kernel
+from kbuild.plan.rows import ONLINE_WORDS, row_kernel
 
 # vectorize: 16-byte accesses (the op passes True where its tensors start 16-byte aligned);
 # rows of any width take them, a row that is not a whole number of vectors is peeled.

@@ -12,25 +12,35 @@ from __future__ import annotations
 
 import importlib
 
-__version__ = "0.1.0"
-# Declaring and launching kernels of your own (kbuild/kernels/declare.py): pure Python but
+# Declaring and launching kernels of your own (kbuild/registry.py): pure Python but
 # `launch`, which is torch's.
-_DECLARE = {"Arg": "kernels.table", "Param": "kernels.table", "kernel": "kernels.declare"}
-# Describing an op (kbuild/ops/opdef.py): torch's.
+_DECLARE = {"Arg": "registry", "Param": "registry", "kernel": "registry"}
+# Describing an op (kbuild/op/opdef.py): torch's.
 _OPDEF = ("Feature", "Ids", "Launch", "Like", "Op", "Out", "Rows", "Scalar", "Tensors")
-# Losses (kbuild/ops/loss.py, linear_loss.py), softmax (ops/softmax.py), the transformer
-# block's rotary embedding (ops/rope.py) and MLP activations (ops/activations.py): torch's.
+# The ops, each in its family's package under kbuild/kernels/ (norms, loss, softmax, rope,
+# activations, llmc): torch's.
 _OPS = {
-    "cross_entropy": "ops.loss",
-    "check_targets": "ops.loss",
-    "linear_cross_entropy": "ops.linear_loss",
-    "log_softmax": "ops.softmax",
-    "softmax": "ops.softmax",
-    "rope": "ops.rope",
-    "qk_norm_rope": "ops.qk_norm_rope",
-    "swiglu": "ops.activations",
-    "geglu": "ops.activations",
-    "gelu": "ops.activations",
+    "rmsnorm": "kernels.norms.api",
+    "layernorm": "kernels.norms.api",
+    "fused_add_rmsnorm": "kernels.norms.api",
+    "RMSNormFunction": "kernels.norms.autograd",
+    "LayerNormFunction": "kernels.norms.autograd",
+    "FusedAddRMSNormFunction": "kernels.norms.autograd",
+    "cross_entropy": "kernels.loss.cross_entropy",
+    "check_targets": "kernels.loss.cross_entropy",
+    "linear_cross_entropy": "kernels.loss.linear",
+    "log_softmax": "kernels.softmax.op",
+    "softmax": "kernels.softmax.op",
+    "rope": "kernels.rope.op",
+    "qk_norm_rope": "kernels.rope.qk_norm",
+    "swiglu": "kernels.activations.op",
+    "geglu": "kernels.activations.op",
+    "gelu": "kernels.activations.op",
+    "encoder": "kernels.llmc.op",
+    "encoder_backward": "kernels.llmc.op",
+    "bias_grad": "kernels.llmc.op",
+    "linear": "kernels.llmc.op",
+    "LinearFunction": "kernels.llmc.op",
 }
 __all__ = [
     "Arg",
@@ -72,18 +82,25 @@ __all__ = [
 
 
 def __getattr__(name: str):
+    if name == "__version__":
+        from .version import __version__
+
+        return __version__
     if name in _DECLARE or name in _OPS:
         where = _DECLARE.get(name) or _OPS[name]
         value = getattr(importlib.import_module(f".{where}", __name__), name)
         globals()[name] = value
         return value
     if name in _OPDEF:
-        value = getattr(importlib.import_module(".ops.opdef", __name__), name)
+        value = getattr(importlib.import_module(".op.opdef", __name__), name)
         globals()[name] = value
         return value
-    if name in __all__:
-        module = importlib.import_module(".nn" if name == "nn" else ".ops", __name__)
-        value = module if name == "nn" else getattr(module, name)
+    if name == "launch":
+        value = importlib.import_module(".op.launch", __name__).launch_kernel
+        globals()[name] = value
+        return value
+    if name == "nn":
+        value = importlib.import_module(".nn", __name__)
         globals()[name] = value  # later lookups are plain attribute reads
         return value
     raise AttributeError(f"module 'kbuild' has no attribute {name!r}")

@@ -12,7 +12,7 @@ import time
 from importlib import metadata
 
 from .artifact import Artifact
-from .kernels import get_builder, kernel_def
+from .registry import get_builder, kernel_def
 from .spec import KernelSpec
 from .targets import Target
 

@@ -15,7 +15,7 @@ def import_example(keep_kernels: bool = True):
     earlier test dropped them: the cache finds a kernel's builder there, a GPU test needs
     them). `keep_kernels=False` drops them at once instead (later test modules, the
     fingerprint tests, read kbuild's own kernels only)."""
-    from kbuild.kernels.table import KERNELS, register
+    from kbuild.registry import KERNELS, register
 
     sys.path.insert(0, str(EXAMPLE.parent))
     try:

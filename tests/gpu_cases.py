@@ -1,12 +1,13 @@
 """The case lists the GPU tests iterate, kept in one place so that tests/test_launch_keys_cpu.py
 drives the same matrix on CPU (with a fake launcher) and checks that every kernel it asks for
 is in manifest("tests"). The GPU machine runs offline from a cache warmed from that manifest:
-a case added here without its kernels in kbuild/manifest.py fails on CPU, not only on the GPU.
+a case added here without its kernels in kbuild/cli/manifest.py fails on CPU, not only on the GPU.
 """
 
 from __future__ import annotations
 
-from kbuild.manifest import TEST_M, affine_dtypes, residual_dtypes, weight_dtypes
+from kbuild.cases import TEST_M
+from kbuild.cli.widths import affine_dtypes, residual_dtypes, weight_dtypes
 
 RSTD_N = (7, 4096, 65536)  # test_rmsnorm_gpu.test_rstd_matches
 LARGE_MEAN_N = (768, 4096, 65536)  # test_layernorm_gpu.test_large_mean_keeps_fp32_accuracy

@@ -1,6 +1,6 @@
 """Stand-ins for the CUDA side of the launch path, shared by the CPU launch tests.
 
-`install` routes every kernel request of kbuild.ops to a fake `get_launcher(key, device,
+`install` routes every kernel request of the ops to a fake `get_launcher(key, device,
 make_spec)` (the memory tier's signature) and makes every stream 0; `pretend_cuda` makes CPU
 tensors take the CUDA route of the public API and autograd (kbuild.rmsnorm, the backward
 Functions), so a GPU test's whole call sequence runs here against the fake launcher.
@@ -15,11 +15,11 @@ import torch
 
 from kbuild import jit
 
-# The modules, not the public functions of the same names that kbuild.ops exports.
-rmsnorm = importlib.import_module("kbuild.ops.rmsnorm")
-layernorm = importlib.import_module("kbuild.ops.layernorm")
-launch = importlib.import_module("kbuild.ops.launch")
-encoder = importlib.import_module("kbuild.ops.encoder")
+# The modules (by import_module: a package attribute may be a function of the same name).
+rmsnorm = importlib.import_module("kbuild.kernels.norms.rmsnorm")
+layernorm = importlib.import_module("kbuild.kernels.norms.layernorm")
+launch = importlib.import_module("kbuild.op.launch")
+encoder = importlib.import_module("kbuild.kernels.llmc.launch")
 OPS_MODULES = (rmsnorm, layernorm, launch, encoder)
 TORCH = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 
@@ -86,5 +86,5 @@ def pretend_cuda(monkeypatch) -> None:
     -1, the index CPU tensors report, so the API takes its CUDA route without a device guard."""
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
     # The Python launch path: the C++ one dispatches by the real device (see test_native_cpu).
-    monkeypatch.setattr(importlib.import_module("kbuild.ops.api"), "_native", None)
+    monkeypatch.setattr(importlib.import_module("kbuild.kernels.norms.api"), "_native", None)
     monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: -1, raising=False)

@@ -139,7 +139,7 @@ def hold_lock_worker(conn: Connection, root: str, entry_key: str, toolchain_key:
 def artifact_for_worker(conn: Connection, spec_json: str, lock_path: str) -> None:
     """`kbuild.jit.artifact_for(spec, sm_90)` on the default (KBUILD_CACHE_DIR) cache, online;
     ends with ("returned", sha256 of the binary). The spec comes as JSON so this child imports
-    neither torch nor kbuild.ops."""
+    neither torch nor the ops."""
     import json
 
     from kbuild.cache import default_cache_dir, entry_key

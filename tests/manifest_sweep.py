@@ -314,7 +314,7 @@ def run_bias_grad(c: Call, inputs: Inputs, dtype):
 
 def run_rope(c: Call, inputs: Inputs, rd, dtype, cs_dtype):
     """q and k as views of one fused qkv projection (B, T, H, D), rotate-half."""
-    from kbuild.ops.rope import case_tensors
+    from kbuild.kernels.rope.op import case_tensors
 
     D, dt = c.N, TORCH[dtype]
     case = (1, 3, 4, 2, D, rd, dt, TORCH[cs_dtype], False, 1, True)
@@ -394,7 +394,7 @@ def cross_entropy_rows(x, t, smoothing, z_loss, softcap):
 def many_rows_from(M: int):
     """kbuild.cross_entropy's plan of many rows (MANY_ROWS: one block a row on cluster
     targets) for calls of M rows: the manifests warm it for 2048 rows and more."""
-    from kbuild.kernels import cross_entropy as ce
+    from kbuild.kernels.loss import kernels as ce
 
     many, ce.MANY_ROWS = ce.MANY_ROWS, M
     try:
@@ -434,9 +434,9 @@ def run_cross_entropy(c: Call, inputs: Inputs, dtype, index, grad, many_rows, sm
 def launch_cross_entropy(x, t, x64, ref, ref_lse, grad, smoothing, z_loss, softcap):
     """The forward's many-rows spec (cluster=1) launched as kbuild.cross_entropy launches it:
     per-row loss and lse, and with `grad` the gradient of the rows' sum."""
-    from kbuild.kernels.cross_entropy import build_cross_entropy_fwd
-    from kbuild.ops.launch import rows_grid
-    from kbuild.ops.loss import fwd_values
+    from kbuild.kernels.loss.cross_entropy import fwd_values
+    from kbuild.kernels.loss.kernels import build_cross_entropy_fwd
+    from kbuild.op.launch import rows_grid
 
     M, V = x.shape
     coefs = torch.tensor([1.0, SMOOTHING, Z_LOSS, SOFTCAP])
@@ -475,7 +475,7 @@ def run_example_softmax(c: Call, inputs: Inputs, dtype):
 def run_row_api_nll(c: Call, inputs: Inputs, index):
     """tests/test_row_api_cpu.py's loss kernel (a per-row id, a gather at it, the columns
     compared with it, a bad id reported), launched as a user launches it."""
-    from kbuild.ops.launch import rows_grid
+    from kbuild.op.launch import rows_grid
 
     from .test_row_api_cpu import NLL, build_nll
 

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 import kbuild
-from kbuild.manifest import TRAIN_N
+from kbuild.cases import TRAIN_N
 
 # NVLink multicast can take the host's shared GPUs out of service: off in every process.
 MULTICAST_OFF = {

@@ -3,7 +3,7 @@ the row plans (tests/test_peeled_rows_cpu.py, the example's in test_user_kernels
 
 from __future__ import annotations
 
-from kbuild.kernels.config import RowConfig
+from kbuild.plan.config import RowConfig
 
 
 def covered(cfg: RowConfig, phase_of_row) -> list[list[int]]:

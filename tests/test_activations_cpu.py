@@ -1,7 +1,7 @@
-"""kbuild.ops.activations (swiglu, geglu, gelu) on CPU: the ops' references, which are the
+"""kbuild.kernels.activations.op (swiglu, geglu, gelu) on CPU: the ops' references, which are the
 kernels' contract, against fp64 torch, values and gradients, in every form of (gate, up)
 (dense, fused gate_up, strided views); what autograd saves; the argument errors; the
-kernels' own formulas (kernels/activations.py `activation`) run on the CPU by MLIR's
+kernels' own formulas (kernels/activations/kernels.py `activation`) run on the CPU by MLIR's
 ExecutionEngine against fp64; the kernels built for sm_90 (16-byte accesses in an aligned
 row's body) and lowered for gfx942; the GPU cases' kernels warmable."""
 
@@ -13,7 +13,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kbuild.ops import activations as act
+from kbuild import cases
+from kbuild.kernels.activations import op as act
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Relative to the largest |result|: a few ulps of fp32 math, one rounding of 16-bit outputs.
@@ -257,11 +258,11 @@ def test_fake_gives_the_declared_outputs():
 
 @pytest.mark.parametrize("kind", ["silu", "gelu_tanh", "gelu"])
 def test_the_kernels_formulas_match_fp64(kind):
-    """kernels/activations.py's `activation` (what every kernel computes), compiled for the
+    """kernels/activations/kernels.py's `activation` (what every kernel computes), compiled for the
     host and run on a grid of inputs: act and act' within a few fp32 ulps of the largest
     |value| of fp64 torch's, deep in both tails too (no NaN, no cancellation blow-up)."""
     pytest.importorskip("mlir")
-    from kbuild.kernels.activations import activation
+    from kbuild.kernels.activations.kernels import activation
 
     from .test_dsl_math_prims_cpu import _compile
 
@@ -345,7 +346,7 @@ def test_kernels_lower_for_amd(family):
 def test_warmup_covers_the_gpu_cases_and_the_models():
     """Every kernel tests/test_activations_gpu.py launches is in warmup_specs() (the GPU
     machine runs offline from a cache warmed with `kbuild warmup --module
-    kbuild.ops.activations`), by the values the ops' own launches compute; and each model
+    kbuild.kernels.activations.op`), by the values the ops' own launches compute; and each model
     width's kernels in the three dtypes."""
     from . import test_activations_gpu as gpu
 
@@ -359,7 +360,7 @@ def test_warmup_covers_the_gpu_cases_and_the_models():
             x, x, tanh
         ):
             assert k.spec(*values) in warm
-    N, dtype = act.MISALIGNED
+    N, dtype = cases.ACTIVATION_MISALIGNED
     x = torch.empty(1, N, dtype=dtype, device="meta")
     dense = act.SWIGLU[0]
     both = dense.kernel_values(x, x, aligned=False) + dense.backward.kernel_values(
@@ -367,7 +368,7 @@ def test_warmup_covers_the_gpu_cases_and_the_models():
     )
     assert all(k.spec(*v) in warm for k, v in both)
     names = {(s.kernel, s.kwargs["N"], s.kwargs["dtype"]) for s in warm}
-    for family, N in act.MODELS:
+    for family, N in cases.ACTIVATION_MODELS:
         for dtype in ("bf16", "f16", "f32"):
             assert (f"{family}_fwd", N, dtype) in names and (f"{family}_bwd", N, dtype) in names
 

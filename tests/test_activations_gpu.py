@@ -1,9 +1,9 @@
-"""kbuild.ops.activations' kernels on the GPU (swiglu, geglu, gelu): values and gradients
+"""kbuild.kernels.activations.op' kernels on the GPU (swiglu, geglu, gelu): values and gradients
 against fp64 torch in every form of (gate, up) (dense, fused gate_up, the halves of one
 tensor passed as views, views laid out differently, which are copied), widths not a
 multiple of 8 (peeled rows), rows sharing a block, a misaligned view; the CUDA kernels equal
 the CPU reference within one rounding. Kernels warmed with `kbuild warmup --arch sm_90
---module kbuild.ops.activations` (its warmup_specs() lists every case below:
+--module kbuild.kernels.activations.op` (its warmup_specs() lists every case below:
 tests/test_activations_cpu.py checks it)."""
 
 from __future__ import annotations
@@ -12,7 +12,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kbuild.ops.activations import GPU_DTYPES, GPU_N, MISALIGNED, MODELS
+from kbuild.cases import ACTIVATION_GPU_DTYPES as GPU_DTYPES
+from kbuild.cases import ACTIVATION_GPU_N as GPU_N
+from kbuild.cases import ACTIVATION_MISALIGNED as MISALIGNED
+from kbuild.cases import ACTIVATION_MODELS as MODELS
 
 pytestmark = pytest.mark.gpu
 
@@ -38,7 +41,7 @@ def _err(got, ref):
 
 
 def _call(family, tanh):
-    from kbuild.ops import activations as act
+    from kbuild.kernels.activations import op as act
 
     if family == "swiglu":
         return act.swiglu, F.silu
@@ -95,7 +98,7 @@ def test_gated_match_fp64(family, N, dtype, tanh, form):
 
 @pytest.mark.parametrize("N,dtype,tanh", GELU_CASES)
 def test_gelu_matches_fp64(N, dtype, tanh):
-    from kbuild.ops.activations import gelu
+    from kbuild.kernels.activations.op import gelu
 
     approximate = "tanh" if tanh else "none"
     x = _randn((37, N), dtype, N).requires_grad_()
@@ -110,7 +113,7 @@ def test_gelu_matches_fp64(N, dtype, tanh):
 
 def test_misaligned_views():
     """Tensors starting 2 bytes past a 16-byte boundary take the vectorize=False kernels."""
-    from kbuild.ops.activations import gelu, swiglu
+    from kbuild.kernels.activations.op import gelu, swiglu
 
     N, dtype = MISALIGNED
     buf = _randn((3 * N * 5 + 1,), dtype, 0)
@@ -133,7 +136,7 @@ def test_misaligned_views():
 def test_model_widths(family, N):
     """Llama-3-8B / Phi-3-mini (SwiGLU), Gemma-2-2B (GeGLU tanh), GPT-2 (GELU tanh) in bf16,
     fused where the model fuses its projection."""
-    from kbuild.ops import activations as act
+    from kbuild.kernels.activations import op as act
 
     dtype = torch.bfloat16
     if family == "gelu":

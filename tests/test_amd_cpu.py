@@ -22,8 +22,8 @@ pytest.importorskip("llvmlite")
 from kbuild import cli, compiler  # noqa: E402
 from kbuild.artifact import Artifact  # noqa: E402
 from kbuild.cache import DiskCache  # noqa: E402
-from kbuild.kernels.table import LAYERNORM_BWD, RMSNORM_BWD, RMSNORM_FWD  # noqa: E402
-from kbuild.manifest import manifest  # noqa: E402
+from kbuild.cli.manifest import manifest  # noqa: E402
+from kbuild.kernels.norms.kernels import LAYERNORM_BWD, RMSNORM_BWD, RMSNORM_FWD  # noqa: E402
 from kbuild.runtime import hip  # noqa: E402
 from kbuild.targets import amd, target_for_arch  # noqa: E402
 

@@ -14,10 +14,11 @@ ARCHES = ("gfx942", "gfx950")
 def _specs() -> dict:
     import torch
 
-    from kbuild.kernels import activations as act
-    from kbuild.kernels import cross_entropy as ce
-    from kbuild.kernels import softmax as sm
-    from kbuild.ops import qk_norm_rope, rope
+    from kbuild.kernels.activations import kernels as act
+    from kbuild.kernels.loss import kernels as ce
+    from kbuild.kernels.rope import op as rope
+    from kbuild.kernels.rope import qk_norm as qk_norm_rope
+    from kbuild.kernels.softmax import kernels as sm
 
     q, k, cos, sin = rope.case_tensors((1, 8, 32, 8, 128, 128, torch.bfloat16, torch.bfloat16,
                                         False, 1, True), "meta")  # fmt: skip

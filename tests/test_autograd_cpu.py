@@ -2,7 +2,7 @@
 kbuild.fused_add_rmsnorm's values and gradients match the fp64 reference, and a module using
 the norms compiles under torch.compile(fullgraph=True) and trains like eager.
 
-On CPU the custom ops run the torch reference (kbuild/ops/rmsnorm.py), so everything here
+On CPU the custom ops run the torch reference (kbuild/kernels/norms/rmsnorm.py), so everything here
 checks the op contracts (schemas, fake kernels, autograd wiring) that the CUDA kernels share.
 """
 
@@ -15,7 +15,8 @@ import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
 import kbuild
-import kbuild.ops  # registers the kbuild::* custom ops
+import kbuild.kernels.llmc.op  # registers the kbuild::* custom ops (llm.c's)
+import kbuild.kernels.norms.api  # registers the kbuild::* custom ops (the norms')
 
 from .gpu_utils import FWD_TOL, GRAD_TOL
 from .reference import assert_close_rel, rmsnorm_grads, rmsnorm_ref

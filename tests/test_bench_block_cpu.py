@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 
 from bench import bench_block as bb
-from kbuild.ops import activations as act
-from kbuild.ops import rope as rope_ops
+from kbuild.kernels.activations import op as act
+from kbuild.kernels.rope import op as rope_ops
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -21,7 +21,8 @@ from kbuild.cache import (
     source_fingerprint,
     toolchain_key,
 )
-from kbuild.kernels.table import _REQUIRED, KERNELS, RMSNORM_BWD, RMSNORM_FWD, KernelDef
+from kbuild.kernels.norms.kernels import RMSNORM_BWD, RMSNORM_FWD
+from kbuild.registry import _REQUIRED, KERNELS, KernelDef
 from kbuild.spec import KernelSpec
 from kbuild.targets import target_for_arch
 
@@ -141,7 +142,7 @@ def test_toolchain_key():
 def test_source_fingerprint_is_cached_hex():
     from kbuild.cache.sources import builder_fingerprint
 
-    builder = "kbuild.kernels.rmsnorm:build_rmsnorm_module"
+    builder = "kbuild.kernels.norms.kernels:build_rmsnorm_module"
     assert builder_fingerprint(builder) is builder_fingerprint(builder)
     assert len(source_fingerprint("rmsnorm_fwd")) == 16
     int(source_fingerprint("rmsnorm_fwd"), 16)

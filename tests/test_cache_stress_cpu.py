@@ -18,7 +18,7 @@ import sys
 
 from kbuild import cli
 from kbuild.cache import DiskCache, entry_key
-from kbuild.kernels.table import LAYERNORM_BWD
+from kbuild.kernels.norms.kernels import LAYERNORM_BWD
 from kbuild.targets import target_for_arch
 
 SPECS = [  # backward kernels: a few hundred ms each, so kills land mid-work

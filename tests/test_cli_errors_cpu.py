@@ -296,7 +296,7 @@ def test_a_spec_out_of_range_is_refused_before_compiling(env, tmp_path, params, 
 
 
 def test_eps_zero_is_a_spec_the_kernels_take(env):
-    """eps = 0 is what kbuild.rmsnorm accepts (ops/common.py check_eps): its spec warms.
+    """eps = 0 is what kbuild.rmsnorm accepts (op/tensors.py check_eps): its spec warms.
     Catches an eps bound of > 0, which would refuse at launch a call the API takes."""
     run = kbuild_cli("warmup", "--spec", rms_spec(eps=0.0), "-j", "1", env=env)
     assert run.returncode == 0, run.stderr

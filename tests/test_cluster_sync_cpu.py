@@ -289,7 +289,7 @@ def test_the_exchange_mode_check_is_importable_for_launch_plans():
     from types import SimpleNamespace
 
     from kbuild.dsl.exchange import MODES
-    from kbuild.kernels.row_plan import EXCHANGES, cluster_exchange
+    from kbuild.plan.rows import EXCHANGES, cluster_exchange
 
     assert EXCHANGES == MODES  # the plans' copy of the vocabulary (plans import no MLIR)
 

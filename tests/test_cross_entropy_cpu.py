@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import kbuild
-from kbuild.ops import loss as ce_ops
+from kbuild.kernels.loss import cross_entropy as ce_ops
 
 from .graph_recorder import KbuildGraphs
 
@@ -260,9 +260,9 @@ def test_kernels_lower_for_amd(arch):
 
 def test_gpu_cases_are_warmable():
     """Every kernel tests/test_cross_entropy_gpu.py launches is in warmup_specs() (the GPU
-    machine runs offline from a cache warmed with `kbuild warmup --module kbuild.ops.loss`):
-    each GPU case's forward (training and inference) and rescale, by the values the launch
-    itself computes (`fwd_values`)."""
+    machine runs offline from a cache warmed with
+    `kbuild warmup --module kbuild.kernels.loss.cross_entropy`): each GPU case's forward (training
+    and inference) and rescale, by the values the launch itself computes (`fwd_values`)."""
     from . import test_cross_entropy_gpu as gpu
 
     warm = set(ce_ops.warmup_specs())
@@ -419,12 +419,12 @@ def test_the_target_logit_is_read_before_a_block_barrier_in_training():
 
 
 def test_many_rows_take_one_block_a_row_on_a_cluster_target():
-    """The forward's measured plan for calls of many rows (kernels/cross_entropy.py
+    """The forward's measured plan for calls of many rows (kernels/loss/kernels.py
     MANY_ROWS_CLUSTER): one block a row at Llama-3's vocabulary on sm_90 (the chooser's
     cluster 8 read 41.6% of copy, one block 68.8%), the chooser's plan for few rows (a linear
     cross-entropy chunk), for 32768 (measured best at cluster 8) and where there are no
     clusters; and the warm list holds both plans."""
-    from kbuild.kernels import cross_entropy as ce
+    from kbuild.kernels.loss import kernels as ce
     from kbuild.targets import target_for_arch
 
     sm90, gfx942 = target_for_arch("sm_90"), target_for_arch("gfx942")
@@ -444,7 +444,7 @@ def test_many_rows_values_match_fp64(monkeypatch):
     """Interpreted (KBUILD_INTERPRET), a call past MANY_ROWS runs the one-block-a-row plan at
     V = 20000 (the chooser splits its bf16 rows over 4 blocks): its loss and gradient, with
     smoothing, against fp64."""
-    from kbuild.kernels import cross_entropy as ce
+    from kbuild.kernels.loss import kernels as ce
 
     monkeypatch.setattr(ce, "MANY_ROWS", 2)
     g = torch.Generator().manual_seed(3)
@@ -496,9 +496,9 @@ class _Event:
 
 
 def test_a_bad_target_is_read_once_its_kernel_has_run_without_waiting():
-    """The GPU's deferred check (ops/loss.py _PendingChecks): a flag whose event has not
-    completed is kept (no raise, no wait) by later polls; once complete, the next poll (a call
-    or a backward) raises naming the target; check_targets() waits for what is left."""
+    """The GPU's deferred check (kernels/loss/cross_entropy.py _PendingChecks): a flag whose event
+    has not completed is kept (no raise, no wait) by later polls; once complete, the next poll (a
+    call or a backward) raises naming the target; check_targets() waits for what is left."""
     pending = ce_ops._PendingChecks()
     bad, good = _Event(), _Event()
     flag = torch.tensor([ce_ops.BAD_TARGET], dtype=torch.int32)

@@ -1,14 +1,16 @@
 """kbuild.cross_entropy's kernels on the GPU: values and gradients against fp64 torch, the
 out-of-range report, and bitwise repeats. Kernels warmed with
-`kbuild warmup --arch sm_90 --module kbuild.ops.loss` (its warmup_specs() lists every case
-below: tests/test_cross_entropy_cpu.py checks it)."""
+`kbuild warmup --arch sm_90 --module kbuild.kernels.loss.cross_entropy` (its warmup_specs() lists
+every case below: tests/test_cross_entropy_cpu.py checks it)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kbuild.ops.loss import GPU_DTYPES, GPU_OPTIONS, GPU_V
+from kbuild.cases import CE_GPU_DTYPES as GPU_DTYPES
+from kbuild.cases import CE_GPU_OPTIONS as GPU_OPTIONS
+from kbuild.cases import CE_GPU_V as GPU_V
 
 pytestmark = pytest.mark.gpu
 

@@ -4,8 +4,8 @@ torch.library.opcheck (test_autograd_cpu.py) compares each op with itself, so it
 op that is consistently wrong. Here every op is called directly, its values and its gradients
 (through the autograd registered on the forward ops) are compared with fp64 autograd, and the
 backward ops are called with each need_* combination. A CPU torch.compile then traces each
-public function to the custom ops (the compile route of kbuild/ops/api.py) and its backward to
-the backward ops, so the registered autograd is what computes the gradients there.
+public function to the custom ops (the compile route of kbuild/kernels/norms/api.py) and its
+backward to the backward ops, so the registered autograd is what computes the gradients there.
 
 The inputs make every term visible: eps is large next to the mean square of two rows, weights
 are not ones, biases not zeros, LayerNorm rows have large means, and (2, 3, N) inputs make the
@@ -21,7 +21,8 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import kbuild
-import kbuild.ops  # registers the kbuild::* custom ops
+import kbuild.kernels.llmc.op  # registers the kbuild::* custom ops (llm.c's)
+import kbuild.kernels.norms.api  # registers the kbuild::* custom ops (the norms')
 
 from .gpu_utils import FWD_TOL, GRAD_TOL
 from .graph_recorder import KbuildGraphs

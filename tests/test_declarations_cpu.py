@@ -21,10 +21,10 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import kbuild
-from kbuild.kernels import table
-from kbuild.kernels.table import ARG_KINDS, Arg, KernelDef, Param
-from kbuild.ops import opdef
-from kbuild.ops.opdef import Ids, Launch, Op, Out, Rows, Scalar, Tensors
+from kbuild import registry as table
+from kbuild.op import opdef
+from kbuild.op.opdef import Ids, Launch, Op, Out, Rows, Scalar, Tensors
+from kbuild.registry import ARG_KINDS, Arg, KernelDef, Param
 
 NS = "kbuild_test_decl"
 _unique = itertools.count()
@@ -284,7 +284,7 @@ def test_kbuild_launch_takes_a_definition_not_a_name():
     with pytest.raises(TypeError, match=(
         r"kbuild.launch takes a kernel definition \(a KernelDef\), not 'rmsnorm_fwd': the "
         r"builder decorated with @kbuild.kernel is one \(kbuild.launch\(build_scale, grid, "
-        r"...\)\), and kbuild.kernels.table.kernel_def\(name\) finds one by its name"
+        r"...\)\), and kbuild.registry.kernel_def\(name\) finds one by its name"
     )):  # fmt: skip
         kbuild.launch("rmsnorm_fwd", 1, torch.zeros(1), N=8)
 

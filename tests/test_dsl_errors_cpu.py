@@ -28,7 +28,7 @@ from mlir.dialects import arith  # noqa: E402
 from kbuild import Arg, Param, compiler, dsl, kernel  # noqa: E402
 from kbuild.dsl import V  # noqa: E402
 from kbuild.dsl.kernel import VerifyError, where  # noqa: E402
-from kbuild.kernels.table import KERNELS  # noqa: E402
+from kbuild.registry import KERNELS  # noqa: E402
 from kbuild.targets import target_for_arch  # noqa: E402
 from kbuild.targets.nvidia import module_to_ptx  # noqa: E402
 

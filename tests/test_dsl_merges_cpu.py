@@ -29,7 +29,7 @@ from kbuild.dsl import (  # noqa: E402
     thread_sum,
     widen,
 )
-from kbuild.kernels.config import choose_row_config  # noqa: E402
+from kbuild.plan.config import choose_row_config  # noqa: E402
 from kbuild.targets import target_for_arch  # noqa: E402
 from kbuild.targets.nvidia import module_to_ptx  # noqa: E402
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import kbuild
 from kbuild.cache.sources import DESCRIPTIONS, _hash, base_files, builder_files
-from kbuild.kernels.table import BUILTIN, KERNELS
+from kbuild.registry import BUILTIN, KERNELS
 
 # kbuild's own kernels: a user's, registered by another test module, are not the package's.
 OWN = {name: KERNELS[name] for name in sorted(BUILTIN)}
@@ -115,7 +115,7 @@ def test_the_walk_sees_the_imports_that_matter():
     assert ("dsl/trace.py", "trace_layout.py") in edges
     assert ("dsl/values.py", "dtypes.py") in edges  # from ..dtypes import ...
     assert ("compiler.py", "targets/nvidia.py") in edges  # inside a function
-    assert ("kernels/norm_forward.py", "dsl/__init__.py") in edges
+    assert ("kernels/norms/forward.py", "dsl/__init__.py") in edges
 
 
 def test_code_generating_modules_import_only_the_stdlib_and_the_toolchain():

@@ -27,9 +27,9 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from kbuild import native
-from kbuild.kernels.table import Arg, KernelDef, Param
-from kbuild.ops import opdef
-from kbuild.ops.opdef import Feature, Ids, Launch, Like, Op, Out, Rows, Scalar, Tensors, eps
+from kbuild.op import opdef
+from kbuild.op.opdef import Feature, Ids, Launch, Like, Op, Out, Rows, Scalar, Tensors, eps
+from kbuild.registry import Arg, KernelDef, Param
 
 from .conftest import REPO_ROOT
 from .examples import import_example

@@ -17,10 +17,11 @@ import pytest
 import torch
 
 from kbuild import native
-from kbuild.kernels.table import Arg, KernelDef, Param
-from kbuild.ops import op_launch, opdef
-from kbuild.ops.common import DTYPE_NAMES
-from kbuild.ops.opdef import Feature, Ids, Launch, Op, Out, Rows, Scalar, eps
+from kbuild.op import binding as op_launch
+from kbuild.op import opdef
+from kbuild.op.opdef import Feature, Ids, Launch, Op, Out, Rows, Scalar, eps
+from kbuild.op.tensors import DTYPE_NAMES
+from kbuild.registry import Arg, KernelDef, Param
 
 from .examples import import_example
 

@@ -12,7 +12,7 @@ import pytest
 pytest.importorskip("mlir")
 
 from kbuild.dsl import Kernel, RowTile, V, cast, get_llvm_ptr, load, store, to_f32  # noqa: E402
-from kbuild.kernels.config import choose_row_config  # noqa: E402
+from kbuild.plan.config import choose_row_config  # noqa: E402
 from kbuild.targets import target_for_arch  # noqa: E402
 from kbuild.targets.nvidia import module_to_ptx  # noqa: E402
 

@@ -31,17 +31,22 @@ from unittest import mock
 
 import pytest
 
-from kbuild.manifest import manifest
+from kbuild.cli.manifest import manifest
 from kbuild.spec import KernelSpec
 
 from .manifest_sweep import Call, call_for
 
 pytest.importorskip("mlir")
 
-from kbuild.kernels import get_builder, norm_backward, norm_forward, row_plan  # noqa: E402
-from kbuild.kernels.config import RowConfig  # noqa: E402
-from kbuild.kernels.encoder import columns_shape  # noqa: E402
-from kbuild.kernels.table import kernel_def  # noqa: E402
+from kbuild.kernels.llmc.encoder import columns_shape  # noqa: E402
+from kbuild.kernels.norms import backward as norm_backward  # noqa: E402
+from kbuild.kernels.norms import forward as norm_forward
+from kbuild.plan import rows as row_plan  # noqa: E402
+from kbuild.plan.config import RowConfig  # noqa: E402
+from kbuild.registry import (
+    get_builder,  # noqa: E402
+    kernel_def,  # noqa: E402
+)
 from kbuild.targets import Target, target_for_arch  # noqa: E402
 
 from .examples import import_example  # noqa: E402
@@ -107,7 +112,7 @@ def plan_branch(spec: KernelSpec, target: Target) -> tuple[str, ...]:
     """The launch-plan branch `spec` takes on `target`: the code paths its plan selects (the
     plan's fields by name where they are set; not the .minnctapersm hint)."""
     p = spec.kwargs
-    if spec.kernel.startswith("encoder_"):  # a row of C columns a block (kernels/encoder.py)
+    if spec.kernel.startswith("encoder_"):  # a row of C columns a block (kernels/llmc/encoder.py)
         return row_paths(columns_shape(p["C"], p["dtype"], p["vectorize"]))
     if spec.kernel == "column_sum":  # 4 columns a thread where N allows (kernels/reduce.py)
         return ("scalar",) if p["N"] % 4 else ()

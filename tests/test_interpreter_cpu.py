@@ -164,8 +164,8 @@ def test_the_lowered_module_computes_what_the_builders_does(arch, N):
     and shfl.sync; ROCDL: ds_swizzle, chunked rows) against fp64 and against the builder's
     module: bit for bit on NVIDIA; on AMD within an ulp (its lowering takes rsqrt as 1 /
     sqrt, two roundings)."""
-    from kbuild.kernels.table import RMSNORM_FWD
-    from kbuild.ops.launch import rows_grid
+    from kbuild.kernels.norms.kernels import RMSNORM_FWD
+    from kbuild.op.launch import rows_grid
 
     M = 3
     g = torch.Generator().manual_seed(5)
@@ -220,7 +220,7 @@ def test_peeled_rows_on_a_device_holding_fewer_clusters_than_phase_classes(subpr
     fewer clusters at once than there are classes (the interpreter's 4 SMs hold 1 of 8
     blocks) left the rows of the other classes uncomputed: dx garbage, dw wrong by 15. The
     kernel now records `min_clusters` and every launcher's persistent grid holds that many."""
-    from kbuild.kernels.table import RMSNORM_BWD
+    from kbuild.kernels.norms.kernels import RMSNORM_BWD
 
     spec = RMSNORM_BWD.spec(N=65537, dtype="f32", weight_dtype="f32", compute_dw=True)
     assert launcher_for(spec).meta["min_clusters"] == 4

@@ -148,7 +148,7 @@ def test_layernorm_arguments(recorder, affine):
 
 def test_strided_weight_is_made_dense():
     """Kernels read a weight as a dense (N,) array: a strided view is copied first."""
-    from kbuild.ops.common import check_param
+    from kbuild.op.tensors import check_param
 
     x = _t(3, 64)
     packed = _t(64, 2)

@@ -20,7 +20,7 @@ import torch
 from kbuild import cli
 from kbuild.cache import DiskCache
 from kbuild.jit import KernelNotCached, artifact_for
-from kbuild.ops.rmsnorm import rmsnorm_fwd_spec
+from kbuild.kernels.norms.rmsnorm import rmsnorm_fwd_spec
 from kbuild.targets import target_for_arch
 
 from .launch_recorder import TORCH, Tier, install, launch, layernorm, rmsnorm
@@ -205,7 +205,7 @@ def test_offline_miss_command_quotes_a_cache_dir_with_spaces(tmp_path):
     import shlex
 
     from kbuild.jit import warmup_command
-    from kbuild.ops.rmsnorm import rmsnorm_fwd_spec
+    from kbuild.kernels.norms.rmsnorm import rmsnorm_fwd_spec
     from kbuild.targets import target_for_arch
 
     root = str(tmp_path / "my cache")

@@ -37,8 +37,8 @@ WARMED = """
 import json, os, sys, tempfile
 sys.path.insert(0, ".")
 from kbuild.cli import _module_specs
-from kbuild.manifest import manifest
-from kbuild.model_specs import config_plan
+from kbuild.cli.manifest import manifest
+from kbuild.cli.model_specs import config_plan
 sys.path.insert(0, "bench")
 import patch_models
 

@@ -16,8 +16,9 @@ import pytest
 import torch
 
 import kbuild
-import kbuild.ops  # registers the kbuild::* custom ops
-from kbuild.ops.autograd import LayerNormFunction
+import kbuild.kernels.llmc.op  # registers the kbuild::* custom ops (llm.c's)
+import kbuild.kernels.norms.api  # registers the kbuild::* custom ops (the norms')
+from kbuild.kernels.norms.autograd import LayerNormFunction
 
 from .reference import layernorm_grads
 from .value_checks import (

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import kbuild
-from kbuild.manifest import DTYPES, MULTI_ROW_N, TEST_N
+from kbuild.cases import DTYPES, MULTI_ROW_N, TEST_N
 
 from .gpu_cases import DETERMINISTIC_N, LARGE_MEAN_N, layernorm_cases
 from .gpu_utils import GRAD_TOL, TORCH_DTYPES, poison_allocator, rand
@@ -67,7 +67,7 @@ def test_rows_sharing_a_block(N: int) -> None:
 
 
 def test_stats_match() -> None:
-    from kbuild.ops.layernorm import layernorm_fwd
+    from kbuild.kernels.norms.layernorm import layernorm_fwd
 
     x = rand((33, 4096), torch.bfloat16, seed=2, scale=3.0)
     _, mean, rstd = layernorm_fwd(x, None, None, 1e-5, store_stats=True)

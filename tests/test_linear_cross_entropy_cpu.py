@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 import kbuild
 import kbuild.nn
-from kbuild.ops import linear_loss
+from kbuild.kernels.loss import linear as linear_loss
 
 IGNORE = -100
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
@@ -300,7 +300,7 @@ def test_a_bad_target_unchecked_counts_as_ignored_in_the_mean():
     bad[5] = 103
     ignored = t.clone()
     ignored[5] = IGNORE
-    from kbuild.ops.loss_options import valid_rows
+    from kbuild.kernels.loss.options import valid_rows
 
     assert valid_rows(bad, IGNORE, 103).sum() == valid_rows(ignored, IGNORE, 103).sum()
     y = kbuild.linear_cross_entropy(h, w, ignored, chunk_size=8)

@@ -1,6 +1,7 @@
 """kbuild.linear_cross_entropy on the GPU: values and gradients against the unfused fp64 path,
 bitwise repeats, CUDA-graph capture, and memory well under the unfused path's. Its kernels are
-kbuild.cross_entropy's (warmed by `kbuild warmup --module kbuild.ops.loss`: GPU_V)."""
+kbuild.cross_entropy's (warmed by
+`kbuild warmup --module kbuild.kernels.loss.cross_entropy`: kbuild.cases.CE_GPU_V)."""
 
 from __future__ import annotations
 
@@ -79,7 +80,7 @@ def test_one_chunk_of_logits_at_the_peak_and_the_budget_honoured():
     `memory_budget` that does not lower the peak. The default chunk here is 832 rows of
     151936: its logits 241 MiB, against 64 rows' 19."""
     import kbuild
-    from kbuild.ops.linear_loss import chunk_rows
+    from kbuild.kernels.loss.linear import chunk_rows
 
     V, H, M = 151936, 512, 4096
     h, w, t = _inputs(V, H, M=M)
@@ -132,7 +133,7 @@ def test_bias_and_the_default_chunk(reduction):
     """The chunk the op chooses (more than one at M = 4096, H = 128, V = 50257: 64 rows),
     with a bias: values and all three gradients against the unfused fp64 path."""
     import kbuild
-    from kbuild.ops.linear_loss import chunk_rows
+    from kbuild.kernels.loss.linear import chunk_rows
     from tests.test_linear_cross_entropy_cpu import _fp64
 
     assert chunk_rows(4096, 50257, 128) < 4096

@@ -9,8 +9,10 @@ import pytest
 import torch
 
 import kbuild
-from kbuild.manifest import BIAS_OC, ENCODER_C, ENCODER_DTYPES, INDEX_DTYPES, manifest
-from kbuild.ops.encoder import MIN_CHUNK_ROWS, bias_chunks
+from kbuild.cases import BIAS_OC, ENCODER_C, ENCODER_DTYPES
+from kbuild.cli.manifest import manifest
+from kbuild.kernels.llmc.launch import MIN_CHUNK_ROWS, bias_chunks
+from kbuild.registry import INDEX_DTYPES
 
 from .launch_recorder import TORCH, Tier, encoder, install
 
@@ -265,12 +267,12 @@ class _Recording(Tier):
 def _recorded(monkeypatch):
     tier = _Recording()
     install(monkeypatch, tier.get_launcher)
-    monkeypatch.setattr(encoder, "_units", lambda device: 132)
+    monkeypatch.setattr(encoder, "multiprocessors", lambda device: 132)
     return tier
 
 
 def test_the_launch_path_imports_no_mlir():
-    """A GPU machine has no MLIR: kbuild.ops must import without it."""
+    """A GPU machine has no MLIR: its ops must import without it."""
     import subprocess
     import sys
 
@@ -280,7 +282,7 @@ def test_the_launch_path_imports_no_mlir():
         "    if name.split('.')[0] == 'mlir': raise ModuleNotFoundError(name)\n"
         "    return real(name, *a, **k)\n"
         "builtins.__import__ = guard\n"
-        "import kbuild.ops, kbuild.nn, kbuild.ops.encoder\n"
+        "import kbuild.kernels.llmc.op, kbuild.nn, kbuild.kernels.llmc.launch\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import kbuild
-from kbuild.manifest import BIAS_OC, ENCODER_C, ENCODER_DTYPES
+from kbuild.cases import BIAS_OC, ENCODER_C, ENCODER_DTYPES
 
 from .gpu_utils import BWD_TOL, FWD_TOL, TORCH_DTYPES, capture, poison_allocator, rand
 

@@ -18,11 +18,11 @@ import pytest
 pytest.importorskip("mlir")  # the kernel modules import MLIR (the GPU machine runs without)
 
 from kbuild import compiler  # noqa: E402
-from kbuild.kernels.config import choose_row_config, cluster_size  # noqa: E402
-from kbuild.kernels.norm_forward import merge_moments  # noqa: E402
-from kbuild.ops.launch import persistent_grid, rows_grid  # noqa: E402
-from kbuild.ops.layernorm import layernorm_bwd_spec, layernorm_fwd_spec  # noqa: E402
-from kbuild.ops.rmsnorm import fused_add_rmsnorm_bwd_spec, rmsnorm_bwd_spec  # noqa: E402
+from kbuild.kernels.norms.forward import merge_moments  # noqa: E402
+from kbuild.kernels.norms.layernorm import layernorm_bwd_spec, layernorm_fwd_spec  # noqa: E402
+from kbuild.kernels.norms.rmsnorm import fused_add_rmsnorm_bwd_spec, rmsnorm_bwd_spec  # noqa: E402
+from kbuild.op.launch import persistent_grid, rows_grid  # noqa: E402
+from kbuild.plan.config import choose_row_config, cluster_size  # noqa: E402
 from kbuild.targets import target_for_arch  # noqa: E402
 from kbuild.targets.nvidia import module_to_ptx, ptxas_path  # noqa: E402
 

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 import kbuild
-from kbuild.manifest import (
+from kbuild.cases import (
     BENCH_N,
     DTYPES,
     OFFSET_N,
@@ -29,9 +29,9 @@ from kbuild.manifest import (
     TINY_SHAPE,
     TRAIN_DTYPE,
     TRAIN_N,
-    manifest,
 )
-from kbuild.ops.rmsnorm import rmsnorm_fwd_spec
+from kbuild.cli.manifest import manifest
+from kbuild.kernels.norms.rmsnorm import rmsnorm_fwd_spec
 
 from . import multi_gpu_worker, test_multi_gpu, test_rmsnorm_bwd_gpu
 from .gpu_cases import (

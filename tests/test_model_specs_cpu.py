@@ -29,7 +29,7 @@ GPT2 = {"model_type": "gpt2", "n_embd": 768, "n_head": 12, "vocab_size": 50257,
 
 
 def _specs(config, dtype="bf16"):
-    from kbuild.model_specs import model_specs
+    from kbuild.cli.model_specs import model_specs
 
     return model_specs(config, dtype)
 
@@ -46,7 +46,7 @@ def test_llama_norms_rope_swiglu_and_its_vocabulary():
     assert {p["N"] for p in k["rmsnorm_fwd"]} == {4096}
     assert all(p.get("offset", 0.0) == 0.0 for p in k["rmsnorm_fwd"])
     assert {(p["D"], p["rd"]) for p in k["rope"]} == {(128, 128)}
-    # 64: the patch's activation check, an fp32 probe (kbuild/patching/mlp.py)
+    # 64: the patch's activation check, an fp32 probe (kbuild/nn/patching/mlp.py)
     assert {p["N"] for p in k["swiglu_fwd"]} == {14336, 64} and "geglu_fwd" not in k
     assert {p["N"] for p in k["cross_entropy_fwd"]} == {128256}
     assert {p["softcap"] for p in k["cross_entropy_fwd"]} == {False, True}
@@ -94,7 +94,7 @@ def test_the_dtype_is_every_kernels():
 
 
 def test_a_multimodal_configs_text_part(tmp_path):
-    from kbuild.model_specs import read_config
+    from kbuild.cli.model_specs import read_config
 
     path = tmp_path / "config.json"
     path.write_text(json.dumps({"model_type": "gemma3", "text_config": {**GEMMA2,

@@ -7,7 +7,7 @@ On a machine with two or more GPUs, from the repository root, after warming the 
     KBUILD_CACHE_DIR=.kbuild-aot KBUILD_OFFLINE=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONPATH=. python3 -m pytest -m multi_gpu tests/test_multi_gpu.py -q
 
 The `gpu` tests at the end need one GPU: `-m gpu` runs them, `-m "gpu or multi_gpu"` the whole
-file. Every kernel launched here is in `kbuild.manifest.manifest("tests")`: N 768 (fp32) and
+file. Every kernel launched here is in `kbuild.cli.manifest.manifest("tests")`: N 768 (fp32) and
 4096 (bf16), weights of x's dtype, eps 1e-6 for RMSNorm and the fused form and 1e-5 for
 LayerNorm, and the DDP model at TRAIN_N fp32.
 """  # noqa: E501 (the command above is one line, to copy as is)
@@ -27,9 +27,10 @@ import torch
 import kbuild
 from kbuild import jit
 from kbuild.cache import DiskCache, default_cache_dir, entry_key
-from kbuild.manifest import TRAIN_DTYPE, TRAIN_N, manifest
-from kbuild.ops.launch import column_sum_spec, rows_grid
-from kbuild.ops.rmsnorm import rmsnorm_bwd_spec, rmsnorm_fwd_spec
+from kbuild.cases import TRAIN_DTYPE, TRAIN_N
+from kbuild.cli.manifest import manifest
+from kbuild.kernels.norms.rmsnorm import rmsnorm_bwd_spec, rmsnorm_fwd_spec
+from kbuild.op.launch import column_sum_spec, rows_grid
 
 from . import multi_gpu_worker
 from .gpu_utils import GRAD_TOL

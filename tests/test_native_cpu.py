@@ -24,9 +24,10 @@ import torch
 
 import kbuild as kbuild_ref
 from kbuild import native
-from kbuild.kernels.table import group_magic, kernel_def
-from kbuild.ops import api, resolve
-from kbuild.ops.common import readable_rows
+from kbuild.kernels import resolve
+from kbuild.kernels.norms import api
+from kbuild.op.tensors import readable_rows
+from kbuild.registry import group_magic, kernel_def
 
 from .launch_recorder import TORCH, Tier, install, layernorm, rmsnorm
 from .launch_recorder import encoder as encoder_ops
@@ -565,10 +566,10 @@ def test_statistics_stay_out_of_the_autograd_graph(op):
 )
 def test_bias_grad_launches_match_python(recorder, monkeypatch, M, OC, dtype, offset):
     """The same bias_grad spec, chunk grid, rows per chunk and column sum as the Python
-    launch (ops/encoder.py), with the device's multiprocessor count from the resolver: a
+    launch (kernels/llmc/launch.py), with the device's multiprocessor count from the resolver: a
     C++ chunking that drifted from bias_chunks would sum in another order (other bits).
     (1000, 4096): fewer chunks than M // 64 allows, so the per-multiprocessor target shows."""
-    monkeypatch.setattr(encoder_ops, "_units", lambda device: 132)
+    monkeypatch.setattr(encoder_ops, "multiprocessors", lambda device: 132)
     dout = _t((M, OC), dtype, offset)
     python_log, native_log = _both(
         recorder,
@@ -645,7 +646,7 @@ def test_linear_entry_declines_autocast(hooked):
 
 def test_bias_grad_has_the_extensions_cuda_kernel():
     assert torch._C._dispatch_has_kernel_for_dispatch_key("kbuild::bias_grad", "CUDA")
-    assert kbuild_ref.linear.__module__ == "kbuild.ops.llmc"
+    assert kbuild_ref.linear.__module__ == "kbuild.kernels.llmc.op"
 
 
 # --- the weight offset ----------------------------------------------------------------------
@@ -1031,7 +1032,7 @@ def test_every_value_splits_the_key(recorder, monkeypatch, kernel, param):
     """Calls that differ in one table value of a kernel make a record each and launch the
     kernel of that value; run again, each hits its record. Catches a value the key leaves out
     (or reads into another): the second call would launch the first call's kernel."""
-    monkeypatch.setattr(encoder_ops, "_units", lambda device: 132)  # the bias gradient's
+    monkeypatch.setattr(encoder_ops, "multiprocessors", lambda device: 132)  # the bias gradient's
     call, values = KEY_VALUES[kernel]
     default = next(p.default for p in kernel_def(kernel).params if p.name == param)
     for value in values[param]:

@@ -16,7 +16,7 @@ warnings.simplefilter("always")
 with warnings.catch_warnings(record=True) as seen:
     import kbuild
     from kbuild import native
-    from kbuild.ops import api
+    from kbuild.kernels.norms import api
     for _ in range(2):
         native.load(force=True)
     x = torch.randn(3, 8, requires_grad=True)

@@ -43,7 +43,7 @@ CPU_WORK = """
 import torch
 import kbuild
 from kbuild import native
-from kbuild.ops import api
+from kbuild.kernels.norms import api
 
 x = torch.randn(4, 64, requires_grad=True)
 w = torch.ones(64, requires_grad=True)
@@ -87,7 +87,8 @@ def test_a_cpu_process_never_builds_the_extension(subprocess_env, tmp_path):
 FIRST_CUDA_KERNEL = """
 import torch
 from kbuild import native
-from kbuild.ops import api, custom_ops, opdef
+from kbuild.kernels.norms import api, custom_ops
+from kbuild.op import opdef
 from tests.examples import import_example
 
 example = import_example()  # declared before the load: the Python kernels, upgraded at it
@@ -140,7 +141,7 @@ def test_the_first_cuda_kernel_call_loads_the_extension(subprocess_env):
 PUBLIC_ENTRY = """
 import torch
 from kbuild import native
-from kbuild.ops import api
+from kbuild.kernels.norms import api
 
 unloaded = api._native
 x = torch.randn(2, 8)

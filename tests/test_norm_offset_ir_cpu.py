@@ -1,5 +1,5 @@
 """Gemma's weight offset is added in fp32, to the widened weight, in the forward norm kernels
-(kbuild/kernels/norm_forward.py): read off the emitted MLIR on CPU (no GPU).
+(kbuild/kernels/norms/forward.py): read off the emitted MLIR on CPU (no GPU).
 
 y = x_hat * (offset + w) with a 16-bit w: adding the offset in 16 bits first rounds
 offset + w to bf16 (8 bits of mantissa: w = 0.01 with offset 1.0 becomes 1.0078125, the

@@ -16,10 +16,10 @@ import pytest
 from kbuild import cli
 from kbuild.artifact import Artifact
 from kbuild.cache import DiskCache, entry_key, toolchain_key
+from kbuild.cli.manifest import manifest
 from kbuild.compiler import toolchain
 from kbuild.jit import KernelNotCached, artifact_for
-from kbuild.manifest import manifest
-from kbuild.ops.rmsnorm import rmsnorm_fwd_spec
+from kbuild.kernels.norms.rmsnorm import rmsnorm_fwd_spec
 from kbuild.spec import KernelSpec
 from kbuild.targets import target_for_arch
 
@@ -194,7 +194,7 @@ def test_two_processes_wait_on_the_lock_and_share_one_entry(tmp_cache):
 def test_gpu_tests_collect_without_mlir():
     """The GPU machine has no MLIR (kernels are compiled here and carried): every test module
     the GPU run collects must import without it, or the whole `-m gpu` run stops at collection
-    (a CPU test module importing kbuild.kernels.encoder at the top once did)."""
+    (a CPU test module importing kbuild.kernels.llmc.encoder at the top once did)."""
     code = HIDE_MLIR + (
         "import pytest\n"
         "sys.exit(pytest.main(['-q', '--collect-only', '-m', 'gpu', '-p', 'no:cacheprovider',"

@@ -22,16 +22,15 @@ import warnings
 import pytest
 import torch
 
-import kbuild.ops.activations
-import kbuild.ops.custom_ops
-import kbuild.ops.llmc
-import kbuild.ops.loss
-import kbuild.ops.qk_norm_rope
-import kbuild.ops.rope  # noqa: F401  (each declares ops with cuda= kernels)
-from kbuild.kernels.table import Arg, KernelDef, Param
-from kbuild.ops import opdef
-from kbuild.ops.launch import launch_kernel
-from kbuild.ops.opdef import Ids, Launch, Op, Out, Rows, Scalar
+import kbuild.kernels.activations.op
+import kbuild.kernels.llmc.op
+import kbuild.kernels.loss.cross_entropy
+import kbuild.kernels.norms.custom_ops
+import kbuild.kernels.rope.op  # noqa: F401  (each declares ops with cuda= kernels)
+from kbuild.op import opdef
+from kbuild.op.launch import launch_kernel
+from kbuild.op.opdef import Ids, Launch, Op, Out, Rows, Scalar
+from kbuild.registry import Arg, KernelDef, Param
 
 NS = "kbuild_test_cuda_args"
 _unique = itertools.count()

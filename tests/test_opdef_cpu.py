@@ -1,4 +1,4 @@
-"""kbuild.Op (kbuild/ops/opdef.py) on CPU: what one description derives, each test naming the
+"""kbuild.Op (kbuild/op/opdef.py) on CPU: what one description derives, each test naming the
 bug it is there to catch.
 
 An Op derives an operator's torch.library schema, its argument checks, its fake and CPU
@@ -31,9 +31,11 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from kbuild import native
-from kbuild.kernels.table import Arg, KernelDef, Param
-from kbuild.ops import custom_ops, op_launch, opdef  # custom_ops: the kbuild::* operators
-from kbuild.ops.opdef import Feature, Launch, Like, Op, Out, Rows, Scalar, Tensors, eps
+from kbuild.kernels.norms import custom_ops  # custom_ops: the kbuild::* operators
+from kbuild.op import binding as op_launch  # custom_ops: the kbuild::* operators
+from kbuild.op import opdef
+from kbuild.op.opdef import Feature, Launch, Like, Op, Out, Rows, Scalar, Tensors, eps
+from kbuild.registry import Arg, KernelDef, Param
 from kbuild.spec import KernelSpec
 
 from .examples import import_example
@@ -481,7 +483,7 @@ def test_a_size_scalar_is_checked_as_an_int():
     """A SymInt scalar (kbuild::encoder_bwd's vocab and positions) had no check: Op.__call__
     raised KeyError('SymInt') for every call; now an int passes and anything else is refused
     by name."""
-    from kbuild.ops import llmc
+    from kbuild.kernels.llmc import op as llmc
 
     dout, tokens = randn((2, 3, N), F32), torch.tensor([[0, 4, 4], [1, 0, 2]])
     dwte, dwpe = llmc.ENCODER_BWD(dout, tokens, 5, 3, True, True)
@@ -1056,7 +1058,7 @@ def test_a_script_declaring_an_op_imports_itself_by_name(tmp_path, subprocess_en
     """A script run as __main__ and then imported by its name (its own main, or `kbuild
     warmup --module` in the same process) declares its ops twice: the second, the same
     declaration, must use the operator registered by the first (its kernels are taken back
-    alike, kernels/table.py register), not raise "declared already"; another declaration
+    alike, registry.py register), not raise "declared already"; another declaration
     under a taken name is still refused."""
     import subprocess
 

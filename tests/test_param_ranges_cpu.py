@@ -12,10 +12,12 @@ import re
 
 import pytest
 
-from kbuild.kernels.table import BUILTIN, COLUMN_SUM, KERNELS, RMSNORM_FWD, KernelDef, Param
-from kbuild.manifest import MANIFESTS, manifest
+from kbuild.cli.manifest import MANIFESTS, manifest
+from kbuild.kernels.norms.kernels import RMSNORM_FWD
+from kbuild.kernels.reduce import COLUMN_SUM
+from kbuild.registry import BUILTIN, KERNELS, KernelDef, Param
 
-WIDTHS = ("N", "C", "OC")  # a row's or a column block's width: every kernel of kbuild has one
+WIDTHS = ("N", "C", "OC", "D")  # a row's, a column block's or a head's width: every kernel has one
 
 
 def valid_values(definition: KernelDef) -> dict:
@@ -41,11 +43,14 @@ def own_kernels() -> list[KernelDef]:
 def test_every_width_is_at_least_one(definition):
     """Catches a kernel whose width is declared without bounds (-8 once reached the plan
     chooser: IndexError), or one whose bound is off by one (0 or 1 let through wrongly)."""
-    widths = [p.name for p in definition.params if p.name in WIDTHS]
+    widths = [p for p in definition.params if p.name in WIDTHS]
     assert len(widths) == 1, widths
-    for value in (0, -8):
-        refused(definition, widths[0], value, ">= 1")
-    definition.spec(**{**valid_values(definition), widths[0]: 1})  # a row of one element
+    width = widths[0]
+    assert width.bounds is not None and width.bounds[0] >= 1, width  # declared, and >= 1
+    low = width.bounds[0]  # 1: a row of one element; 2 where the math needs a pair (RoPE)
+    for value in (low - 1, -8):
+        refused(definition, width.name, value, f">= {low}")
+    definition.spec(**{**valid_values(definition), width.name: low})
 
 
 @pytest.mark.parametrize(
@@ -54,7 +59,7 @@ def test_every_width_is_at_least_one(definition):
 )  # fmt: skip
 def test_every_eps_is_finite_and_not_negative(definition):
     """Catches an eps without bounds (-1.0 compiled and ran), and one bounded to > 0, which
-    would refuse at launch the eps=0 that kbuild.rmsnorm accepts (ops/common.py check_eps,
+    would refuse at launch the eps=0 that kbuild.rmsnorm accepts (op/tensors.py check_eps,
     tests/test_api_cpu.py)."""
     refused(definition, "eps", -1.0, ">= 0.0")
     refused(definition, "eps", -1e-30, ">= 0.0")

@@ -1,4 +1,4 @@
-"""CPU tests of kbuild.patching.patch: which modules it patches (each decided by a numerical
+"""CPU tests of kbuild.nn.patching.patch: which modules it patches (each decided by a numerical
 check, never by name), that the patched model computes what stock does (outputs, losses,
 gradients), that the patch is per instance (another model of the class keeps stock code), what
 it leaves stock and why, and unpatch.
@@ -21,14 +21,14 @@ import torch.nn.functional as F
 from torch import nn
 
 import kbuild.nn
-from kbuild.patching import PatchReport, causal_lm_loss, patch
+from kbuild.nn.patching import PatchReport, causal_lm_loss, patch
 
 from .reference import assert_close_rel
 
 # the modules, by full name: kbuild exports functions of these names
-activations = importlib.import_module("kbuild.ops.activations")
-rope_ops = importlib.import_module("kbuild.ops.rope")
-linear_loss = importlib.import_module("kbuild.ops.linear_loss")
+activations = importlib.import_module("kbuild.kernels.activations.op")
+rope_ops = importlib.import_module("kbuild.kernels.rope.op")
+linear_loss = importlib.import_module("kbuild.kernels.loss.linear")
 
 D, INTER, HEADS, KV, HEAD_DIM = 64, 96, 4, 2, 16
 
@@ -253,7 +253,7 @@ def test_mlp_forms_patched_same_math(monkeypatch, make, what, op):
     _same_outputs_and_grads(model, stock, _x())
     assert len(calls) == 2
     if op == "gelu":
-        assert isinstance(model[0].act, kbuild.patching.TanhGELU)
+        assert isinstance(model[0].act, kbuild.nn.patching.TanhGELU)
     else:
         assert "forward" in vars(model[0]) and "forward" not in vars(stock[0])
 
@@ -723,7 +723,7 @@ def test_low_memory_loss_is_asked_for_and_named(hf, monkeypatch):
     """Catches loss="low_memory" ignored (the default chunks taken: no memory budget, or one
     other than the hidden states' bytes), left out of the report, or a loss or gradient that
     differs from the default patch's beyond the chunks' summation order."""
-    from kbuild.ops import linear_loss
+    from kbuild.kernels.loss import linear as linear_loss
 
     budgets, real = [], linear_loss.linear_cross_entropy
 

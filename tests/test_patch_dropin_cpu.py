@@ -14,12 +14,12 @@ import pytest
 import torch
 from torch import nn
 
-from kbuild.patching import patch
+from kbuild.nn.patching import patch
 
 from .reference import assert_close_rel
 from .test_patch_cpu import VOCAB, LlamaMLP, Tiny, _gen, _ids, _x, hf_model
 
-activations = importlib.import_module("kbuild.ops.activations")
+activations = importlib.import_module("kbuild.kernels.activations.op")
 
 
 @pytest.fixture

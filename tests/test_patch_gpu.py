@@ -1,4 +1,4 @@
-"""kbuild.patching.patch on the GPU: Hugging Face models in bf16 on CUDA, every check passing
+"""kbuild.nn.patching.patch on the GPU: Hugging Face models in bf16 on CUDA, every check passing
 with kbuild's kernels, the patched model training as stock does (eager and torch.compile), and
 the fused loss holding less memory than stock's logits.
 
@@ -15,7 +15,7 @@ import copy
 import pytest
 import torch
 
-from kbuild.manifest import (
+from kbuild.cases import (
     PATCH_CAP,
     PATCH_HEAD_DIM,
     PATCH_INTER,
@@ -24,14 +24,14 @@ from kbuild.manifest import (
     PATCH_VOCAB,
     PATCH_WIDTH,
 )
-from kbuild.patching import patch
+from kbuild.nn.patching import patch
 
 from .test_patch_cpu import hf_model
 
 pytestmark = pytest.mark.gpu
 transformers = pytest.importorskip("transformers")
 
-# the models' shapes: kbuild.manifest's, which `kbuild warmup --manifest tests` warms
+# the models' shapes: kbuild.cli.manifest's, which `kbuild warmup --manifest tests` warms
 VOCAB = PATCH_VOCAB
 
 

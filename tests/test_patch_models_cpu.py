@@ -187,7 +187,7 @@ def test_longest_stops_at_out_of_memory(monkeypatch):
 def test_written_configs_are_warmup_inputs(tmp_path):
     """Catches a config file `kbuild warmup --model` cannot read (fields left out as defaults,
     a family kbuild's model specs do not know)."""
-    from kbuild.model_specs import config_specs, read_config
+    from kbuild.cli.model_specs import config_specs, read_config
 
     pm.write_configs(str(tmp_path), list(pm.MODELS), tiny=False)
     for name, (family, _, _, fields) in pm.MODELS.items():

@@ -12,9 +12,9 @@ import re
 import pytest
 
 from kbuild.compiler import build
-from kbuild.kernels.config import FORWARD_BUDGET, RowBudget, choose_row_config
-from kbuild.kernels.plans import NormBackward, plan_backward
-from kbuild.kernels.table import KERNELS
+from kbuild.plan.config import FORWARD_BUDGET, RowBudget, choose_row_config
+from kbuild.plan.norms import NormBackward, plan_backward
+from kbuild.registry import KERNELS
 from kbuild.targets import target_for_arch
 from kbuild.targets.nvidia import module_to_ptx
 

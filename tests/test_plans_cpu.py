@@ -1,4 +1,4 @@
-"""CPU tests of the launch plans (kernels/plans.py), without MLIR: the chooser's pick for a
+"""CPU tests of the launch plans (plan/norms.py), without MLIR: the chooser's pick for a
 table of shapes and targets, how overrides combine with the fields left to the chooser, and
 the errors for overrides a shape or target cannot honour.
 
@@ -20,7 +20,7 @@ import sys
 
 import pytest
 
-from kbuild.kernels.plans import (
+from kbuild.plan.norms import (
     BackwardPlan,
     ForwardPlan,
     NormBackward,
@@ -28,7 +28,7 @@ from kbuild.kernels.plans import (
     plan_backward,
     plan_forward,
 )
-from kbuild.kernels.row_plan import override_keywords
+from kbuild.plan.rows import override_keywords
 from kbuild.targets import target_for_arch
 
 
@@ -77,7 +77,7 @@ def plan(kernel: str, N: int, arch: str = "sm_90", dtype: str = "bf16", vectoriz
 
 
 def test_plans_import_no_mlir():
-    code = "import sys, kbuild.kernels.plans; assert 'mlir' not in sys.modules"
+    code = "import sys, kbuild.plan.norms; assert 'mlir' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

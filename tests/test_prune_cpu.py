@@ -20,7 +20,7 @@ from kbuild import cli
 from kbuild.artifact import Artifact
 from kbuild.cache import DiskCache, entry_key
 from kbuild.cache.prune import parse_age, parse_size, prune, scan
-from kbuild.kernels.table import RMSNORM_FWD
+from kbuild.kernels.norms.kernels import RMSNORM_FWD
 from kbuild.targets import target_for_arch
 
 from .lock_workers import children, hold_lock_worker

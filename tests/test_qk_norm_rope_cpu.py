@@ -1,4 +1,4 @@
-"""kbuild.ops.qk_norm_rope on CPU (the op's reference, which is the kernels' contract) against
+"""kbuild.kernels.rope.qk_norm on CPU (the op's reference, which is the kernels' contract) against
 an fp64 reference written here from HF's formulas (Qwen3RMSNorm / Gemma3RMSNorm, then
 rotate_half or GPT-J's rotate_every_two): values and the four gradients for both layouts,
 GQA, transposed and fused-qkv views, Gemma's offset; the checks' errors; a model of the
@@ -13,8 +13,9 @@ import re
 import pytest
 import torch
 
-from kbuild.ops import qk_norm_rope as ops
-from kbuild.ops.qk_norm_rope import qk_norm_rope
+from kbuild import cases
+from kbuild.kernels.rope import qk_norm as ops
+from kbuild.kernels.rope.qk_norm import qk_norm_rope
 
 from .graph_recorder import KbuildGraphs
 
@@ -146,9 +147,9 @@ def test_fp32_math_rounded_once_not_hf_rounding():
 
 
 def test_the_reference_is_rmsnorm_then_rope():
-    """The op is kbuild.rmsnorm's math then kbuild.ops.rope's, composed in fp32."""
-    from kbuild.ops.rmsnorm import rmsnorm_reference
-    from kbuild.ops.rope import rope
+    """The op is kbuild.rmsnorm's math then kbuild.kernels.rope.op's, composed in fp32."""
+    from kbuild.kernels.norms.rmsnorm import rmsnorm_reference
+    from kbuild.kernels.rope.op import rope
 
     q, k = _qk(2, 5, 4, 2, 32, torch.float32, 1, "dense")
     cos, sin = _trig(2, 5, 32, True, torch.float32)
@@ -286,12 +287,12 @@ def _flat(t):
 
 
 def _model_forward(q, k, qw, kw, cos, sin, eps, offset, interleaved, dim):
-    """kernels/qk_norm_rope.py's forward loops in Python (fp64), on the strides and vector
+    """kernels/rope/qk_norm_kernels.py's forward loops in Python (fp64), on the strides and vector
     width the launch passes: per position, thread tid = slot * lanes + lane holds its columns
     (HeadCover.columns) of heads slot + i * heads_per_pass, ceil(H / heads_per_pass) passes,
     a head past H computed on H - 1 and not stored. Every output element and every rstd must
     be written exactly once."""
-    from kbuild.kernels.qk_norm_rope import THREADS, head_cover
+    from kbuild.kernels.rope.qk_norm_kernels import THREADS, head_cover
 
     outs = [torch.full(x.shape, float("nan"), dtype=torch.float64) for x in (q, k)]
     rstds = [torch.full((x.numel() // x.shape[-1],), float("nan"), dtype=torch.float64)
@@ -351,7 +352,7 @@ def _model_backward(q, k, qw, kw, cos, sin, q_rstd, k_rstd, dq_out, dk_out, offs
     g walking positions g, g + G, ...; each thread's dw terms added over its heads; then per
     block the slots added in slot order into row g of the (2, G, D) workspace; the column sum
     adds the rows in order."""
-    from kbuild.kernels.qk_norm_rope import THREADS, head_cover
+    from kbuild.kernels.rope.qk_norm_kernels import THREADS, head_cover
 
     outs = [torch.empty(x.shape, dtype=torch.float64) for x in (q, k)]
     values, strides, trig = ops.backward_values(q, k, dq_out, dk_out, qw, cos, sin, offset,
@@ -454,7 +455,7 @@ def test_kernel_model_covers_every_element_once_and_matches(case):
     ],
 )
 def test_head_cover(D, dtype, interleaved, vec, lanes, per_lane):
-    from kbuild.kernels.qk_norm_rope import MAX_ELEMENTS, head_cover
+    from kbuild.kernels.rope.qk_norm_kernels import MAX_ELEMENTS, head_cover
 
     cover = head_cover(D, dtype, interleaved, vec)
     assert (cover.lanes, cover.per_lane) == (lanes, per_lane)
@@ -465,7 +466,7 @@ def test_head_cover(D, dtype, interleaved, vec, lanes, per_lane):
 
 
 def test_head_cover_refuses_what_does_not_fit():
-    from kbuild.kernels.qk_norm_rope import head_cover
+    from kbuild.kernels.rope.qk_norm_kernels import head_cover
 
     with pytest.raises(ValueError, match="48 elements a thread at vec 8"):
         head_cover(96, "bf16", False, 8)
@@ -487,7 +488,7 @@ def test_fused_qkv_views_are_read_in_place_at_full_width():
     backward; a head too wide for vec 8 at 32 elements a thread narrows (D = 96: 3 units)."""
     case = (2, 17, 32, 8, 128, torch.bfloat16, torch.bfloat16, torch.bfloat16, 0.0, False, 1,
             True)  # fmt: skip
-    assert case in ops.GPU_CASES
+    assert case in cases.QK_ROPE_GPU_CASES
     q, k, qw, kw, cos, sin = ops.case_tensors(case, "meta")
     assert not q.is_contiguous() and ops.readable(q) is q
     fwd, bwd, column_sum = ops.specs_for(q, k, qw, kw, cos, sin)
@@ -515,14 +516,14 @@ def _ptx(spec):
 
 
 def _fwd(**kw):
-    from kbuild.kernels.qk_norm_rope import build_qk_norm_rope
+    from kbuild.kernels.rope.qk_norm_kernels import build_qk_norm_rope
 
     base = dict(D=128, dtype="bf16", w_dtype="bf16", cs_dtype="bf16", eps=1e-6, vec=8)
     return build_qk_norm_rope.spec(**{**base, **kw})
 
 
 def _bwd(**kw):
-    from kbuild.kernels.qk_norm_rope import build_qk_norm_rope_bwd
+    from kbuild.kernels.rope.qk_norm_kernels import build_qk_norm_rope_bwd
 
     base = dict(D=128, dtype="bf16", w_dtype="bf16", cs_dtype="bf16", vec=8)
     return build_qk_norm_rope_bwd.spec(**{**base, **kw})
@@ -590,7 +591,7 @@ def test_warm_kernels_build_for_sm_90():
 def test_gpu_cases_are_warmable():
     """Every kernel tests/test_qk_norm_rope_gpu.py launches is in warmup_specs() (the GPU
     machine runs offline from a cache warmed with `kbuild warmup --module
-    kbuild.ops.qk_norm_rope`)."""
+    kbuild.kernels.rope.qk_norm`)."""
     from . import test_qk_norm_rope_gpu as gpu
 
     warm = set(ops.warmup_specs())
@@ -612,7 +613,7 @@ def test_modules_import_and_list_their_kernels_without_mlir():
 
     code = HIDE_MLIR + (
         "import tests.test_qk_norm_rope_cpu, tests.test_qk_norm_rope_gpu\n"
-        "import kbuild.ops.qk_norm_rope as o\n"
+        "import kbuild.kernels.rope.qk_norm as o\n"
         "assert o.warmup_specs() and 'mlir' not in sys.modules\n"
     )
     root = Path(__file__).resolve().parents[1]
@@ -626,7 +627,7 @@ def test_a_misaligned_weight_is_copied_to_an_aligned_one():
     reads an aligned copy of it."""
     import torch
 
-    from kbuild.ops import qk_norm_rope as ops
+    from kbuild.kernels.rope import qk_norm as ops
 
     buf = torch.ones(129, dtype=torch.bfloat16)
     w = buf[1:]

@@ -1,9 +1,9 @@
-"""kbuild.ops.qk_norm_rope's kernels on the GPU: values and the four gradients against fp64
+"""kbuild.kernels.rope.qk_norm's kernels on the GPU: values and the four gradients against fp64
 torch (HF's Qwen3RMSNorm / Gemma3RMSNorm then apply_rotary_pos_emb), both layouts, both
 unsqueeze_dims, D of 64, 128 and 256, GQA, Gemma's offset, fp32 weights and tables beside
 16-bit q; q and k read in place as views of a fused qkv projection (no copy: the peak memory
 is the outputs'); weight gradients bitwise the same run after run. Kernels warmed with
-`kbuild warmup --arch sm_90 --module kbuild.ops.qk_norm_rope` (its warmup_specs() lists
+`kbuild warmup --arch sm_90 --module kbuild.kernels.rope.qk_norm` (its warmup_specs() lists
 every case below: tests/test_qk_norm_rope_cpu.py checks it)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kbuild.ops.qk_norm_rope import GPU_CASES
+from kbuild.cases import QK_ROPE_GPU_CASES as GPU_CASES
 
 from .test_rope_gpu import _rotate_every_two, _rotate_half  # HF's
 
@@ -40,7 +40,7 @@ def _close(got, ref, dtype):
 
 
 def _check(q, k, qw, kw, cos, sin, offset, interleaved, dim):
-    from kbuild.ops.qk_norm_rope import qk_norm_rope
+    from kbuild.kernels.rope.qk_norm import qk_norm_rope
 
     leaves = [t.detach().requires_grad_() for t in (q, k, qw, kw)]
     qo, ko = qk_norm_rope(*leaves, cos, sin, 1e-6, offset, interleaved, dim)
@@ -62,14 +62,14 @@ def _check(q, k, qw, kw, cos, sin, offset, interleaved, dim):
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
 def test_values_and_gradients_match_fp64(case):
-    from kbuild.ops.qk_norm_rope import case_tensors
+    from kbuild.kernels.rope.qk_norm import case_tensors
 
     _check(*case_tensors(case, "cuda"), case[8], case[9], case[10])
 
 
 def test_weight_gradients_are_bitwise_repeatable():
     """No atomics: the same dq_weight and dk_weight bits on every run (and dq, dk)."""
-    from kbuild.ops.qk_norm_rope import case_tensors, qk_norm_rope
+    from kbuild.kernels.rope.qk_norm import case_tensors, qk_norm_rope
 
     # 1200 positions: blocks of several positions each
     case = (4, 300, 32, 8, 128, torch.bfloat16, torch.bfloat16, torch.bfloat16, 0.0, False, 1,
@@ -90,7 +90,7 @@ def test_fused_qkv_views_are_read_in_place():
     """q and k are views of one qkv projection: the kernel reads them at their strides (no
     copy: the peak memory of the forward is its outputs and rstds), writes dense outputs, and
     leaves the projection as it was."""
-    from kbuild.ops.qk_norm_rope import case_tensors, qk_norm_rope
+    from kbuild.kernels.rope.qk_norm import case_tensors, qk_norm_rope
 
     case = (2, 17, 32, 8, 128, torch.bfloat16, torch.bfloat16, torch.bfloat16, 0.0, False, 1,
             True)  # fmt: skip
@@ -114,7 +114,7 @@ def test_fused_qkv_views_are_read_in_place():
 
 @pytest.mark.parametrize("shared", [(1,), ()])
 def test_cos_sin_shared_by_the_batch(shared):
-    from kbuild.ops.qk_norm_rope import case_tensors
+    from kbuild.kernels.rope.qk_norm import case_tensors
 
     case = (2, 33, 4, 2, 64, torch.bfloat16, torch.bfloat16, torch.float32, 0.0, False, 1, True)
     q, k, qw, kw, cos, sin = case_tensors(case, "cuda")
@@ -124,14 +124,14 @@ def test_cos_sin_shared_by_the_batch(shared):
 
 def test_a_misaligned_view_takes_scalar_accesses():
     """q one element into its storage: the launches pick vec 1 (still read in place)."""
-    from kbuild.ops.qk_norm_rope import misaligned_tensors
+    from kbuild.kernels.rope.qk_norm import misaligned_tensors
 
     _check(*misaligned_tensors("cuda"), 0.0, False, 1)
 
 
 def test_matches_the_cpu_reference():
     """The kernels against the op's own CPU path (the same contract) within a rounding."""
-    from kbuild.ops.qk_norm_rope import case_tensors, qk_norm_rope
+    from kbuild.kernels.rope.qk_norm import case_tensors, qk_norm_rope
 
     case = (1, 9, 8, 4, 256, torch.bfloat16, torch.float32, torch.float32, 1.0, False, 1, True)
     tensors = case_tensors(case, "cuda")

@@ -20,8 +20,8 @@ import torch
 
 import kbuild
 from kbuild import cli, jit, record
-from kbuild.kernels.table import LAYERNORM_FWD, RMSNORM_BWD, RMSNORM_FWD
-from kbuild.manifest import for_width
+from kbuild.cli.widths import for_width
+from kbuild.kernels.norms.kernels import LAYERNORM_FWD, RMSNORM_BWD, RMSNORM_FWD
 from kbuild.targets import target_for_arch
 
 from .launch_recorder import Tier, install, pretend_cuda
@@ -73,7 +73,7 @@ def test_switching_the_record_file_records_there_too(record_file, monkeypatch):
 WRITER = """
 import sys
 from kbuild import record
-from kbuild.kernels.table import RMSNORM_FWD
+from kbuild.kernels.norms.kernels import RMSNORM_FWD
 mine = int(sys.argv[1])
 for N in (64, 128, 768, 1000 + mine):
     for _ in range(3):

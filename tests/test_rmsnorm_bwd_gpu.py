@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import kbuild
-from kbuild.manifest import DTYPES, OFFSET_N, QK_N, STREAM_N, TEST_N, TRAIN_DTYPE, TRAIN_N
+from kbuild.cases import DTYPES, OFFSET_N, QK_N, STREAM_N, TEST_N, TRAIN_DTYPE, TRAIN_N
 
 from .gpu_cases import DETERMINISTIC_N, fused_cases, rmsnorm_cases
 from .gpu_utils import FWD_TOL, GRAD_TOL, TORCH_DTYPES, poison_allocator, rand

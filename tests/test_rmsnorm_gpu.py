@@ -1,6 +1,6 @@
 """RMSNorm forward on the GPU against the fp32 torch reference (tests/reference.py).
 
-Shapes come from kbuild.manifest so that `kbuild warmup --manifest tests` compiles exactly the
+Shapes come from kbuild.cli.manifest so that `kbuild warmup --manifest tests` compiles exactly the
 kernels these tests launch (the GPU machine runs them offline from that cache).
 """
 
@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import kbuild
-from kbuild.manifest import DTYPES, TEST_N
-from kbuild.ops.rmsnorm import rmsnorm_fwd
+from kbuild.cases import DTYPES, TEST_N
+from kbuild.kernels.norms.rmsnorm import rmsnorm_fwd
 
 from .gpu_cases import RSTD_N, rmsnorm_cases
 from .gpu_utils import FWD_TOL, TORCH_DTYPES, poison_allocator, rand

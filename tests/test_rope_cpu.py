@@ -1,5 +1,5 @@
-"""kbuild.ops.rope on CPU (the op's reference, which is the kernel's contract) against an fp64
-reference written here from HF's formulas (rotate_half, GPT-J's rotate_every_two): values and
+"""kbuild.kernels.rope.op on CPU (the op's reference, which is the kernel's contract) against an
+fp64 reference written here from HF's formulas (rotate_half, GPT-J's rotate_every_two): values and
 gradients for both layouts, partial rotary, GQA, transposed and fused-qkv views, per-batch
 and shared cos / sin; the checks' errors; a model of the kernel's thread cover; the vector
 width the launch picks for views read in place; the kernels built for sm_90 and gfx942; the
@@ -12,8 +12,9 @@ import re
 import pytest
 import torch
 
-from kbuild.ops import rope as rope_ops
-from kbuild.ops.rope import rope
+from kbuild import cases
+from kbuild.kernels.rope import op as rope_ops
+from kbuild.kernels.rope.op import rope
 
 from .graph_recorder import KbuildGraphs
 
@@ -271,10 +272,10 @@ def test_unsqueeze_dim_two_reads_b_t_h_d():
 
 
 def _model(q, k, cos, sin, interleaved, dim, inverse, vec):
-    """The kernel's loops in Python (kernels/rope.py, HeadLayout): per position, thread tid
+    """The kernel's loops in Python (kernels/rope/kernels.py, HeadLayout): per position, thread tid
     takes unit tid % U of heads tid // U + i * heads_per_pass; each output element must be
     written exactly once."""
-    from kbuild.kernels.rope import head_layout
+    from kbuild.kernels.rope.kernels import head_layout
 
     D, rd = q.shape[-1], cos.shape[-1]
     lay = head_layout(D, rd, "bf16", "f32", interleaved, vec)
@@ -356,7 +357,7 @@ def test_kernel_model_covers_every_element_once_and_matches(
 
 
 def test_head_layout_refuses_what_does_not_fit():
-    from kbuild.kernels.rope import head_layout
+    from kbuild.kernels.rope.kernels import head_layout
 
     with pytest.raises(ValueError, match="rd must be even"):
         head_layout(8, 5, "f32", "f32", False, 1)
@@ -374,7 +375,8 @@ def test_head_layout_refuses_what_does_not_fit():
 def test_fused_qkv_views_are_read_in_place_at_full_width():
     """q and k as views of a fused qkv projection (strides (T S, D, S, 1)): no copy, and the
     launch reads them 16 bytes at a time."""
-    from kbuild.ops.rope import GPU_CASES, case_tensors, specs_for
+    from kbuild.cases import ROPE_GPU_CASES as GPU_CASES
+    from kbuild.kernels.rope.op import case_tensors, specs_for
 
     case = (2, 17, 32, 8, 128, 128, torch.bfloat16, torch.bfloat16, False, 1, True)
     assert case in GPU_CASES
@@ -416,7 +418,7 @@ def _ptx(spec):
 
 
 def _spec(**kw):
-    from kbuild.kernels.rope import build_rope
+    from kbuild.kernels.rope.kernels import build_rope
 
     return build_rope.spec(**kw)
 
@@ -459,7 +461,7 @@ def test_warm_kernels_build_for_sm_90():
 
     sm90 = target_for_arch("sm_90")
     specs = rope_ops.warmup_specs()
-    for _, _, _, D, rd in rope_ops.MODELS:
+    for _, _, _, D, rd in cases.ROPE_MODELS:
         for dtype in ("bf16", "f16", "f32"):
             assert any(s.kwargs["D"] == D and s.kwargs["rd"] == rd and s.kwargs["dtype"] == dtype
                        for s in specs), (D, rd, dtype)  # fmt: skip
@@ -469,7 +471,7 @@ def test_warm_kernels_build_for_sm_90():
 
 def test_gpu_cases_are_warmable():
     """Every kernel tests/test_rope_gpu.py launches is in warmup_specs() (the GPU machine runs
-    offline from a cache warmed with `kbuild warmup --module kbuild.ops.rope`)."""
+    offline from a cache warmed with `kbuild warmup --module kbuild.kernels.rope.op`)."""
     from . import test_rope_gpu as gpu
 
     warm = set(rope_ops.warmup_specs())
@@ -477,7 +479,7 @@ def test_gpu_cases_are_warmable():
         for spec in rope_ops.specs_for(*rope_ops.case_tensors(case, "meta"), case[8], case[9]):
             assert spec in warm, spec.short()
     # the misaligned q (one element into its storage) and the tables shared by the batch
-    case = (2, 5, 4, 2, *rope_ops.MISALIGNED, 1, False)
+    case = (2, 5, 4, 2, *cases.ROPE_MISALIGNED, 1, False)
     _, k, cos, sin = rope_ops.case_tensors(case, "meta")
     base = torch.empty(2 * 4 * 5 * 64 + 1, dtype=torch.bfloat16, device="meta")
     q = base[1:].view(2, 4, 5, 64)

@@ -1,7 +1,7 @@
-"""kbuild.ops.rope's kernel on the GPU: values and gradients against fp64 torch (HF's formulas),
-both layouts, both unsqueeze_dims, partial rotary, GQA, q and k read in place as views of a
-fused qkv projection, cos / sin per batch and shared, fp32 tables beside 16-bit q. Kernels
-warmed with `kbuild warmup --arch sm_90 --module kbuild.ops.rope` (its warmup_specs() lists
+"""kbuild.kernels.rope.op's kernel on the GPU: values and gradients against fp64 torch (HF's
+formulas), both layouts, both unsqueeze_dims, partial rotary, GQA, q and k read in place as views of
+a fused qkv projection, cos / sin per batch and shared, fp32 tables beside 16-bit q. Kernels
+warmed with `kbuild warmup --arch sm_90 --module kbuild.kernels.rope.op` (its warmup_specs() lists
 every case below: tests/test_rope_cpu.py checks it)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kbuild.ops.rope import GPU_CASES
+from kbuild.cases import ROPE_GPU_CASES as GPU_CASES
 
 pytestmark = pytest.mark.gpu
 
@@ -41,7 +41,7 @@ def _fp64(q, k, cos, sin, interleaved, dim):
 
 
 def _check(q, k, cos, sin, interleaved, dim):
-    from kbuild.ops.rope import rope
+    from kbuild.kernels.rope.op import rope
 
     q, k = q.detach().requires_grad_(), k.detach().requires_grad_()
     qo, ko = rope(q, k, cos, sin, interleaved=interleaved, unsqueeze_dim=dim)
@@ -67,7 +67,7 @@ def _check(q, k, cos, sin, interleaved, dim):
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
 def test_values_and_gradients_match_fp64(case):
-    from kbuild.ops.rope import case_tensors
+    from kbuild.kernels.rope.op import case_tensors
 
     q, k, cos, sin = case_tensors(case, "cuda")
     _check(q, k, cos, sin, case[8], case[9])
@@ -77,7 +77,7 @@ def test_fused_qkv_views_are_read_in_place():
     """q and k are views of one qkv projection: the kernel reads them at their strides (no
     copy: the views' storage is the projection's), and writes dense outputs; the projection
     is left as it was."""
-    from kbuild.ops.rope import case_tensors, rope
+    from kbuild.kernels.rope.op import case_tensors, rope
 
     case = (2, 17, 32, 8, 128, 128, torch.bfloat16, torch.bfloat16, False, 1, True)
     q, k, cos, sin = case_tensors(case, "cuda")
@@ -93,7 +93,7 @@ def test_fused_qkv_views_are_read_in_place():
 
 @pytest.mark.parametrize("shared", [(1,), ()])
 def test_cos_sin_shared_by_the_batch(shared):
-    from kbuild.ops.rope import case_tensors
+    from kbuild.kernels.rope.op import case_tensors
 
     case = (3, 9, 4, 2, 64, 64, torch.bfloat16, torch.float32, False, 1, True)
     q, k, cos, sin = case_tensors(case, "cuda")
@@ -103,7 +103,8 @@ def test_cos_sin_shared_by_the_batch(shared):
 
 def test_a_misaligned_view_takes_scalar_accesses():
     """q one element into its storage: the launch picks vec 1 (still read in place)."""
-    from kbuild.ops.rope import MISALIGNED, case_tensors
+    from kbuild.cases import ROPE_MISALIGNED as MISALIGNED
+    from kbuild.kernels.rope.op import case_tensors
 
     case = (2, 5, 4, 2, *MISALIGNED, 1, False)
     _, k, cos, sin = case_tensors(case, "cuda")

@@ -12,7 +12,7 @@ import pytest
 import kbuild
 from kbuild import Arg, Param
 from kbuild.compiler import build
-from kbuild.kernels.row_plan import plan_rows
+from kbuild.plan.rows import plan_rows
 from kbuild.targets import target_for_arch
 from kbuild.targets.nvidia import module_to_ptx
 
@@ -66,7 +66,7 @@ def build_nll(N, dtype, index, target, trap_bad=False):
 def nll():
     """The kernel, declared for this module only: declared at import, it would sit in the
     registry when later modules collect theirs (test_table_cpu builds every entry)."""
-    from kbuild.kernels.table import KERNELS
+    from kbuild.registry import KERNELS
 
     definition = kbuild.kernel("test_row_api_nll", **NLL)(build_nll)
     yield definition

@@ -1,4 +1,4 @@
-"""CPU tests of the generic row plan (kernels/row_plan.py, no MLIR): what a new row family
+"""CPU tests of the generic row plan (plan/rows.py, no MLIR): what a new row family
 (a softmax, say) gets from `plan_rows` with its own needs, and that the norms' forward plan is
 `plan_rows` with their rules around it (the norms' own picks: tests/test_plans_cpu.py)."""
 
@@ -9,9 +9,9 @@ import sys
 
 import pytest
 
-from kbuild.kernels.config import RowBudget
-from kbuild.kernels.plans import NormForward, plan_forward
-from kbuild.kernels.row_plan import RowPlan, override_keywords, plan_rows
+from kbuild.plan.config import RowBudget
+from kbuild.plan.norms import NormForward, plan_forward
+from kbuild.plan.rows import RowPlan, override_keywords, plan_rows
 from kbuild.targets import target_for_arch
 
 SM90, SM80, GFX942 = (target_for_arch(a) for a in ("sm_90", "sm_80", "gfx942"))
@@ -22,7 +22,7 @@ def _split(row) -> bool:  # a family's staging rule: rows split over a cluster
 
 
 def test_row_plan_imports_no_mlir():
-    code = "import sys, kbuild.kernels.row_plan; assert 'mlir' not in sys.modules"
+    code = "import sys, kbuild.plan.rows; assert 'mlir' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

@@ -12,8 +12,8 @@ import json
 import pytest
 
 from kbuild import cli, compiler
-from kbuild.manifest import manifest
-from kbuild.show import parse_spec
+from kbuild.cli.manifest import manifest
+from kbuild.cli.show import parse_spec
 from kbuild.targets import target_for_arch
 
 LABEL = (
@@ -54,13 +54,13 @@ def test_show_prints_the_stage(capsys, arch, flag, marker):
 def test_every_kernel_kbuild_ships_is_known_without_module(subprocess_env):
     """In a fresh process (no op imported), kernels declared beside their builders are known
     by name: `kbuild show 'cross_entropy_fwd(...)'` answered "unknown kernel" without
-    `--module kbuild.ops.loss`."""
+    `--module kbuild.kernels.loss.cross_entropy`."""
     import subprocess
     import sys
 
-    from kbuild.kernels.table import OWN_MODULES
+    from kbuild.registry import OWN_MODULES
 
-    assert "kbuild.kernels.softmax" in OWN_MODULES
+    assert "kbuild.kernels.softmax.kernels" in OWN_MODULES
     labels = (
         "cross_entropy_fwd(N=1000, dtype=bf16, index_dtype=i32)",
         "softmax_fwd(N=1000, dtype=f32)",

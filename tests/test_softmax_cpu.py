@@ -12,7 +12,8 @@ import pytest
 import torch
 
 import kbuild
-from kbuild.ops import softmax as sm
+from kbuild import cases
+from kbuild.kernels.softmax import op as sm
 
 from .graph_recorder import KbuildGraphs
 from .test_generic_native_cpu import paths  # noqa: F401 (the fixture: both launch paths)
@@ -287,7 +288,7 @@ def test_kernels_lower_for_amd(kernel):
 
 def test_gpu_cases_are_warmable():
     """Every kernel tests/test_softmax_gpu.py launches is in warmup_specs() (the GPU machine
-    runs offline from a cache warmed with `kbuild warmup --module kbuild.ops.softmax`): each
+    runs offline from a cache warmed with `kbuild warmup --module kbuild.kernels.softmax.op`): each
     case's forward and backward, by the values the ops' own launches compute; the other-dim
     and misaligned cases too."""
     from . import test_softmax_gpu as gpu
@@ -305,9 +306,9 @@ def test_gpu_cases_are_warmable():
         x = torch.empty(1, N, dtype=dtype, device="meta")
         for spec in specs(ops[name], x, out):
             assert spec in warm, spec
-    N, dtype = gpu.MISALIGNED
+    N, dtype = cases.SOFTMAX_MISALIGNED
     for op in ops.values():
         x = torch.empty(1, N, dtype=dtype, device="meta")
         for spec in specs(op, x, None, aligned=False) + specs(op, x, None):
             assert spec in warm, spec
-    assert 4097 in sm.GPU_N  # the other-dim cases' width
+    assert 4097 in cases.SOFTMAX_GPU_N  # the other-dim cases' width

@@ -1,7 +1,7 @@
 """kbuild.softmax / kbuild.log_softmax's kernels on the GPU: values and gradients against fp64
 torch, every width class (rows sharing a block, peeled odd widths, a chunked long row), a
 float32 output of 16-bit x, another dim, a misaligned view, masked rows. Kernels warmed with
-`kbuild warmup --arch sm_90 --module kbuild.ops.softmax` (its warmup_specs() lists every
+`kbuild warmup --arch sm_90 --module kbuild.kernels.softmax.op` (its warmup_specs() lists every
 aligned case below: tests/test_softmax_cpu.py checks it)."""
 
 from __future__ import annotations
@@ -9,7 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kbuild.ops.softmax import GPU_DTYPES, GPU_N, MISALIGNED
+from kbuild.cases import SOFTMAX_GPU_DTYPES as GPU_DTYPES
+from kbuild.cases import SOFTMAX_GPU_N as GPU_N
+from kbuild.cases import SOFTMAX_MISALIGNED as MISALIGNED
 
 pytestmark = pytest.mark.gpu
 

@@ -19,7 +19,7 @@ pytest.importorskip("mlir")  # the kernel modules import MLIR
 
 from kbuild import compiler  # noqa: E402
 from kbuild.compiler import CompileError  # noqa: E402
-from kbuild.ops.launch import rows_grid  # noqa: E402
+from kbuild.op.launch import rows_grid  # noqa: E402
 from kbuild.spec import KernelSpec  # noqa: E402
 from kbuild.targets import target_for_arch  # noqa: E402
 from kbuild.targets.nvidia import module_to_ptx  # noqa: E402
@@ -251,7 +251,7 @@ def test_the_chooser_stages_where_it_was_measured_to_win(spec, arch, staged):
 
 
 def test_the_fused_backward_stages_its_longest_rows():
-    from kbuild.ops.rmsnorm import fused_add_rmsnorm_bwd_spec
+    from kbuild.kernels.norms.rmsnorm import fused_add_rmsnorm_bwd_spec
 
     for N, staged in ((65536, True), (16384, True), (4096, False)):
         spec = fused_add_rmsnorm_bwd_spec(N, "bf16", "bf16", "bf16", True, True)

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import kbuild
-from kbuild.kernels.table import MAX_GROUPED_ROWS, group_magic
-from kbuild.ops.common import grouped_rows, readable_rows, rows_to_read
+from kbuild.op.tensors import grouped_rows, readable_rows, rows_to_read
+from kbuild.registry import MAX_GROUPED_ROWS, group_magic
 
 from .reference import rmsnorm_grads
 

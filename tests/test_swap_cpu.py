@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 import kbuild.nn
+from kbuild.nn.patching import norms as swap
 
 from .reference import assert_close_rel
 
@@ -272,13 +273,13 @@ def test_check_cached_per_class(monkeypatch):
     """Catches the numerical check run once per module (100 norms, 100 probes) or cached by
     name only: one check per (class, dtype) however many instances."""
     calls = []
-    real = kbuild.nn._same_math
+    real = swap._same_math
 
     def counting(probe, ours, eps):
         calls.append(type(probe).__name__)
         return real(probe, ours, eps)
 
-    monkeypatch.setattr(kbuild.nn, "_same_math", counting)
+    monkeypatch.setattr(swap, "_same_math", counting)
     model = nn.ModuleDict(
         dict(
             llama=LlamaLike(layers=10),  # 21 norms

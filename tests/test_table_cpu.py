@@ -1,4 +1,4 @@
-"""The kernel table (kbuild/kernels/table.py) is the one description of each kernel: specs,
+"""The kernel table (kbuild/registry.py) is the one description of each kernel: specs,
 registry, launch keys and argument order all come from it. These tests pin what each rule
 means, so a table edit that silently changes a cached kernel's identity fails here."""
 
@@ -9,19 +9,14 @@ import itertools
 import pytest
 
 from kbuild import compiler
-from kbuild.kernels import get_builder
-from kbuild.kernels.table import (
-    COLUMN_SUM,
+from kbuild.kernels.norms.kernels import (
     FUSED_ADD_RMSNORM_BWD,
-    KERNELS,
     LAYERNORM_FWD,
     RMSNORM_BWD,
     RMSNORM_FWD,
-    Arg,
-    KernelDef,
-    Param,
-    kernel_def,
 )
+from kbuild.kernels.reduce import COLUMN_SUM
+from kbuild.registry import KERNELS, Arg, KernelDef, Param, get_builder, kernel_def
 from kbuild.spec import KernelSpec
 from kbuild.targets import target_for_arch
 
@@ -123,7 +118,7 @@ def test_layernorm_arguments_follow_the_flags():
 def _values_of_kind(p) -> list:
     """A parameter no table kernel shares (a user kernel's, registered by another test module):
     both values of a bool, one of anything else (its default, or a width of 128)."""
-    from kbuild.kernels.table import _REQUIRED
+    from kbuild.registry import _REQUIRED
 
     if p.kind == "bool":
         return [False, True]
@@ -171,7 +166,7 @@ def test_every_builder_matches_its_table_entry(name):
 def test_a_signature_that_disagrees_is_refused():
     toy = KernelDef(
         "toy",
-        "kbuild.kernels.rmsnorm:build_rmsnorm_module",
+        "kbuild.kernels.norms.kernels:build_rmsnorm_module",
         (Param("N", "int"),),
         (
             Arg("x"),

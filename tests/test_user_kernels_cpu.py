@@ -16,7 +16,7 @@ import pytest
 
 from kbuild.cache.keys import entry_key, source_fingerprint
 from kbuild.cache.sources import builder_files
-from kbuild.kernels.table import KERNELS, kernel_def, register
+from kbuild.registry import KERNELS, kernel_def, register
 from kbuild.targets import target_for_arch
 
 from .examples import EXAMPLE, import_example
@@ -117,7 +117,7 @@ def test_editing_one_builder_rekeys_only_its_kernels(tmp_path):
     probe = textwrap.dedent("""
         import json
         from kbuild.cache.keys import source_fingerprint
-        from kbuild.kernels.table import KERNELS
+        from kbuild.registry import KERNELS
         print(json.dumps({name: source_fingerprint(name) for name in KERNELS}))
     """)
 
@@ -135,7 +135,7 @@ def test_editing_one_builder_rekeys_only_its_kernels(tmp_path):
     after = fingerprints()
     changed = {name for name in before if before[name] != after[name]}
     assert changed == {"column_sum", "bias_grad"}
-    table = package / "kernels" / "table.py"  # a new entry in the table re-keys nothing
+    table = package / "registry.py"  # an edit to the registry re-keys nothing
     table.write_text(table.read_text() + "\nEXTRA = 1\n")
     assert fingerprints() == after
     dsl = package / "dsl" / "values.py"  # the shared generator re-keys everything
@@ -362,8 +362,8 @@ def test_the_examples_passes_cover_every_column_once(arch):
     warmed shape: the rows long enough to be chunked (N = 32768 on gfx942, 151936 on both)
     included, which a single load at start 0 once left mostly unread."""
     example = import_example(keep_kernels=False)  # later modules see kbuild's own kernels
-    from kbuild.kernels.config import RowBudget
-    from kbuild.kernels.row_plan import plan_rows
+    from kbuild.plan.config import RowBudget
+    from kbuild.plan.rows import plan_rows
 
     target = target_for_arch(arch)
     chunked = set()

@@ -16,8 +16,9 @@ import pytest
 import torch
 
 import kbuild
-import kbuild.ops  # registers the kbuild::* custom ops
-from kbuild.ops.autograd import FusedAddRMSNormFunction, RMSNormFunction
+import kbuild.kernels.llmc.op  # registers the kbuild::* custom ops (llm.c's)
+import kbuild.kernels.norms.api  # registers the kbuild::* custom ops (the norms')
+from kbuild.kernels.norms.autograd import FusedAddRMSNormFunction, RMSNormFunction
 
 from .gpu_utils import GRAD_TOL
 from .reference import assert_close_rel, rmsnorm_grads

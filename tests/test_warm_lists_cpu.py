@@ -17,7 +17,7 @@ import os
 
 import pytest
 
-from kbuild.manifest import (
+from kbuild.cases import (
     PATCH_CAP,
     PATCH_HEAD_DIM,
     PATCH_INTER,
@@ -25,9 +25,9 @@ from kbuild.manifest import (
     PATCH_MEMORY_VOCAB,
     PATCH_VOCAB,
     PATCH_WIDTH,
-    manifest,
 )
-from kbuild.model_specs import model_specs
+from kbuild.cli.manifest import manifest
+from kbuild.cli.model_specs import model_specs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -71,7 +71,7 @@ def test_the_tests_manifest_holds_every_model_test_patch_gpu_builds(tests_manife
 
 
 def test_qk_norm_rope_lists_its_inference_forward():
-    from kbuild.ops.qk_norm_rope import warmup_specs
+    from kbuild.kernels.rope.qk_norm import warmup_specs
 
     specs = labels(warmup_specs())
     for missed in (

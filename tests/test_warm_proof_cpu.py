@@ -1,4 +1,4 @@
-"""The warm list of a model (`kbuild warmup --model CONFIG`, kbuild.model_specs) holds every
+"""The warm list of a model (`kbuild warmup --model CONFIG`, kbuild.cli.model_specs) holds every
 kernel `kbuild.nn.patch` launches in that model, its swap checks included: proven by running
 the patched model's training step and inference forward on the interpreter (KBUILD_INTERPRET)
 with KBUILD_RECORD on. An offline user who warmed with `--model` then gets no KernelNotCached
@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from kbuild.model_specs import model_specs
+from kbuild.cli.model_specs import model_specs
 from kbuild.spec import KernelSpec
 
 pytest.importorskip("mlir")

@@ -16,11 +16,11 @@ import pytest
 import torch
 
 from kbuild.cli import _parser, _specs_from
-from kbuild.model_specs import model_plan, model_specs
+from kbuild.cli.model_specs import model_plan, model_specs
 
 from .test_patch_cpu import _ids, hf_model
 
-rope_ops = importlib.import_module("kbuild.ops.rope")
+rope_ops = importlib.import_module("kbuild.kernels.rope.op")
 
 BERT = dict(model_type="bert", hidden_size=768, intermediate_size=3072, num_attention_heads=12,
             vocab_size=30522, layer_norm_eps=1e-12, hidden_act="gelu")  # fmt: skip
@@ -95,7 +95,7 @@ def test_model_warms_the_rope_a_patched_model_launches(monkeypatch, autocast):
     monkeypatch.setattr(rope_ops, "rope", spy)
     stock = hf_model(hf, "llama")
     model = copy.deepcopy(stock if autocast else stock.to(torch.bfloat16))
-    kbuild_patch = importlib.import_module("kbuild.patching").patch
+    kbuild_patch = importlib.import_module("kbuild.nn.patching").patch
     assert kbuild_patch(model).paths("rope")
     asked.clear()
     ids = _ids()

@@ -1,7 +1,7 @@
 """What the CPU value tests share: seeded inputs and the checks that hold an output to fp64.
 
-On CPU tensors kbuild runs plain torch references (kbuild/ops/rmsnorm.py, layernorm.py): fp32
-math, one rounding to the output dtype. A 16-bit output is then the fp64 result rounded once,
+On CPU tensors kbuild runs plain torch references (kbuild/kernels/norms/rmsnorm.py, layernorm.py):
+fp32 math, one rounding to the output dtype. A 16-bit output is then the fp64 result rounded once,
 except where fp32 error lands it across a rounding midpoint (measured: under 0.6% of the
 elements, one ulp off). FWD_TOL is a couple of ulps wide, so a second rounding (y rounded
 before the weight multiply, an fp32 weight cast to bf16, the sum of the fused form normalised

@@ -53,7 +53,7 @@ def export_bundle(cache: DiskCache, path: str, arch: str | None = None) -> int:
     """Write every intact entry of `cache` (for `arch` only, if given) to the bundle `path`;
     returns how many. Members carry no owner, mode bits 0644 and the entries' own times, so
     one cache exports to the same bytes every time."""
-    from .. import __version__
+    from ..version import __version__
 
     index = {"bundle": BUNDLE_VERSION, "kbuild": __version__, "entries": []}
     members: list[tuple[str, bytes, float]] = []

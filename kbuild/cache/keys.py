@@ -42,7 +42,7 @@ def _digest(payload: Any) -> str:
 def source_fingerprint(kernel: str) -> str:
     """The source that generates `kernel` (a registered kernel's name), 16 hex: the shared
     code generator plus its builder's own files (kbuild/cache/sources.py)."""
-    from kbuild.kernels.table import kernel_def
+    from kbuild.registry import kernel_def
 
     definition = kernel_def(kernel)
     return definition.source or builder_fingerprint(definition.builder)

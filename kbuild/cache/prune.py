@@ -72,7 +72,7 @@ def is_stale(entry: Entry) -> bool:
     """Written by another kbuild source (or cache format): its key is not the one this kbuild
     computes for its spec and target, so nothing here will ever hit it. A kernel this
     process does not know (a user's, whose module is not imported) cannot be judged: kept."""
-    from ..kernels.table import KERNELS
+    from ..registry import KERNELS
     from ..spec import KernelSpec
     from ..targets import target_for_arch
     from .keys import entry_key

@@ -6,7 +6,7 @@ A kernel's binary follows from two kinds of source:
   the spec and dtype tables (`BASE_DIRS`, `BASE_FILES`), hashed whole;
 - the kernel's own builder module and the modules it imports, followed from file to file by
   reading their imports (ast: nothing is imported, no MLIR is needed). The walk follows an
-  import into kbuild (`kbuild/kernels/plans.py`, say) and into the builder's own code: its
+  import into kbuild (`kbuild/plan/norms.py`, say) and into the builder's own code: its
   package, or for a builder that is a module of its own (a user's `my_softmax.py`), the
   modules beside it. Third-party imports (mlir, numpy) are the toolchain key's business.
 
@@ -30,11 +30,27 @@ PACKAGE = Path(os.path.abspath(__file__)).parents[1]  # kbuild/, as imported
 # dispatch to the kernel table (tests/test_fingerprint_cpu.py checks it).
 BASE_DIRS = ("dsl", "targets")
 BASE_FILES = ("spec.py", "compiler.py", "dtypes.py", "trace_layout.py", "artifact.py")
-# What describes kernels rather than generating them: the package root (lazy names only), the
-# kernel table and its registry. The walk never enters them, so adding a kernel to the table
-# or a user's `from kbuild import kernel` re-keys nothing; the signature check at build time
-# holds a description to its builder.
-DESCRIPTIONS = ("__init__.py", "kernels/__init__.py", "kernels/table.py", "kernels/declare.py")
+# What describes kernels rather than generating them: the package root (lazy names only) and
+# the registry (kernels by name, and `kernel`). The walk never enters them, so declaring a
+# kernel or a user's `from kbuild import kernel` re-keys nothing; the signature check at build
+# time holds a description to its builder.
+# A package's __init__.py that holds only its docstring (kernels/norms/, plan/) describes too.
+
+
+def _docstring_only(path: Path) -> bool:
+    body = ast.parse(path.read_bytes()).body
+    return (
+        len(body) == 1 and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
+    )
+
+
+DESCRIPTIONS = ("__init__.py", "registry.py") + tuple(
+    sorted(
+        path.relative_to(PACKAGE).as_posix()
+        for path in PACKAGE.rglob("__init__.py")
+        if path != PACKAGE / "__init__.py" and _docstring_only(path)
+    )
+)
 _DESCRIBED = frozenset(PACKAGE / name for name in DESCRIPTIONS)
 
 

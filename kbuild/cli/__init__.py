@@ -18,6 +18,7 @@ then counts the failures); output piped into `head` ends quietly.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import multiprocessing
 import os
@@ -28,7 +29,6 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from ..cache import DiskCache
-from ..manifest import DEFAULT_WIDTH_OPS, MANIFESTS, WIDTH_OPS, manifest
 from ..spec import KernelSpec
 from ..targets import target_for_arch
 from .args import (
@@ -42,13 +42,13 @@ from .args import (
     positive_int,
 )
 from .cache import add_cache_parser
+from .manifest import MANIFESTS, manifest
+from .widths import DEFAULT_WIDTH_OPS, WIDTH_OPS
 
 
 def import_user_module(name: str):
     """Import a module that declares kernels of its own (`kbuild.kernel`), by module name or
     by the path of its file (whose folder goes first on sys.path, as `python FILE` does)."""
-    import importlib
-
     given = name
     path = Path(name).expanduser()
     if name.endswith(".py") or "/" in name or os.sep in name or path.is_file():  # a file
@@ -130,7 +130,7 @@ def warmup(
     all the same; then a CLIError (exit 1) counts the failures. A missing tool (ptxas) stops
     at once."""
     from ..compiler import CompileError
-    from ..model_specs import KERNEL_MODULES
+    from .model_specs import KERNEL_MODULES
 
     os.makedirs(root, exist_ok=True)
     results, failed = [], []
@@ -170,10 +170,26 @@ def warmup(
     return results
 
 
+# The modules declaring kbuild's own kbuild::* operators (torch's; imported for --ops only)
+OWN_OP_MODULES = (
+    "kbuild.kernels.norms.custom_ops",
+    "kbuild.kernels.llmc.op",
+    "kbuild.kernels.loss.cross_entropy",
+    "kbuild.kernels.loss.linear",
+    "kbuild.kernels.softmax.op",
+    "kbuild.kernels.rope.op",
+    "kbuild.kernels.rope.qk_norm",
+    "kbuild.kernels.activations.op",
+)
+
+
 def _declared_op_specs(name: str, hidden: int, dtype: str) -> list[KernelSpec]:
     """The kernels a declared op (kbuild.Op, in a --module) and its backward launch at this
     width: what its launches ask for, on aligned rows."""
-    opdef = sys.modules.get("kbuild.ops.opdef")  # imported by the module declaring the op
+    if name.startswith("kbuild::"):  # kbuild's own: declared when their modules import
+        for module in OWN_OP_MODULES:
+            importlib.import_module(module)
+    opdef = sys.modules.get("kbuild.op.opdef")  # imported by the module declaring the op
     op = None if opdef is None else opdef.DEFINED.get(name)
     if op is None:
         known = sorted(opdef.DEFINED) if opdef is not None else []
@@ -191,7 +207,7 @@ def _checked(specs: list[KernelSpec], origin: str) -> list[KernelSpec]:
     """`specs`, each of a known kernel with values its table entry takes (its parameters'
     kinds and bounds), else a CLIError naming `origin` (the option they came from), the
     kernel, the parameter and what it takes."""
-    from ..kernels.table import kernel_def
+    from ..registry import kernel_def
 
     for spec in specs:
         try:
@@ -202,8 +218,8 @@ def _checked(specs: list[KernelSpec], origin: str) -> list[KernelSpec]:
 
 
 def _specs_from(args) -> list[KernelSpec]:
-    from ..manifest import for_width
     from ..record import read_specs
+    from .widths import for_width
 
     specs = [s for name in args.manifest or [] for s in manifest(name)]
     for name in args.module or []:  # a user's kernels, and the specs it asks to warm
@@ -242,7 +258,7 @@ def _specs_from(args) -> list[KernelSpec]:
         for name in declared:
             specs += _declared_op_specs(name, args.hidden, args.dtype)
     for path in args.model or []:
-        from ..model_specs import config_plan
+        from .model_specs import config_plan
 
         try:
             found, left_out = config_plan(path, args.dtype)
@@ -252,7 +268,7 @@ def _specs_from(args) -> list[KernelSpec]:
         if left_out is not None:
             print(f"--model {path}: {left_out}")
     for V in args.vocab or []:
-        from ..kernels.cross_entropy import vocab_specs
+        from ..kernels.loss.kernels import vocab_specs
 
         try:
             specs += vocab_specs(V, (args.dtype,))
@@ -279,11 +295,11 @@ def _cmd_warmup(args) -> int:
     start = time.perf_counter()
     modules = tuple(args.module or ())
     if args.model:
-        from ..model_specs import KERNEL_MODULES
+        from .model_specs import KERNEL_MODULES
 
         modules += KERNEL_MODULES
     elif args.vocab:
-        modules += ("kbuild.kernels.cross_entropy",)
+        modules += ("kbuild.kernels.loss.kernels",)
     warmup(specs, args.arch, root, args.jobs, modules=modules)
     elapsed = time.perf_counter() - start
     print(f"{plural(len(specs), 'kernel')} for {args.arch} in {root} ({elapsed:.1f} s)")
@@ -291,7 +307,7 @@ def _cmd_warmup(args) -> int:
 
 
 def _cmd_show(args) -> int:
-    from ..show import STAGES, parse_spec, stages
+    from .show import STAGES, parse_spec, stages
 
     check_arch(args.arch)
     for name in args.module or []:
@@ -322,7 +338,7 @@ def _cmd_demo(args) -> int:
         warmup(manifest("standard"), args.arch, root, args.jobs, prog="kbuild demo")
     else:
         print("MLIR is not installed here: running from the cache as it is")
-    from ..demo import run_on_gpu
+    from .demo import run_on_gpu
 
     return run_on_gpu(root)
 
@@ -390,7 +406,7 @@ def _add_warmup_options(p: argparse.ArgumentParser) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    from .. import __version__
+    from ..version import __version__
 
     raw = argparse.RawDescriptionHelpFormatter
     parser = Parser(prog="kbuild", description=__doc__.splitlines()[0])

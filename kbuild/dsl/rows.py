@@ -1,7 +1,7 @@
 """Rows of an (M, N) array as one thread sees them: `RowTile` (its row, its columns, its
 loads, stores and reductions over the row) and `GroupedRows` (rows laid out in groups at a
 stride). How threads map onto a row is a `RowShape`, chosen outside the DSL
-(kernels/config.py: RowConfig).
+(plan/config.py: RowConfig).
 
 Loads of columns past the row's end (rows that are not a whole number of the threads'
 vectors) return a pad value instead of reading: 0.0 by default, the identity of a sum; pass

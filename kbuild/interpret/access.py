@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import types as T
-from .registry import int_attr, op, operand_slots, operand_type, result_slots, result_type
+from .op_table import int_attr, op, operand_slots, operand_type, result_slots, result_type
 from .types import GLOBAL, SHARED, SHARED_CLUSTER, parse_type
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .op_table import op, operand_slots, result_slots
 from .regions import region, run_region
-from .registry import op, operand_slots, result_slots
 
 
 def _where(c: np.ndarray, a: np.ndarray, b: np.ndarray) -> np.ndarray:

@@ -13,8 +13,8 @@ from __future__ import annotations
 import numpy as np
 
 from . import types as T
+from .op_table import OPS, elementwise, op, operand_slots, result_slots, result_type
 from .regions import Jump
-from .registry import OPS, elementwise, op, operand_slots, result_slots, result_type
 from .semantics import MATH, shuffle_maker
 
 # -- control flow ------------------------------------------------------------------------

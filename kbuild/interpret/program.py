@@ -2,7 +2,7 @@
 once (one numpy lane per thread).
 
 `Program(module_op, name)` walks the `gpu.func` once: each SSA value gets a slot, each op a
-closure `run(machine)` from the op table (`registry.OPS`, filled by the semantics modules
+closure `run(machine)` from the op table (`op_table.OPS`, filled by the semantics modules
 semantics.py, access.py, threads.py, control.py and lowered.py, all imported here); a region
 is the list of its ops' closures (`regions.py`). Control flow is structured in the builder's
 module (scf), so divergence is a mask: `scf.if` runs its branches under `mask & cond` and
@@ -14,7 +14,7 @@ lanes meet again where their paths join.
 
 from __future__ import annotations
 
-# each semantics module registers its ops into registry.OPS when imported: all of them are
+# each semantics module registers its ops into op_table.OPS when imported: all of them are
 # here before a kernel is read
 from . import access, control, lowered, semantics, threads  # noqa: F401
 from .regions import region

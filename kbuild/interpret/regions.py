@@ -1,7 +1,7 @@
 """Regions as closures, and running them under the machine's mask.
 
 `region(program, region)` turns each op of a region into its closure (the op's maker in
-registry.OPS); `run_region` runs it and returns what its terminator yields. A single-block
+op_table.OPS); `run_region` runs it and returns what its terminator yields. A single-block
 region (the builder's scf bodies) runs op after op. A multi-block region (the lowered
 module's unstructured control flow, cf / llvm branches) is a graph of blocks: its
 terminators return a `Jump`, and `run_blocks` gives each lane a program counter (its block);
@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from .registry import OPS
+from .op_table import OPS
 
 
 class Region:

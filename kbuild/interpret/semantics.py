@@ -1,5 +1,5 @@
 """What the arith, math and vector ops compute, on every lane at once: their entries of
-registry.OPS (the LLVM dialect's twins of them too), the `MATH` table of elementwise math
+op_table.OPS (the LLVM dialect's twins of them too), the `MATH` table of elementwise math
 functions (lowered.py's intrinsics and library calls use it as well) and `shuffle_maker`.
 
 Arithmetic is exact IEEE (numpy float32 rounds each operation to nearest even, as .rn
@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import types as T
-from .registry import (
+from .op_table import (
     OPS,
     elementwise,
     int_attr,

@@ -7,7 +7,7 @@ import numpy as np
 from . import types as T
 from .access import write
 from .memory import Mbarrier, cluster_address, split_cluster_address
-from .registry import OPS, op, operand_slots, result_slots, result_type
+from .op_table import OPS, op, operand_slots, result_slots, result_type
 
 _DIMS = {"x": 0, "y": 1, "z": 2}
 

@@ -1,26 +1,9 @@
-"""Kernel builders, one module per family, named by the specs that select them.
+"""kbuild's kernels, one package per op family, each holding its kernels' declarations and
+builders and its ops: norms/, loss/, softmax/, rope/, activations/, llmc/; reduce.py holds the
+fixed-order column sums every parameter gradient ends with, and resolve.py the C++ hot path's
+one call into Python. The registry of every kernel by name, and the `kernel` decorator that
+declares one beside its builder, are kbuild/registry.py's.
 
-What each kernel is (parameters, launch arguments, builder) is written once, in table.py (or,
-for a user's kernel, beside its builder, registered with `kbuild.kernel`: declare.py).
-Builders are imported only when a kernel is compiled: they need MLIR, and a machine that only
-runs kernels from a warmed cache has none.
+Declaring imports no MLIR: builders import it when they run, and a machine that only runs
+kernels from a warmed cache has none.
 """
-
-from __future__ import annotations
-
-import importlib
-from collections.abc import Callable
-
-from .table import KERNELS, KernelDef, kernel_def, register
-
-__all__ = ["KERNELS", "KernelDef", "get_builder", "kernel_def", "register"]
-
-
-def get_builder(kernel: str) -> Callable:
-    definition = kernel_def(kernel)
-    if definition.function is not None:
-        return definition.function
-    module, function = definition.builder.split(":")
-    found = getattr(importlib.import_module(module), function)
-    # a module-level name bound to a KernelDef (`@kbuild.kernel`) stands for its builder
-    return found.function if isinstance(found, KernelDef) else found

@@ -13,23 +13,14 @@ run (no atomics). Bytes: read R * N * 4 (mostly from L2), write N elements.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from ..dsl import (
-    Kernel,
-    V,
-    const,
-    element_bytes,
-    get_llvm_ptr,
-    if_else,
-    if_then,
-    load,
-    loop,
-    minimum,
-    store,
-    to_f32,
-)
-from ..dsl.values import cast, vector_type
+from ..registry import DTYPE, ROWS, WIDE, WIDTH, Arg, Param, kernel, vectorize
 from ..targets import Target
+
+if TYPE_CHECKING:
+    from ..dsl import Kernel, V
+
 
 BLOCK = 256
 UNROLL = 4  # independent loads in flight per thread
@@ -67,6 +58,9 @@ def _sum_columns(
     sums); then the lanes' sums are added in a fixed tree through shared memory and lane 0 of
     each column vector in range calls finish(the fp32 sums, the first column) to store them.
     So every bit of the result depends only on the launch shape, never on timing."""
+    from ..dsl import const, get_llvm_ptr, if_else, if_then, load, loop, store, to_f32
+    from ..dsl.values import vector_type
+
     if lanes & (lanes - 1) or k.block % lanes:
         raise ValueError(f"lanes must be a power of two dividing the block, not {lanes}")
     column_vectors = k.block // lanes
@@ -119,6 +113,9 @@ def build_column_sum_module(N: int, out_dtype: str, target: Target, planes: int 
 
     Two planes (LayerNorm's dw and db) take one launch instead of two: at N = 65536 each
     launch costs about as much again in fixed overhead as its 8 MB of partials."""
+    from ..dsl import Kernel, const, get_llvm_ptr, if_then, store
+    from ..dsl.values import cast
+
     if planes not in (1, 2):
         raise ValueError(f"planes must be 1 or 2, not {planes}")
     vec = 4 if N % 4 == 0 else 1
@@ -163,6 +160,8 @@ def build_bias_grad_module(OC: int, dtype: str, target: Target, vectorize: bool 
     Launch arguments: dout, partial (fp32 [chunks, OC]), M, rows_per_chunk.
     Grid: chunks * ceil(OC / columns_per_block). `vectorize`: 16-byte loads (OC a multiple
     of 16 / element size, 16-byte aligned dout)."""
+    from ..dsl import Kernel, element_bytes, get_llvm_ptr, minimum, store
+
     vec = 16 // element_bytes(dtype) if vectorize else 1
     column_vectors = BLOCK // BIAS_LANES
     blocks_per_chunk = -(-OC // (column_vectors * vec))
@@ -182,3 +181,27 @@ def build_bias_grad_module(OC: int, dtype: str, target: Target, vectorize: bool 
         )  # fmt: skip
         k.meta.update(columns_per_block=column_vectors * vec, grid="chunks")
     return k
+
+
+COLUMN_SUM = kernel(
+    "column_sum",
+    # One-plane specs predate `planes`: keyed without it, so warmed caches keep hitting.
+    params=(
+        WIDTH,
+        Param("out_dtype", "dtype"),
+        Param("planes", "int", 1, keyed=False, bounds=(1, 2)),
+    ),
+    args=(
+        Arg("partial"),
+        Arg("out"),
+        Arg("out1", when=lambda p: p.get("planes", 1) == 2),
+        Arg("R", "i64"),
+    ),
+)(build_column_sum_module)
+
+
+BIAS_GRAD = kernel(
+    "bias_grad",
+    params=(Param("OC", "int", bounds=WIDE), DTYPE, vectorize("dtype")),
+    args=(Arg("dout"), Arg("partial"), ROWS, Arg("rows_per_chunk", "i64")),
+)(build_bias_grad_module)

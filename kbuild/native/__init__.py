@@ -185,7 +185,7 @@ def load(force: bool = False) -> Any:
     KBUILD_NATIVE=1 (a CPU machine: tests of its kernels through the launch hook); never
     with KBUILD_NATIVE=0. Not wanted, it returns None and builds nothing, and a later call may
     still load it. The kbuild::* operator schemas must be defined first (importing kbuild
-    defines them: kbuild/ops/custom_ops.py)."""
+    defines them: kbuild/kernels/norms/custom_ops.py)."""
     if _LOADED:
         return _LOADED[0]
     setting = os.environ.get(DISABLE_ENV, "")

@@ -10,7 +10,7 @@ namespace kbuild {
 // finite float eps >= 0, bool flags) runs whole: the forward op through the dispatcher, with
 // statistics stored when a gradient will be needed. Anything else returns None and the
 // caller's Python path takes it: CPU tensors, tensor subclasses, and every bad argument, so the
-// error messages are written once, in Python (kbuild/ops/common.py).
+// error messages are written once, in Python (kbuild/op/tensors.py).
 
 const Tensor* cuda_tensor(py::handle h) {
   if (!THPVariable_CheckExact(h.ptr())) return nullptr;

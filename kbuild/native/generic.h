@@ -1,7 +1,7 @@
 // The generic CUDA kernel of ops declared with kbuild.Op: no C++ of their own.
 // Part of kbuild_native.cpp's one translation unit (included there, in order).
 //
-// An Op whose launches bind by name (kbuild/ops/opdef.py `Launch`, nothing computed by a
+// An Op whose launches bind by name (kbuild/op/opdef.py `Launch`, nothing computed by a
 // Python function) is compiled there into a Program: which arguments are tensors to read
 // dense, how each output is allocated, and per launch which call values pick the kernel (N,
 // a tensor's dtype, a scalar argument, the alignment bit). `define_generic` registers one
@@ -51,7 +51,7 @@ struct Launch {
   py::object resolve;  // (device, values tuple) -> record (opdef.py `_native_record`)
 };
 
-// Op.__call__'s checks of one argument (kbuild/ops/op_args.py `native_check`).
+// Op.__call__'s checks of one argument (kbuild/op/args.py `native_check`).
 enum CheckKind : int8_t {
   ROWS,     // a float tensor of at least one dimension
   LIKE,     // a float tensor of `of`'s shape and dtype (or float32, with or_fp32)

@@ -1,7 +1,7 @@
 // kbuild's hot path in C++: the CUDA and Autograd kernels of the kbuild::* operators.
 //
 // The operators' schemas, CPU kernels (the torch reference) and fake kernels are defined in
-// Python, each operator declared once (kbuild.Op: kbuild/ops/opdef.py, custom_ops.py). This library adds, for CUDA tensors, the launches of the
+// Python, each operator declared once (kbuild.Op: kbuild/op/opdef.py, custom_ops.py). This library adds, for CUDA tensors, the launches of the
 // cached kernels by handle, and for every device the autograd formulas, so an eager training
 // step calls the kernels without entering Python after the first call per shape:
 //
@@ -11,11 +11,11 @@
 //
 // Also here: kbuild::bias_grad's CUDA kernel (llm.c's bias gradient, two launches) and an
 // eager LinearFunction for kbuild.linear (torch's matmuls, kbuild's bias gradient), applied
-// by the `linear` entry; their schemas, CPU kernels and fakes are in kbuild/ops/llmc.py.
+// by the `linear` entry; their schemas, CPU kernels and fakes are in kbuild/kernels/llmc/op.py.
 //
 // Kernels are found by a key: the kernel, the device and the kernel table's parameter values
-// (kbuild/kernels/table.py), each set by its parameter's name (launch.h Value). On a miss the
-// Python resolver (kbuild/ops/resolve.py) is given the values set, by name; it makes the spec
+// (kbuild/registry.py), each set by its parameter's name (launch.h Value). On a miss the
+// Python resolver (kbuild/kernels/resolve.py) is given the values set, by name; it makes the spec
 // (the table's defaults for the rest), loads the binary through kbuild's memory and disk tiers
 // and returns the kernel's launch record, read here by field name: driver function handle,
 // block, shared memory, grid shape and argument slots in the table's order. A call's values

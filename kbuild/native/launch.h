@@ -7,7 +7,7 @@ namespace kbuild {
 // ------------------------------------------------------------------------------------ slots
 // A kernel's arguments are 8-byte values (pointers and i64) taken from these slots in the
 // order its launch record lists them. The names are the kernel table's argument names
-// (kbuild/kernels/table.py); kbuild/ops/resolve.py maps names to these indices by `slot_names`.
+// (kbuild/registry.py); kbuild/kernels/resolve.py maps names to these indices by `slot_names`.
 enum Slot : int {
   X, WEIGHT, BIAS, RESIDUAL, Y, RESIDUAL_OUT, MEAN, RSTD, DY, DRESIDUAL_OUT, DX,
   DW_PARTIAL, DB_PARTIAL, ROWS, PARTIAL, OUT, OUT1, PARTIAL_ROWS, DOUT, ROWS_PER_CHUNK,
@@ -18,7 +18,7 @@ const char* const kSlotNames[NUM_SLOTS] = {
     "dresidual_out", "dx", "dw_partial", "db_partial", "M", "partial", "out", "out1", "R",
     "dout", "rows_per_chunk", "dresidual", "x_group", "x_stride", "x_group_magic"};
 
-// The kernels, in the order of kbuild/ops/resolve.py NATIVE_KERNELS.
+// The kernels, in the order of kbuild/kernels/resolve.py NATIVE_KERNELS.
 enum Kernel : int8_t {
   RMSNORM_FWD, FUSED_ADD_RMSNORM_FWD, LAYERNORM_FWD, RMSNORM_BWD, FUSED_ADD_RMSNORM_BWD,
   LAYERNORM_BWD, COLUMN_SUM, BIAS_GRAD, NUM_KERNELS
@@ -29,7 +29,7 @@ const char* const kKernelNames[NUM_KERNELS] = {
 
 // ----------------------------------------------------------------------------------- values
 // A key holds a kernel's compile-time parameter values, each named by its parameter in the
-// kernel table (kbuild/kernels/table.py Param) and of that parameter's kind. These are the
+// kernel table (kbuild/registry.py Param) and of that parameter's kind. These are the
 // parameters of the kernels above, in the order they first appear there; a CPU test holds the
 // names and kinds equal to the table's (`value_names`, `value_kinds`).
 enum class Value : int8_t {
@@ -213,7 +213,7 @@ struct Record {
 
 std::mutex g_mutex;  // guards g_records; never held while Python runs
 std::unordered_map<Key, Record, KeyHash> g_records;
-py::object* g_resolver = nullptr;     // kbuild.ops.resolve.resolve (leaked: outlives exit)
+py::object* g_resolver = nullptr;     // kbuild.kernels.resolve.resolve (leaked: outlives exit)
 py::object* g_launch_hook = nullptr;  // tests: record launches instead of making them
 bool g_hooked = false;
 
@@ -246,7 +246,7 @@ py::object value_object(int i, uint64_t bits) {
   throw err;
 }
 
-// What both C++ launch paths read of a resolved kernel (kbuild/ops/launch.py record_fields):
+// What both C++ launch paths read of a resolved kernel (kbuild/op/launch.py record_fields):
 // the driver's function, block, shared memory and the grid's shape.
 void read_launch_fields(const py::object& out, Record& rec) {
   rec.function = reinterpret_cast<void*>(out.attr("function_handle").cast<uintptr_t>());
@@ -273,7 +273,7 @@ const Record& record(const Key& key) {
       for (int i = 0; i < NUM_VALUES; ++i)
         if (key.given >> i & 1) values[kValues[i].name] = value_object(i, key.values[i]);
       py::object out = (*g_resolver)(kKernelNames[key.kernel], key.device, values);
-      // The launch record's fields by name (kbuild/ops/resolve.py Record).
+      // The launch record's fields by name (kbuild/kernels/resolve.py Record).
       read_launch_fields(out, rec);
       rec.columns_per_block = out.attr("columns_per_block").cast<int64_t>();
       for (auto s : out.attr("slots").cast<std::vector<int>>()) {
@@ -371,14 +371,14 @@ Tensor stats(int64_t M, const Tensor& like, bool store) {
   return at::empty({store ? M : 0}, like.options().dtype(at::kFloat));
 }
 
-// Where the rows of a non-contiguous (..., N) tensor lie, as kbuild/ops/common.py's
+// Where the rows of a non-contiguous (..., N) tensor lie, as kbuild/op/tensors.py's
 // grouped_rows (the two are held equal by a CPU test): true with group = rows when they are
 // dense after all, true with (group, stride) when row r starts at
 // (r / group) * stride + (r % group) * N, false when they cannot be read so (or there are
 // more than kMaxGroupedRows rows: the kernels divide by group_magic).
-constexpr int64_t kMaxGroupedRows = int64_t{1} << 31;  // kernels/table.py MAX_GROUPED_ROWS
+constexpr int64_t kMaxGroupedRows = int64_t{1} << 31;  // registry.py MAX_GROUPED_ROWS
 
-// x_group_magic: r / group == (r * m) >> p for 0 <= r < 2^31 (kernels/table.py group_magic).
+// x_group_magic: r / group == (r * m) >> p for 0 <= r < 2^31 (registry.py group_magic).
 uint64_t group_magic(int64_t group) {
   int p = 31, bits = 0;
   for (uint64_t g = static_cast<uint64_t>(group - 1); g != 0; g >>= 1) ++bits;

@@ -4,7 +4,7 @@
 
 namespace kbuild {
 
-// The first pass's row chunks (kbuild/ops/encoder.py bias_chunks, the same formula): about
+// The first pass's row chunks (kbuild/kernels/llmc/launch.py bias_chunks, the same formula): about
 // four blocks per multiprocessor in all, never chunks under 64 rows. Fixed by (M, kernel,
 // device), so the summation order and every bit of dbias are too.
 std::pair<int64_t, int64_t> bias_chunks(int64_t M, int64_t column_blocks, int64_t units) {

@@ -1,0 +1,1 @@
+"""Softmax and log-softmax along a dimension. Kernels: kernels.py. Op: op.py."""
