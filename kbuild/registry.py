@@ -369,9 +369,14 @@ def kernel(
             )
         from .cache.sources import fingerprint
 
-        builder = f"{_module_name(function)}:{function.__qualname__}"
-        # The source as this process runs it: its file read now, not at the first compile.
-        source = fingerprint(builder, function.__code__.co_filename)
+        module = _module_name(function)
+        builder = f"{module}:{function.__qualname__}"
+        # A user's source as this process runs it: its file read now, not at the first compile.
+        # kbuild's own (loaded with this module, in every process) are fingerprinted at their
+        # first compile or lookup instead (cache/sources.py builder_fingerprint, once each):
+        # reading them all here cost every import of kbuild half a second.
+        own = module in OWN_MODULES
+        source = None if own else fingerprint(builder, function.__code__.co_filename)
         definition = KernelDef(name, builder, params, args, tunable, function, source)
         return register(definition)
 
