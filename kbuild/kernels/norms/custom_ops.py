@@ -258,10 +258,9 @@ layernorm_bwd_op = LAYERNORM_BWD.overload
 # The extension's kernels where it loads, the Python ones until then (kbuild/op/extension.py);
 # the resolver it calls on a miss is kbuild/kernels/resolve.py's.
 opdef.STANDIN.use_resolver(resolve)
-register_until_native = opdef.STANDIN.register_until_native
 
 for _op in NORM_OPS:
-    register_until_native(_op)
+    opdef.STANDIN.register_until_native(_op)
 
 # settled at import: never, or now (the interpreter never loads it)
 if os.environ.get(native.DISABLE_ENV) in ("0", "1") and not INTERPRETED:
