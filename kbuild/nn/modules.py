@@ -10,7 +10,7 @@ from torch.nn import Module
 from ..kernels.llmc.op import encoder, linear
 from ..kernels.norms.api import layernorm, rmsnorm
 
-_FP32_EPS = torch.finfo(torch.float32).eps  # kbuild computes in fp32 whatever the I/O dtype
+FP32_EPS = torch.finfo(torch.float32).eps  # kbuild computes in fp32 whatever the I/O dtype
 
 
 def _last_dim_only(cls: str, normalized_shape) -> None:
@@ -68,7 +68,7 @@ class RMSNorm(torch.nn.RMSNorm):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         _check_last_dim(self, x)
-        eps = self.eps if self.eps is not None else _FP32_EPS
+        eps = self.eps if self.eps is not None else FP32_EPS
         return rmsnorm(x, self.weight, eps, self.offset)
 
     def extra_repr(self) -> str:

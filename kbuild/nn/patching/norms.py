@@ -12,10 +12,9 @@ from collections.abc import Callable
 import torch
 from torch.nn import Module
 
-from ..modules import LayerNorm, RMSNorm
+from ..modules import FP32_EPS, LayerNorm, RMSNorm
 from .report import PatchReport, Swap
 
-_FP32_EPS = torch.finfo(torch.float32).eps  # kbuild computes in fp32 whatever the I/O dtype
 _Key = tuple[object, ...]
 # |candidate - kbuild| <= atol + rtol * |kbuild| on the probe. 16-bit: two ulps, since Hugging
 # Face norms round x_hat to x's dtype before the weight product (kbuild rounds once). The
@@ -154,7 +153,7 @@ def _passes(module: torch.nn.Module, build: _Build) -> bool:
                 r = r * (torch.randint(0, 2, p.shape, generator=g) * 2 - 1)
             p.copy_(r - (1.0 if name == "bias" else 0.0))
     ours = build(probe)
-    eps = ours.eps if ours.eps is not None else _FP32_EPS
+    eps = ours.eps if ours.eps is not None else FP32_EPS
     return _same_math(probe, ours, eps)
 
 
