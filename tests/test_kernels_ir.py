@@ -15,12 +15,12 @@ import pytest
 from kbuild import compiler
 from kbuild.artifact import Artifact
 from kbuild.cli.manifest import manifest
+from kbuild.cli.widths import column_sum_spec
 from kbuild.kernels.norms.rmsnorm import (
     fused_add_rmsnorm_bwd_spec,
     rmsnorm_bwd_spec,
     rmsnorm_fwd_spec,
 )
-from kbuild.op.launch import column_sum_spec
 from kbuild.plan.config import choose_row_config
 from kbuild.spec import KernelSpec
 from kbuild.targets import target_for_arch

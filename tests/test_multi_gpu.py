@@ -29,8 +29,9 @@ from kbuild import jit
 from kbuild.cache import DiskCache, default_cache_dir, entry_key
 from kbuild.cases import TRAIN_DTYPE, TRAIN_N
 from kbuild.cli.manifest import manifest
+from kbuild.cli.widths import column_sum_spec
 from kbuild.kernels.norms.rmsnorm import rmsnorm_bwd_spec, rmsnorm_fwd_spec
-from kbuild.op.launch import column_sum_spec, rows_grid
+from kbuild.op.launch import rows_grid
 
 from . import multi_gpu_worker
 from .gpu_utils import GRAD_TOL

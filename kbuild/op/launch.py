@@ -16,7 +16,7 @@ import torch
 
 from ..jit import get_launcher, loaded
 from ..registry import KernelDef, kernel_def
-from ..spec import KernelSpec, Scalar
+from ..spec import Scalar
 from .tensors import DTYPE_NAMES, INDEX_NAMES, on_gpu, stream_of
 
 # The Ids arguments of the `Op(cuda=)` call running now, (op name, {argument name: tensor}),
@@ -149,13 +149,6 @@ def launch_rows(
 ) -> None:
     launcher = launcher_for(kernel, device, values)
     launcher(rows_grid(launcher, M), stream_of(device), *ptrs, M)
-
-
-def column_sum_spec(*values: Scalar, **named: Scalar) -> KernelSpec:
-    """The column sum's spec: (N, out_dtype, planes=1), as the other *_spec aliases. The sum is
-    kbuild/kernels/reduce.py's, looked up by name (every family's parameter gradients end
-    with it)."""
-    return kernel_def("column_sum").spec(*values, **named)
 
 
 def column_sum(

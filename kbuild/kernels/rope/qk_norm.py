@@ -50,6 +50,7 @@ from ...op.launch import column_sum, launcher_for
 from ...op.opdef import Op, Out, Scalar, Tensors, eps
 from ...op.tensors import DTYPE_NAMES, aligned, device_guard, stream_of
 from ..norms.rmsnorm import rmsnorm_bwd_reference, rmsnorm_reference
+from ..reduce import COLUMN_SUM
 from .op import _heads_axis, _rotate, _strides, _trig_strides, check_rope, readable, vector_width
 from .qk_norm_kernels import (
     BLOCKS,
@@ -382,8 +383,6 @@ def specs_for(q, k, q_weight, k_weight, cos, sin, eps=1e-6, offset=0.0, interlea
     launches' own choice of vector width; and the weight gradients' column sum. With
     `inference`, also the forward of a call whose inputs want no gradient (no rstd stored:
     under no_grad, or inputs without requires_grad), last."""
-    from ...op.launch import column_sum_spec
-
     q_, k_, cos_, sin_ = readable(q), readable(k), readable(cos), readable(sin)
     outs = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k)]
     forwards = []
@@ -393,7 +392,7 @@ def specs_for(q, k, q_weight, k_weight, cos, sin, eps=1e-6, offset=0.0, interlea
         forwards.append(build_qk_norm_rope.spec(*fwd))
     bwd, _, _ = backward_values(q_, k_, *outs, q_weight, cos_, sin_, offset, interleaved,
                                 unsqueeze_dim, True, outs)  # fmt: skip
-    column_sum = column_sum_spec(q.shape[-1], DTYPE_NAMES[q_weight.dtype], 2)
+    column_sum = COLUMN_SUM.spec(q.shape[-1], DTYPE_NAMES[q_weight.dtype], 2)
     return [forwards[0], build_qk_norm_rope_bwd.spec(*bwd), column_sum, *forwards[1:]]
 
 
