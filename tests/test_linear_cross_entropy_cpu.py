@@ -169,6 +169,42 @@ def test_chunk_rows_follows_the_weight_size():
     assert linear_loss.chunk_rows(10, 50257, 768) == 10
 
 
+def test_chunk_rows_at_least():
+    """`at_least` raises the chunk to that many rows where M has them, never past M, and
+    leaves a larger choice alone."""
+    assert linear_loss.chunk_rows(8192, 151936, 2048, at_least=4096) == 4096  # Qwen3: 2 chunks
+    assert linear_loss.chunk_rows(1000, 151936, 2048, at_least=4096) == 1000
+    assert linear_loss.chunk_rows(65536, 32000, 4096, at_least=4096) == 8384
+
+
+def test_compiled_default_chunk_holds_compiled_rows(monkeypatch):
+    """Traced by torch.compile with no chunk_size or memory_budget, the op is given chunks of
+    at least COMPILED_ROWS (inductor's unfused loss beat the eager default's smaller chunks);
+    eager calls leave the choice to the op (0), and a memory_budget is kept under compile.
+    Catches the compiled default falling back to the eager chunks, or overriding a budget."""
+    seen = []
+    real = torch.ops.kbuild.linear_cross_entropy
+
+    def spy(*args):
+        seen.append(args[12])  # the op's chunk argument
+        return real(*args)
+
+    monkeypatch.setattr(linear_loss, "_forward", spy)
+    h, w, b, t = _inputs()
+    eager = kbuild.linear_cross_entropy(h, w, t)
+    torch._dynamo.reset()
+    try:
+        for budget in (None, 10 * w.shape[0] * 4):
+            f = torch.compile(
+                lambda h, w, t, m=budget: kbuild.linear_cross_entropy(h, w, t, memory_budget=m),
+                backend="eager", fullgraph=True,
+            )  # fmt: skip
+            assert torch.allclose(f(h, w, t), eager)
+    finally:
+        torch._dynamo.reset()
+    assert seen == [0, min(h.shape[0], linear_loss.COMPILED_ROWS), 10]
+
+
 def test_z_loss_returned_on_request():
     h, w, b, t = _inputs()
     y, z = kbuild.linear_cross_entropy(h, w, t, lse_square_scale=1e-2, return_z_loss=True)

@@ -185,16 +185,23 @@ class RowTile:
 
     # ------------------------------------------------------------------ columns
 
-    def over_chunks(self, body, carried: Sequence[V] = ()) -> list[V]:
+    def over_chunks(self, body, carried: Sequence[V] = (), reverse: bool = False) -> list[V]:
         """One pass over this thread's row: `body(start, carried) -> carried`, called once at
         start 0 for a row its threads hold whole, or looped `span` columns at a time over a
         row too long for registers (`cfg.chunked`): each pass then reads the row again, one
-        chunk's values live at a time (a loop, not unrolled). Pass `start` to load and store."""
+        chunk's values live at a time (a loop, not unrolled). Pass `start` to load and store.
+
+        `reverse` walks the chunks last to first: a second pass over a row then starts with the
+        chunks the first pass read last, the likeliest still in L2 when the rows in flight
+        hold more than it does (a pass whose chunks are independent of each other's order)."""
         if not self.cfg.chunked:
             return list(body(0, list(carried)))
         c = self.cfg
         bounds = (const(0, "i64"), const(c.cover, "i64"), const(c.span, "i64"))
-        return loop(*bounds, list(carried), body)
+        if not reverse:
+            return loop(*bounds, list(carried), body)
+        last = const((c.cover - 1) // c.span * c.span, "i64")  # the start of the last chunk
+        return loop(*bounds, list(carried), lambda i, state: body(last - i, state))
 
     def columns(self, start: V | int = 0) -> list[V]:
         """Column of each of this thread's vectors within the block's slice of the row (the

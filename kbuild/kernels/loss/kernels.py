@@ -217,7 +217,10 @@ def _write_gradient(t, dlogits, dtype, v, lse, safe, g, eps, z, cap, N) -> None:
         t.store(dlogits, out, dtype, c)
         return []
 
-    t.over_chunks(write)
+    # Last chunk first: a row walked in chunks is read twice, and its last chunks are the
+    # likeliest to be still in L2 (the forward walking forward twice read 67-69% of copy on
+    # an H100, what two reads from memory and one write give).
+    t.over_chunks(write, reverse=True)
 
 
 @kernel(
