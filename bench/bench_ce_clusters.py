@@ -3,7 +3,8 @@ it (`kbuild.cross_entropy(x, t).backward()`), under every cluster size the plan 
 8192 rows of bf16 logits, beside the chooser's own pick and the copy bandwidth of the same run.
 
     kbuild warmup --arch sm_90 --module bench/bench_ce_clusters.py --cache-dir .kbuild-aot
-    KBUILD_CACHE_DIR=.kbuild-aot KBUILD_OFFLINE=1 python bench/bench_ce_clusters.py OUT.json
+    KBUILD_CACHE_DIR=.kbuild-aot KBUILD_OFFLINE=1 python bench/bench_ce_clusters.py OUT.json \
+        [--rows 1024] [--vocabs 128256,151936]
 
 A cluster of c splits each row over c blocks (`cluster=` is the builder keyword naming that
 plan field: plan/rows.py, `override_keywords`); 1 is one block per row, walking the row
@@ -310,4 +311,15 @@ def main(path: str | None) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else None)
+    import argparse
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("out", nargs="?", help="results JSON (and its _table twin)")
+    p.add_argument("--rows", type=int, default=TOKENS,
+                   help=f"rows of logits a call (default {TOKENS}; the fused linear loss's "
+                        "chunks hold 512-1024 at the large heads)")  # fmt: skip
+    p.add_argument("--vocabs", default="", help="comma-separated V (default: all of VOCABS)")
+    a = p.parse_args()
+    TOKENS = a.rows
+    VOCABS = tuple(int(v) for v in a.vocabs.split(",")) if a.vocabs else VOCABS
+    main(a.out)
