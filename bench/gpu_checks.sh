@@ -12,6 +12,8 @@
 #   bash bench/gpu_checks.sh interpret ce_clusters
 #     (CE_CLUSTERS_ARGS: e.g. '--rows 1024 --vocabs 128256,151936', a fused loss chunk's rows)
 #     (interpret: the interpreter's values, carried, against the GPU's: interpret.log)
+#   bash bench/gpu_checks.sh tune
+#     (TUNE_ARGS: bench/tune.py's kernel:N, e.g. 'rmsnorm_bwd:4097 layernorm_bwd:5123')
 #   bash bench/gpu_checks.sh patch_models
 #     (split over calls by PATCH_MODELS_ARGS, e.g. '--modes eager'; the results merge)
 #   bash bench/gpu_checks.sh host_versions
@@ -56,6 +58,7 @@ for name in "${steps[@]}"; do
         models) step models python3 bench/models.py "$out" --models gpt2-d1024-l6,gpt2-d768-l4,gpt2-124m --modes eager ;;
         profile) step profile python3 bench/model_profile.py "$out" --model gpt2-d1024-l6 ;;
         loss) step loss python3 bench/bench_loss.py "$out/loss.json" ${LOSS_ARGS:-} ;;
+        tune) step tune python3 bench/tune.py "$out/tune.json" ${TUNE_ARGS:-} ;;
         ce_clusters) step ce_clusters python3 bench/bench_ce_clusters.py "$out/ce_clusters.json" ${CE_CLUSTERS_ARGS:-} ;;
         interpret) python3 -c "import lzma, shutil; shutil.copyfileobj(lzma.open('.carry/cpu.pt.xz'), open('.carry/cpu.pt', 'wb'))"
                    step interpret_run python3 bench/interpret_vs_gpu.py run cuda "$out/gpu.pt"

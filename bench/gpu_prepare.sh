@@ -17,7 +17,7 @@ modules=(examples/custom_softmax.py bench/math_accuracy.py bench/bench_rows.py
          kbuild.kernels.rope.op kbuild.kernels.activations.op kbuild.kernels.rope.qk_norm)
 args=()
 for m in "${modules[@]}"; do args+=(--module "$m"); done
-python3 -m kbuild warmup --arch sm_90 --manifest tests --manifest bench "${args[@]}" --cache-dir .kbuild-aot
+python3 -m kbuild warmup --arch sm_90 --manifest tests --manifest bench --manifest tune "${args[@]}" --cache-dir .kbuild-aot
 if [ -f bench/patch_models.py ]; then
     python3 bench/patch_models.py --write-configs .carry/configs
     for c in .carry/configs/*.json; do

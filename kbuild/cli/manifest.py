@@ -151,7 +151,9 @@ def _tune() -> Iterator[KernelSpec]:
     the lag; the RMSNorm forward's second widening (from packed words or 16-bit halves) at
     every bench N; LayerNorm's backward at 16384 against clusters of 4 x 512 and 8 x 256
     and one block an SM, at 65536 with one block an SM (dw/db partials in registers) with
-    and without the lag, and its picks alone at 4096 / 8192 (all swept on 2026-12-04).
+    and without the lag, and its picks alone at 4096 / 8192 (all swept on 2026-12-04); the
+    backward at widths of peeled rows (4097, 5123; LayerNorm 5120 too) capped at two blocks
+    an SM.
     Earlier sweeps (the exchange x staging, rows per block of a cluster, clusters of 16,
     reloading staged rows, staging depth, parameters held in registers, ...) and what they
     showed: bench/results/README.md."""
@@ -197,6 +199,16 @@ def _tune() -> Iterator[KernelSpec]:
     }
     for N, options in layernorm.items():
         yield from variants(layernorm_bwd_spec(N, "bf16", "bf16", True, True), *options)
+    # Widths that are not whole vectors (peeled rows) and LayerNorm at 5120: the chooser
+    # leaves their backward uncapped, and ptxas (CUDA 13.0, sm_90) then gives RMSNorm 4097 /
+    # 5123 72 / 124 registers, LayerNorm 4097 / 5120 / 5123 148 / 141 / 148: one block an SM.
+    # Capped at two blocks: RMSNorm 56 (60 bytes spilled) / 80, LayerNorm 96 / 96 / 80 (120
+    # bytes spilled), 2026-12-07.
+    two = dict(blocks_per_sm=2)
+    for N in (4097, 5123):
+        yield from variants(rmsnorm_bwd_spec(N, "bf16", "bf16", True), two)
+    for N in (4097, 5120, 5123):
+        yield from variants(layernorm_bwd_spec(N, "bf16", "bf16", True, True), two)
 
 
 def _trace() -> Iterator[KernelSpec]:
