@@ -262,3 +262,21 @@ def test_the_fused_backward_stages_its_longest_rows():
 def test_blocks_per_sm_sets_the_occupancy_hint():
     ptx, _ = _ptx_and_meta(_spec("layernorm_fwd", 65536, persistent=True, stage=1, blocks_per_sm=3))
     assert ".minnctapersm 3" in ptx
+
+
+def test_row_kernels_take_blocks_per_sm_only_when_given():
+    """row_kernel (cross-entropy, softmax, the activations) puts a given `blocks_per_sm` into
+    the kernel, and no cap otherwise. Catches the keyword accepted by the plan and dropped
+    before the kernel (it was), and the chooser's cap, which spilled 40 of those kernels,
+    coming back as a default."""
+    from kbuild.kernels.loss.kernels import build_cross_entropy_fwd
+
+    target = target_for_arch("sm_90")
+
+    def module(**extra):
+        spec = build_cross_entropy_fwd.spec(N=4096, dtype="bf16", index_dtype="i64", **extra)
+        return str(compiler.build(spec, target).module)
+
+    capped, plain = module(blocks_per_sm=3), module()
+    assert "nvvm.minctasm = 3" in capped
+    assert "minctasm" not in plain
