@@ -64,7 +64,7 @@ def _forms(shape, dtype, seed):
 
 @pytest.mark.parametrize("name,call,f", GATED, ids=[g[0] for g in GATED])
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("N", [1, 7, 64, 1001])
+@pytest.mark.parametrize("N", [1, 7, 64, 1001, 5632])  # 5632: a forward that streams
 def test_gated_values_and_gradients_match_fp64(name, call, f, dtype, N):
     """Every form of (gate, up) gives the same y and gradients as fp64 torch within one
     rounding: the fused form's d(gate_up) is (dgate, dup) side by side."""
@@ -93,7 +93,7 @@ def test_gated_values_and_gradients_match_fp64(name, call, f, dtype, N):
 
 @pytest.mark.parametrize("approximate", ["tanh", "none"])
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("N", [1, 33, 3072])
+@pytest.mark.parametrize("N", [1, 33, 3072, 5632])
 def test_gelu_values_and_gradients_match_fp64(approximate, dtype, N):
     x = _randn((5, N), dtype, N).requires_grad_()
     dy = _randn((5, N), dtype, 1, 1.0)
@@ -317,18 +317,38 @@ def _ptx(spec):
 def test_kernels_build_for_sm90_with_16_byte_accesses(family, N, dtype):
     """Every kernel builds to PTX; a row of whole 16-byte vectors moves as ld/st.global.v4 in
     every layout, and so does the body of a peeled 4097-wide dense row; the fused and strided
-    rows of 4097 go element by element (their rows start at other phases than y's)."""
+    rows of 4097 go element by element (their rows start at other phases than y's). A wide
+    forward streams one vector of each input a pass (HELD_BLOCK_MAX): GELU's then has one."""
     for kernel in KERNELS[family]:
         ptx = _ptx(_spec(kernel, N, dtype))
         loads = len(re.findall(r"ld\.global(\.\w+)*\.v4\.", ptx))
         stores = len(re.findall(r"st\.global(\.\w+)*\.v4\.", ptx))
         dense = not ("fused" in family or "strided" in family)
         if N % 8 == 0 or dense:
-            assert loads >= 2 and stores >= 1, (kernel.name, loads, stores)
+            inputs = 1 if family == "gelu" else 2
+            assert loads >= inputs and stores >= 1, (kernel.name, loads, stores)
         if N == 4097:  # the partial vectors, element by element
             assert re.search(r"ld\.global(\.\w+)*\.(b16|u16)", ptx), kernel.name
         if N % 8 == 0:
             assert not re.search(r"ld\.global(\.\w+)*\.(b16|u16)\s", ptx), kernel.name
+
+
+def test_wide_forwards_stream_in_small_blocks():
+    """A forward whose held row would take a block of over HELD_BLOCK_MAX threads of several
+    vectors each (one block an SM at Llama's 14336) walks it in blocks of STREAM_THREADS, one
+    vector a pass; narrower rows, and the backwards, keep their plans. Catches the rule
+    dropped or applied to every width."""
+    from kbuild.targets import target_for_arch
+
+    def threads(family, N, backward=False):
+        ptx = _ptx(_spec(KERNELS[family][int(backward)], N, "bf16"))
+        return int(re.search(r"\.maxntid (\d+)", ptx).group(1))
+
+    assert threads("swiglu", 14336) == threads("gelu", 16384) == K.STREAM_THREADS
+    assert threads("swiglu", 4096) == 128 and threads("gelu", 3072) == 96  # held, as before
+    assert threads("swiglu", 14336, backward=True) == 512  # the backward's own plan
+    sm90 = target_for_arch("sm_90")
+    assert K.streams(14336, "bf16", sm90, True, 2) and not K.streams(8192, "bf16", sm90, True, 2)
 
 
 @pytest.mark.parametrize("family", list(KERNELS))

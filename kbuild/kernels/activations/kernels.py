@@ -34,8 +34,8 @@ from __future__ import annotations
 import math
 
 from ...dtypes import ELEMENT_BYTES
-from ...plan.config import CHUNK_ITERS
-from ...plan.rows import row_kernel
+from ...plan.config import CHUNK_ITERS, RowBudget
+from ...plan.rows import plan_rows, row_kernel
 from ...registry import Arg, Param, kernel
 
 SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
@@ -101,15 +101,39 @@ def gelu_kind(tanh: bool) -> str:
 # ----------------------------------------------------------------------------- bodies
 
 
+# A forward whose row, held in registers, takes a block of more threads than this, each
+# holding several vectors, is walked in chunks instead, by blocks of STREAM_THREADS, one
+# vector of each array a thread per pass.
+# Held, Llama's swiglu_fwd at I = 14336 took 448 threads of 82 registers and GPT-2-wide GELU
+# at 16384 512 of 71 (ptxas, CUDA 13.0, sm_90): one block an SM, which drains before the
+# next starts (95.8% and 74.8% of copy on an H100, 2026-12-07, against torch.compile's 105%).
+# Walked: 56 and 47 registers, 9 and 10 blocks of 128 an SM, as inductor's pointwise
+# kernels run.
+HELD_BLOCK_MAX = 256
+STREAM_THREADS = 128
+
+
 def _rows(name: str, N: int, dtype: str, target, vectorize: bool, held: int, backward: bool):
     """The kernel and its rows of N: one pass, never a cluster (nothing to reduce). A
     backward walking a long row in chunks takes one vector of each array a thread per pass:
     its derivative's temporaries live beside three arrays' values (ptxas, sm_90: at four
     vectors swiglu_bwd at 14336 spilled 136 bytes at 128 registers, geglu_bwd 188; at one,
-    62-76 registers and none)."""
+    62-76 registers and none). A forward too wide to hold in a small block streams
+    (HELD_BLOCK_MAX)."""
     chunk = 1 if backward else CHUNK_ITERS
-    return row_kernel(name, N, dtype, target, vectorize=vectorize, rows_held=held, cluster=1,
-                      chunk_vectors=chunk)  # fmt: skip
+    keywords = dict(vectorize=vectorize, rows_held=held, cluster=1, chunk_vectors=chunk)
+    if not backward and streams(N, dtype, target, vectorize, held):
+        keywords.update(chunk_vectors=1, threads_per_row=STREAM_THREADS)
+    return row_kernel(name, N, dtype, target, **keywords)
+
+
+def streams(N: int, dtype: str, target, vectorize: bool, held: int) -> bool:
+    """Whether a forward's row of N streams (HELD_BLOCK_MAX): the block the row chooser
+    gives it held has more threads than that, each holding more than one vector."""
+    budget = RowBudget(words_per_elem=float(held), chunk_iters=CHUNK_ITERS)
+    row = plan_rows(N, dtype, target, vectorize=vectorize, budget=budget, persistent=False,
+                    cluster=1).row  # fmt: skip
+    return row.block > HELD_BLOCK_MAX and (row.chunked or row.iters > 1)
 
 
 def _gated(name: str, kind: str, layout: str, backward: bool, N, dtype, target, vectorize):
