@@ -17,11 +17,15 @@
 #   bash bench/gpu_checks.sh patch_models
 #     (split over calls by PATCH_MODELS_ARGS, e.g. '--modes eager'; the results merge)
 #   bash bench/gpu_checks.sh host_versions
-# Owed as of 2026-12-07, after 42d94c7's run (bench/NOTES.md says what each showed last):
-# patch_models compile for all six models with Liger (PATCH_MODELS_ARGS='--modes compile';
-# qwen3 ran 1.06x stock compiled), eager three rounds for the four run once; loss (cross-entropy
-# at the floor, GPT-2's padded head); block and rows (forwards behind torch.compile, odd-width
-# norm backward, the long-row softmax plan); host; interpret; every step on an H200 too.
+# Owed as of 2026-12-07, after 430f1fd (bench/NOTES.md says what each showed last, and what
+# 686502c to 430f1fd changed unmeasured): patch_models compile for all six models
+# (PATCH_MODELS_ARGS='--modes compile --variants stock,kbuild --no-longest --models ...',
+# two or three a call; qwen3 ran 1.06x stock compiled before 686502c), eager three rounds for
+# the four run once; ce_clusters at 8192 rows (the reversed second pass) and with
+# CE_CLUSTERS_ARGS='--rows 1024 --vocabs 128256,151936,256000' (the fused loss's chunks);
+# tune with TUNE_ARGS='rmsnorm_bwd:4097 rmsnorm_bwd:5123 layernorm_bwd:4097 layernorm_bwd:5120
+# layernorm_bwd:5123'; loss (cross-entropy at the floor, GPT-2's padded head); block (the
+# streamed activation forwards) and rows; host; interpret; every step on an H200 too.
 # Results under $OUT (or ./gpu-results). Each step writes its own file and log; a failing
 # step does not stop the next. With no step named, all four run.
 set -uo pipefail
