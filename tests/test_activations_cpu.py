@@ -349,6 +349,7 @@ def test_wide_forwards_stream_in_small_blocks():
     assert threads("swiglu", 14336, backward=True) == 512  # the backward's own plan
     sm90 = target_for_arch("sm_90")
     assert K.streams(14336, "bf16", sm90, True, 2) and not K.streams(8192, "bf16", sm90, True, 2)
+    assert not K.streams(14336, "bf16", sm90, False, 2)  # element by element: held
 
 
 @pytest.mark.parametrize("family", list(KERNELS))

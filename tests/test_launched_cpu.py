@@ -1,8 +1,9 @@
 """The device's warm lists hold what the device ran. tests/launched/ keeps every kernel spec
 that the GPU test suite and bench/gpu_checks.sh's steps asked for on an H100 (KBUILD_RECORD,
 2026-12-07, the tree at 42d94c7; gpu_tests: 1334 passed from the carried cache with
-KBUILD_OFFLINE=1; patch_models' compiled Qwen3 at 430f1fd added one). Each must be in what bench/gpu_prepare.sh warms: `--manifest tests` and
-`bench`, its modules' warmup_specs() and `warmup --model` of bench/patch_models.py's configs.
+KBUILD_OFFLINE=1; patch_models' compiled Qwen3 at 430f1fd added one). Each must be in what
+bench/gpu_prepare.sh warms: `--manifest tests` and `bench`, its modules' warmup_specs() and
+`warmup --model` of bench/patch_models.py's configs.
 A kernel a GPU test or a step starts launching, that the warm lists lack, then fails here on a
 CPU, not as KernelNotCached on the device. Records are re-taken by any device run of
 gpu_checks.sh (its $OUT/launched/)."""

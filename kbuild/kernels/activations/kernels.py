@@ -104,11 +104,12 @@ def gelu_kind(tanh: bool) -> str:
 # A forward whose row, held in registers, takes a block of more threads than this, each
 # holding several vectors, is walked in chunks instead, by blocks of STREAM_THREADS, one
 # vector of each array a thread per pass.
-# Held, Llama's swiglu_fwd at I = 14336 took 448 threads of 82 registers and GPT-2-wide GELU
-# at 16384 512 of 71 (ptxas, CUDA 13.0, sm_90): one block an SM, which drains before the
-# next starts (95.8% and 74.8% of copy on an H100, 2026-12-07, against torch.compile's 105%).
-# Walked: 56 and 47 registers, 9 and 10 blocks of 128 an SM, as inductor's pointwise
-# kernels run.
+# Held, Llama's swiglu_fwd at I = 14336 took 448 threads of 82 registers and GELU at 16384
+# 512 of 71 (ptxas, CUDA 13.0, sm_90): one block an SM, which drains before the next starts
+# (on an H100, 2026-12-07: swiglu 95.8% of copy against torch.compile's 105.3%, GELU 74.8%
+# against torch eager's 103%). Walked: 56 and 47 registers, 9 and 10 blocks of 128 an SM, as
+# inductor's pointwise kernels run. Rows read element by element (vectorize off) keep their
+# plan: one element a thread a pass would leave too few bytes in flight.
 HELD_BLOCK_MAX = 256
 STREAM_THREADS = 128
 
@@ -128,8 +129,10 @@ def _rows(name: str, N: int, dtype: str, target, vectorize: bool, held: int, bac
 
 
 def streams(N: int, dtype: str, target, vectorize: bool, held: int) -> bool:
-    """Whether a forward's row of N streams (HELD_BLOCK_MAX): the block the row chooser
-    gives it held has more threads than that, each holding more than one vector."""
+    """Whether a forward's row of N streams (HELD_BLOCK_MAX): read in vectors, the block the
+    row chooser gives it held has more threads than that, each holding more than one."""
+    if not vectorize:
+        return False
     budget = RowBudget(words_per_elem=float(held), chunk_iters=CHUNK_ITERS)
     row = plan_rows(N, dtype, target, vectorize=vectorize, budget=budget, persistent=False,
                     cluster=1).row  # fmt: skip
