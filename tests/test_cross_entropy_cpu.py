@@ -421,14 +421,15 @@ def test_the_target_logit_is_read_before_a_block_barrier_in_training():
 def test_many_rows_take_one_block_a_row_on_a_cluster_target():
     """The forward's measured plan for calls of many rows (kernels/loss/kernels.py
     MANY_ROWS_CLUSTER): one block a row at Llama-3's vocabulary on sm_90 (the chooser's
-    cluster 8 read 41.6% of copy, one block 68.8%), the chooser's plan for few rows (a linear
-    cross-entropy chunk), for 32768 (measured best at cluster 8) and where there are no
-    clusters; and the warm list holds both plans."""
+    cluster 8 read 41.6% of copy, one block 68.8%), from 512 rows (the fused linear loss's
+    chunks at the large heads); the chooser's plan for fewer rows, for 32768 (measured best
+    at cluster 8) and where there are no clusters; and the warm list holds both plans."""
     from kbuild.kernels.loss import kernels as ce
     from kbuild.targets import target_for_arch
 
     sm90, gfx942 = target_for_arch("sm_90"), target_for_arch("gfx942")
     assert ce.forward_keywords(128256, "bf16", True, 8192, sm90) == {"cluster": 1}
+    assert ce.forward_keywords(128256, "bf16", True, 1024, sm90) == {"cluster": 1}  # a chunk
     assert ce.forward_keywords(128256, "bf16", True, 256, sm90) == {}
     assert ce.forward_keywords(32768, "bf16", True, 8192, sm90) == {}
     assert ce.forward_keywords(128256, "bf16", True, 8192, gfx942) == {}

@@ -257,9 +257,12 @@ def build_cross_entropy_rescale(N, dtype, target, vectorize=True):
 # adds the exchange: one block a row, walking it in chunks, read 67-69% of copy at V = 32000,
 # 128256, 151936, 256000 and 262144, where the chooser's cluster 8 read 41.6-63.4% (fwd +
 # bwd through autograd: 37.7-46.2% against 29.0-43.4%). At 32768 cluster 8 stays ahead (63.5%
-# against 51.6%). The chooser's plan serves fewer rows (kbuild.linear_cross_entropy's chunks
-# of a few hundred), where one block a row would leave SMs idle.
-MANY_ROWS = 2048
+# against 51.6%). Fewer rows keep the chooser's plan where one block a row would leave SMs
+# idle: at 512 rows one block a row still fills an H100 twice over (its blocks of 512 threads
+# at 64 registers, two an SM; one at 100 with the soft cap: 3.9 waves), so the fused linear
+# loss's chunks (512-1024 rows at the large heads: Gemma 3, Gemma 2, Qwen3, Llama 3) take it
+# too. Not yet timed at those rows: bench_ce_clusters.py --rows 1024 times both plans.
+MANY_ROWS = 512
 MANY_ROWS_CLUSTER = {32768: 8}  # V -> the cluster measured best; every other V: 1
 CLUSTER_TARGET = "sm_90"  # the cluster target the table was measured on (vocab_specs warms it)
 
