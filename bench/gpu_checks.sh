@@ -17,11 +17,11 @@
 #   bash bench/gpu_checks.sh patch_models
 #     (split over calls by PATCH_MODELS_ARGS, e.g. '--modes eager'; the results merge)
 #   bash bench/gpu_checks.sh host_versions
-# Owed as of 2026-12-07, after 430f1fd (bench/NOTES.md says what each showed last, and what
-# 686502c to 430f1fd changed unmeasured): patch_models compile for all six models
-# (PATCH_MODELS_ARGS='--modes compile --variants stock,kbuild --no-longest --models ...',
-# two or three a call; qwen3 ran 1.06x stock compiled before 686502c), eager three rounds for
-# the four run once; ce_clusters at 8192 rows (the reversed second pass) and with
+# Owed as of 2026-12-07, after 18d9f93 (bench/NOTES.md says what each showed last, and what
+# 686502c to 18d9f93 changed unmeasured): patch_models compile for the five models not run
+# at 430f1fd (PATCH_MODELS_ARGS='--modes compile --variants stock,kbuild --no-longest
+# --models ...', two or three a call; qwen3 ran 0.96x stock there), eager for all six (the
+# fused loss chunks' cross-entropy plan changed at 18d9f93), three rounds; ce_clusters at 8192 rows (the reversed second pass) and with
 # CE_CLUSTERS_ARGS='--rows 1024 --vocabs 128256,151936,256000' (the fused loss's chunks);
 # tune with TUNE_ARGS='rmsnorm_bwd:4097 rmsnorm_bwd:5123 layernorm_bwd:4097 layernorm_bwd:5120
 # layernorm_bwd:5123'; loss (cross-entropy at the floor, GPT-2's padded head); block (the
