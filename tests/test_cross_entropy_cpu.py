@@ -519,3 +519,105 @@ def test_a_bad_target_is_read_once_its_kernel_has_run_without_waiting():
     with pytest.raises(ValueError, match="target must hold class ids"):
         pending.poll(wait=True)
     assert late.waited == 1
+
+
+# ----------------------------------------------------------------------------- wider rows
+
+
+def _padded(x: torch.Tensor, width: int, fill: float = 7.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows `width` wide, padding columns `fill`; the (..., V) view of them holding `x`)."""
+    wide = torch.full((*x.shape[:-1], width), fill, dtype=x.dtype)
+    wide[..., : x.shape[-1]] = x
+    return wide, wide[..., : x.shape[-1]]
+
+
+@pytest.mark.parametrize(
+    "shape,width,dtype",
+    [((5, 77), 80, torch.bfloat16),  # peeled rows, 16-byte row stride: vector accesses
+     ((2, 3, 37), 40, torch.float32),  # leading dimensions that merge into one row index
+     ((4, 64), 67, torch.float16),  # whole vectors, rows 134 bytes apart: element accesses
+     ((1, 77), 80, torch.bfloat16)],  # one row (a chunk's last) keeps the strided kernel
+)  # fmt: skip
+def test_in_place_forward_and_rescale_on_a_view_of_wider_rows(shape, width, dtype):
+    """The in-place forward and the rescale on rows `width` elements apart (the fused loss's
+    padded chunks; a padded vocabulary's logits[..., :V]): the dense call's loss, lse and
+    gradient bitwise, the padding untouched. Interpreted, catches a kernel that addresses its
+    rows N apart (the rows after the first then read and write the wrong elements, padding
+    among them) and a launch that copies the view (its gradient never reaches the caller)."""
+    g = torch.Generator().manual_seed(5)
+    x = (torch.randn(*shape, generator=g) * 3).to(dtype)
+    t = torch.randint(0, shape[-1], shape[:-1], generator=g)
+    t.view(-1)[0] = IGNORE
+    coefs = torch.tensor([0.25, 0.1, 1e-2, 0.0])
+    dense = x.clone()
+    wide, view = _padded(x, width)
+    dloss = torch.linspace(0.25, 2.0, t.numel())
+    outs = []
+    for logits in (dense, view):
+        flag = torch.zeros(1, dtype=torch.int32)
+        outs.append(ce_ops.cross_entropy_fwd_(logits, t, coefs, flag, IGNORE, True, True, False))
+        ce_ops.rescale_(logits, dloss, coefs)
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    assert torch.equal(view, dense)  # the gradient, rescaled, where the logits were
+    assert torch.equal(wide[..., shape[-1] :], torch.full_like(wide[..., shape[-1] :], 7.0))
+
+
+def test_in_place_forward_refuses_rows_not_evenly_strided():
+    x = torch.zeros(2, 3, 8)[:, :2, :5]  # rows 8 apart within a batch, 24 between batches
+    t = torch.zeros(2, 2, dtype=torch.int64)
+    coefs = torch.tensor([1.0, 0.0, 0.0, 0.0])
+    flag = torch.zeros(1, dtype=torch.int32)
+    if ce_ops.INTERPRETED:
+        with pytest.raises(ValueError, match=r"logits must be \(\.\.\., V\) rows of contiguous"):
+            ce_ops.cross_entropy_fwd_(x, t, coefs, flag, IGNORE, False, False, False)
+    assert ce_ops.row_stride(x) is None
+    assert ce_ops.row_stride(torch.zeros(4, 8)[:, :5]) == 8
+    assert ce_ops.row_stride(torch.zeros(5).expand(3, 5)) is None  # overlapping rows
+
+
+@pytest.mark.parametrize("V", [37, 50257])
+def test_linear_cross_entropy_pads_its_logits_rows(V, monkeypatch):
+    """The fused loss's chunks hold their logits in rows padded to a multiple of 8 columns
+    (cuBLAS's aligned kernels; GPT-2's 50257), and the loss and gradients still match fp64.
+    Interpreted, the strided cross-entropy kernels compute them."""
+    from kbuild.kernels.loss import linear as linear_loss
+
+    strides, real = [], linear_loss._logits
+
+    def spy(*args, **kwargs):
+        logits = real(*args, **kwargs)
+        strides.append(logits.stride(0))
+        return logits
+
+    monkeypatch.setattr(linear_loss, "_logits", spy)
+    g = torch.Generator().manual_seed(2)
+    h = torch.randn(9, 16, generator=g).requires_grad_()
+    w = (torch.randn(V, 16, generator=g) * 0.5).requires_grad_()
+    t = torch.randint(0, V, (9,), generator=g)
+    y = kbuild.linear_cross_entropy(h, w, t, label_smoothing=0.1, chunk_size=4)
+    y.backward()
+    hd, wd = (a.detach().double().requires_grad_() for a in (h, w))
+    ref = F.cross_entropy(hd @ wd.t(), t, label_smoothing=0.1)
+    ref.backward()
+    assert strides == [-(-V // 8) * 8] * 3
+    assert abs(y.item() - ref.item()) < 1e-5 * abs(ref.item())
+    for a, r in ((h, hd), (w, wd)):
+        assert (a.grad.double() - r.grad).abs().max() < 1e-5 * r.grad.abs().max()
+
+
+def test_inplace_backward_takes_a_padded_vocabularys_view():
+    """cross_entropy(logits[..., :V], inplace_backward=True) of wider rows (llm.c's padded
+    vocabulary) writes the gradient where the view lies: the loss and the gradient of the
+    padded tensor are the dense call's, bitwise, its padding columns' gradient zero."""
+    x, t = _inputs(6, 77, torch.bfloat16, torch.int64)
+    a = x.clone().requires_grad_()
+    wide = torch.zeros(6, 80, dtype=torch.bfloat16)
+    wide[:, :77] = x
+    wide.requires_grad_()
+    ya = kbuild.cross_entropy(a, t, label_smoothing=0.1)
+    padded = wide * 1  # not a leaf: its rows are overwritten by their gradient
+    yb = kbuild.cross_entropy(padded[:, :77], t, label_smoothing=0.1, inplace_backward=True)
+    ya.backward()
+    yb.backward()
+    assert torch.equal(ya, yb) and torch.equal(wide.grad[:, :77], a.grad)
+    assert not wide.grad[:, 77:].any()

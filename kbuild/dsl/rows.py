@@ -151,9 +151,20 @@ class GroupedRows:
 class RowTile:
     """One thread's place in the row grid of a kernel, and its row loads, stores and sums."""
 
-    def __init__(self, k: Kernel, cfg: RowShape, rows: V, row_group: V | None = None):
+    def __init__(
+        self,
+        k: Kernel,
+        cfg: RowShape,
+        rows: V,
+        row_group: V | None = None,
+        row_stride: V | None = None,
+    ):
         """`rows` is M (i64). `row_group` (default: the block's, or with a cluster the
-        cluster's, index) picks the rows; a block of a cluster covers slice `rank` of them."""
+        cluster's, index) picks the rows; a block of a cluster covers slice `rank` of them.
+        `row_stride` (i64, elements; default N): where row r starts, r * row_stride, in the
+        arrays `load` and `store` address, as a (M, N) view of wider rows is laid out (a
+        padded vocabulary's logits). A peeled row's phase follows it (any stride is legal);
+        for unpeeled vectors it must keep each row's start aligned to a vector."""
         if not (isinstance(rows, V) and str(rows.type) == "i64"):
             raise TypeError(f"RowTile: rows (M) must be an i64 value (k.i64), got {describe(rows)}")
         self.k, self.cfg, self.rows = k, cfg, rows
@@ -172,7 +183,7 @@ class RowTile:
         self.row = minimum(row, rows - 1) if self.partial_rows else row
         # First column of this block's slice (0 without a cluster).
         self.first = k.cluster_rank() * cfg.slice if cfg.cluster > 1 else 0
-        self.offset = self.row * cfg.N + self.first
+        self.offset = self.row * (cfg.N if row_stride is None else row_stride) + self.first
         # Peeled rows: how far the slice starts into an aligned vector (its columns are
         # shifted back by that much), and where it ends (the last block's slice is short).
         self.phase = self.offset & (cfg.vec - 1) if cfg.peel else None

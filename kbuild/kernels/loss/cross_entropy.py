@@ -64,6 +64,7 @@ from ...op.tensors import (
     data_ptrs,
     device_guard,
     on_gpu,
+    row_count,
 )
 from .kernels import (
     BAD_TARGET,
@@ -160,21 +161,50 @@ def _new_rows(x: torch.Tensor, M: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _launch_fwd(x, target, coefs, loss, lse, d, flag, ignore_index, smoothing, z_loss,
                 softcap) -> None:  # fmt: skip
-    """The forward kernel on (M, V) contiguous logits `x`; `d` None (no gradient), a new
-    tensor, or `x` itself (in place)."""
+    """The forward kernel on logits `x`, (..., V) rows (contiguous, or evenly strided: see
+    `row_stride`); `d` None (no gradient), a new contiguous tensor, or `x` itself (in
+    place)."""
     V = x.shape[-1]
-    M = x.numel() // V
+    M = row_count(x)
     if M == 0:
         return
     grad = d is not None
+    stride = row_stride(x)
+    if stride is None or (stride != V and d is not None and d is not x):
+        raise ValueError("logits must be (..., V) rows of contiguous elements, evenly strided")
     args = [x, target.contiguous(), coefs.contiguous(), loss, lse, *([d] if grad else []),
-            flag, M, int(ignore_index)]  # fmt: skip
+            flag, M, int(ignore_index), *([stride] if stride != V else [])]  # fmt: skip
     values = fwd_values(V, x.dtype, target.dtype, smoothing, z_loss, grad,
-                        aligned(*data_ptrs(x, d)), softcap)  # fmt: skip
+                        _vectorizable(x, stride, d), softcap, stride != V)  # fmt: skip
     values.update(forward_keywords(V, values["dtype"], values["vectorize"], M,
                                    target_of(x.get_device())))  # fmt: skip
     launch_kernel(build_cross_entropy_fwd, lambda launcher: rows_grid(launcher, M), *args,
                   **values)  # fmt: skip
+
+
+def row_stride(x: torch.Tensor) -> int | None:
+    """The elements between consecutive rows of `x` seen as (M, V) rows of contiguous
+    elements: V where it is contiguous, more for a view of wider rows (`logits[..., :V]` of a
+    padded vocabulary, the fused linear loss's chunks); None where its rows are not evenly
+    strided (they must be copied)."""
+    V = x.shape[-1]
+    if x.stride(-1) != 1 and not x.is_contiguous():
+        return None
+    try:  # (view keeps a 2-d tensor's strides; it may renumber a 1-row one's)
+        rows = x if x.dim() == 2 else x.view(-1, V)
+    except RuntimeError:  # leading dimensions that do not merge into one row index
+        return None
+    if rows.shape[0] <= 1:  # one row: its stride is free (a chunk's last row keeps the view's)
+        return max(rows.stride(0), V)
+    return rows.stride(0) if rows.stride(0) >= V else None  # (overlapping rows: None)
+
+
+def _vectorizable(x: torch.Tensor, stride: int, d: torch.Tensor | None) -> bool:
+    """128-bit accesses: 16-byte aligned data, and for a view of wider rows, rows a whole
+    number of 16 bytes apart (dense rows of a width that is not a whole number of vectors are
+    peeled: each row's phase is found in the kernel)."""
+    wide = x.shape[-1] != stride
+    return aligned(*data_ptrs(x, d)) and not (wide and (stride * x.element_size()) % 16)
 
 
 class _PendingChecks:
@@ -231,11 +261,15 @@ def raise_on_bad_targets(flag: torch.Tensor, V: int, ignore_index: int) -> None:
     PENDING.add(flag, V, ignore_index)
 
 
-def fwd_values(V, dtype, index_dtype, smoothing, z_loss, grad, vectorize, softcap=False) -> dict:
+def fwd_values(V, dtype, index_dtype, smoothing, z_loss, grad, vectorize, softcap=False,
+               strided=False) -> dict:  # fmt: skip
     """The forward kernel's table values for a call (the launch's and warmup_specs')."""
-    return dict(N=V, dtype=DTYPE_NAMES[dtype], index_dtype=INDEX_NAMES[index_dtype],
-                smoothing=bool(smoothing), z_loss=bool(z_loss), softcap=bool(softcap),
-                grad=bool(grad), vectorize=bool(vectorize))  # fmt: skip
+    values = dict(N=V, dtype=DTYPE_NAMES[dtype], index_dtype=INDEX_NAMES[index_dtype],
+                  smoothing=bool(smoothing), z_loss=bool(z_loss), softcap=bool(softcap),
+                  grad=bool(grad), vectorize=bool(vectorize))  # fmt: skip
+    if strided:  # (unkeyed: the dense kernels' specs do not name it)
+        values["strided"] = True
+    return values
 
 
 # ----------------------------------------------------------------------------- in place
@@ -253,9 +287,10 @@ def cross_entropy_fwd_(
     softcap: bool,
     grad: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The forward with the gradient (where `grad`) written over `logits` (contiguous
-    (..., V)): per-row loss and lse (fp32). A bad target raises `flag` to BAD_TARGET (the
-    caller reads it: several calls may share one flag); on CPU it raises at once."""
+    """The forward with the gradient (where `grad`) written over `logits` ((..., V), its
+    rows contiguous, evenly strided: `row_stride`): per-row loss and lse (fp32). A bad target
+    raises `flag` to BAD_TARGET (the caller reads it: several calls may share one flag); on
+    CPU it raises at once."""
     loss, lse, d = cross_entropy_reference(logits, target, coefs, ignore_index, smoothing,
                                            z_loss, softcap, grad)  # fmt: skip
     if grad:
@@ -266,11 +301,13 @@ def cross_entropy_fwd_(
 @cross_entropy_fwd_.register_kernel("cuda")
 def _fwd_inplace_cuda(logits, target, coefs, flag, ignore_index, smoothing, z_loss, softcap,
                       grad=True):  # fmt: skip
-    V = logits.shape[-1]
-    if not logits.is_contiguous():
-        raise ValueError("logits must be contiguous to take its gradient in place")
+    if row_stride(logits) is None:
+        raise ValueError(
+            "logits must be (..., V) rows of contiguous elements, evenly strided (a view of "
+            "wider rows is), to take its gradient in place"
+        )
     with device_guard(logits):
-        loss, lse = _new_rows(logits, logits.numel() // V)
+        loss, lse = _new_rows(logits, row_count(logits))
         _launch_fwd(logits, target, coefs, loss, lse, logits if grad else None, flag,
                     ignore_index, smoothing, z_loss, softcap)  # fmt: skip
     return loss, lse
@@ -329,16 +366,21 @@ def rescale_(dlogits: torch.Tensor, dloss: torch.Tensor, coefs: torch.Tensor) ->
 @rescale_.register_kernel("cuda")
 def _rescale_cuda(dlogits, dloss, coefs) -> None:
     V = dlogits.shape[-1]
-    M = dlogits.numel() // V
+    M = row_count(dlogits)
     if M == 0:
         return
+    stride = row_stride(dlogits)
+    if stride is None:
+        raise ValueError("dlogits must be (..., V) rows of contiguous elements, evenly strided")
+    strided = {"strided": True} if stride != V else {}
     with device_guard(dlogits):
         dloss = dloss.reshape(-1).float().contiguous()
         launch_kernel(
             build_cross_entropy_rescale,
             lambda launcher: rows_grid(launcher, M),
-            dlogits, dloss, coefs, M,
-            N=V, dtype=DTYPE_NAMES[dlogits.dtype], vectorize=aligned(dlogits.data_ptr()),
+            dlogits, dloss, coefs, M, *([stride] if strided else []),
+            N=V, dtype=DTYPE_NAMES[dlogits.dtype],
+            vectorize=_vectorizable(dlogits, stride, None), **strided,
         )  # fmt: skip
 
 
@@ -423,8 +465,9 @@ def cross_entropy(
     `return_z_loss`, the pair (loss, z_loss), z_loss the z-loss term of it reduced the same
     way (for logging; no gradient flows through it). Saved for backward: the gradient itself,
     written by the forward (logits-sized; with `inplace_backward`, written over the logits,
-    which then hold it: the logits must be contiguous and not a leaf), and the 4 fp32
-    coefficients; nothing else."""
+    which then hold it: the logits must not be a leaf, and their rows contiguous, evenly
+    strided, as a view of a padded vocabulary's `logits[..., :V]` is), and the 4 fp32
+    coefficients; nothing else. Without `inplace_backward` such a view is copied first."""
     PENDING.poll()
     check_input("logits", logits)
     check_options(ignore_index, reduction, label_smoothing, lse_square_scale, softcap)
@@ -439,10 +482,11 @@ def cross_entropy(
     grad = torch.is_grad_enabled() and logits.requires_grad
     options = switches(ignore_index, label_smoothing, lse_square_scale, softcap)
     if inplace_backward and grad:
-        if logits.is_leaf or not logits.is_contiguous():
+        if logits.is_leaf or row_stride(logits) is None:
             raise ValueError(
-                "inplace_backward writes the gradient over logits, which must be contiguous and "
-                "not a leaf tensor (its values would be lost to the caller)"
+                "inplace_backward writes the gradient over logits, which must be (..., V) rows "
+                "of contiguous elements, evenly strided, and not a leaf tensor (its values would "
+                "be lost to the caller)"
             )
         rows, lse = _InPlace.apply(logits, target, coefs, *options, check_targets)
     else:

@@ -47,6 +47,14 @@ BAD_TARGET = 1  # the flag's code for a target outside [0, V)
 INDEX_DTYPES = ("i32", "i64")
 
 ROW = (Param("N", "int", bounds=(2, None)), Param("dtype", "dtype"))
+# Rows of logits `row_stride` elements apart (>= N), not N: a (M, V) view of wider rows, as
+# the fused linear loss's chunks are (their rows padded to a multiple of 8 columns, so that
+# cuBLAS writes and reads them with its aligned kernels: GPT-2's 50257), read and written in
+# place. The stride is a launch argument: one kernel for every stride. Unkeyed: the dense
+# kernels keep their specs.
+STRIDED = Param("strided", "bool", False, keyed=False)
+ROW_ALIGN = 8  # the fused loss pads its logits' rows to a multiple of this many columns
+ROW_STRIDE = Arg("row_stride", "i64", when="strided")
 
 
 def _pair_and_sums(a, b):
@@ -69,17 +77,20 @@ def _within(values, inside):
     params=(*ROW, Param("index_dtype", "index"), Param("smoothing", "bool", False),
             Param("z_loss", "bool", False), Param("softcap", "bool", False),
             Param("grad", "bool", True),
-            Param("vectorize", "bool", True)),
+            Param("vectorize", "bool", True), STRIDED),
     args=(Arg("logits"), Arg("target"), Arg("coefs"), Arg("loss"), Arg("lse"),
-          Arg("dlogits", when="grad"), Arg("flag"), Arg("M", "i64"), Arg("ignore_index", "i64")),
+          Arg("dlogits", when="grad"), Arg("flag"), Arg("M", "i64"), Arg("ignore_index", "i64"),
+          ROW_STRIDE),
     tunable=True,
 )  # fmt: skip
 def build_cross_entropy_fwd(N, dtype, index_dtype, target, smoothing=False, z_loss=False,
-                            softcap=False, grad=True, vectorize=True, **overrides):  # fmt: skip
+                            softcap=False, grad=True, vectorize=True, strided=False,
+                            **overrides):  # fmt: skip
     """Per row: loss and lse (fp32), and with `grad` dlogits (dtype) scaled by coefs[0]
     (module docstring); without it (inference) the logits are read once and nothing else.
-    `overrides`: launch-plan keywords (cluster=, threads_per_row=), for benchmarks to time
-    other plans than the one chosen."""
+    `strided`: the logits (and dlogits, laid out alike) are rows `row_stride` elements apart
+    (STRIDED). `overrides`: launch-plan keywords (cluster=, threads_per_row=), for benchmarks
+    to time other plans than the one chosen."""
     from kbuild.dsl import RowTile, const, get_llvm_ptr, load, log, select
 
     k, row = row_kernel("cross_entropy_fwd", N, dtype, target, vectorize=vectorize,
@@ -90,7 +101,7 @@ def build_cross_entropy_fwd(N, dtype, index_dtype, target, smoothing=False, z_lo
         )  # the arguments in the table's order
         dlogits = k.ptr("dlogits") if grad else None
         flag, M, ignore = k.ptr("flag"), k.i64("M"), k.i64("ignore_index")
-        t = RowTile(k, row, M)
+        t = RowTile(k, row, M, row_stride=k.i64("row_stride") if strided else None)
         skip, safe = _target(t, targets, index_dtype, flag, ignore, N)
         g, eps, z, cap = (
             load(get_llvm_ptr(coefs, const(i, "i64"), "f32"), "f32") for i in range(4)
@@ -225,17 +236,18 @@ def _write_gradient(t, dlogits, dtype, v, lse, safe, g, eps, z, cap, N) -> None:
 
 @kernel(
     "cross_entropy_rescale",
-    params=(*ROW, Param("vectorize", "bool", True)),
-    args=(Arg("dlogits"), Arg("dloss"), Arg("coefs"), Arg("M", "i64")),
+    params=(*ROW, Param("vectorize", "bool", True), STRIDED),
+    args=(Arg("dlogits"), Arg("dloss"), Arg("coefs"), Arg("M", "i64"), ROW_STRIDE),
 )
-def build_cross_entropy_rescale(N, dtype, target, vectorize=True):
-    """dlogits[r] *= dloss[r] / coefs[0] in place, skipping rows where the two are equal."""
+def build_cross_entropy_rescale(N, dtype, target, vectorize=True, strided=False):
+    """dlogits[r] *= dloss[r] / coefs[0] in place, skipping rows where the two are equal;
+    `strided` as for the forward."""
     from kbuild.dsl import RowTile, const, get_llvm_ptr, if_then, load, ne, widen
 
     k, row = row_kernel("cross_entropy_rescale", N, dtype, target, vectorize=vectorize)
     with k:
         dlogits, dloss, coefs = k.ptr("dlogits"), k.ptr("dloss"), k.ptr("coefs")
-        t = RowTile(k, row, k.i64("M"))
+        t = RowTile(k, row, k.i64("M"), row_stride=k.i64("row_stride") if strided else None)
         d = t.load_row_scalar(dloss, "f32")
         g = load(get_llvm_ptr(coefs, const(0, "i64"), "f32"), "f32")
         factor = d * (1.0 / g)
@@ -286,12 +298,14 @@ def forward_keywords(V: int, dtype: str, vectorize: bool, M: int, target) -> dic
 def vocab_specs(V: int, dtypes=("f32", "f16", "bf16")) -> list:
     """Every cross-entropy kernel a vocabulary of V launches from 16-byte-aligned logits of
     `dtypes`: each switch of the options (smoothing, z-loss, soft cap), training and
-    inference, both id dtypes, and the rescale (`kbuild warmup --vocab V`;
-    kbuild.linear_cross_entropy launches the same kernels), for calls of few rows and of
-    many (`forward_keywords`)."""
+    inference, both id dtypes, and the rescale (`kbuild warmup --vocab V`), for calls of
+    few rows and of many (`forward_keywords`); and where V is not a whole number of
+    ROW_ALIGN columns, the same on rows padded to one (`strided`), which
+    kbuild.linear_cross_entropy's chunks are."""
     cluster_target = target_for_arch(CLUSTER_TARGET)
+    layouts = ({}, {"strided": True}) if V % ROW_ALIGN else ({},)
     specs = []
-    for dtype in dtypes:
+    for dtype, layout in itertools.product(dtypes, layouts):
         many = forward_keywords(V, dtype, True, MANY_ROWS, cluster_target)  # a cluster target
         for index in INDEX_DTYPES:
             for smoothing, z_loss, softcap in itertools.product((False, True), repeat=3):
@@ -305,9 +319,10 @@ def vocab_specs(V: int, dtypes=("f32", "f16", "bf16")) -> list:
                         softcap=softcap,
                         grad=grad,
                         vectorize=True,
+                        **layout,
                     )
                     specs.append(build_cross_entropy_fwd.spec(**values))
                     if many:  # the plan of a call of many rows differs from the chooser's
                         specs.append(build_cross_entropy_fwd.spec(**values, **many))
-        specs.append(build_cross_entropy_rescale.spec(N=V, dtype=dtype, vectorize=True))
+        specs.append(build_cross_entropy_rescale.spec(N=V, dtype=dtype, vectorize=True, **layout))
     return specs

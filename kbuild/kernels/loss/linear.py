@@ -12,6 +12,10 @@ The design. Tokens go in chunks of `chunk_size` rows, in a fixed order. Per chun
     dhidden_c  = dlogits @ weight                     torch's matmuls: fp32 accumulation inside
     dweight   += dlogits.T @ hidden_c                 (cuBLAS), one rounding per chunk
     dbias     += column sums of dlogits (fp32)
+The chunks' logits live in one buffer whose rows are padded to a multiple of 8 columns
+(`_logits_buffer`: cuBLAS's aligned kernels for a vocabulary such as GPT-2's 50257), which
+the cross-entropy kernels read and write as a (rows, V) view.
+
 For a mean or a sum the gradients are computed in the forward, scaled as `loss.backward()`
 needs them (1 / n_valid, counted on the device, or 1); the backward multiplies them by the
 incoming gradient (a scalar on the device: no synchronisation; it reads and writes d(weight)
@@ -58,6 +62,7 @@ import torch
 from ...op.opdef import Ids
 from ...op.tensors import check_input, device_guard, on_gpu
 from .cross_entropy import PENDING, cross_entropy_fwd_, raise_on_bad_targets, rescale_
+from .kernels import ROW_ALIGN
 from .options import check_options, make_coefs, switches, z_loss_of
 
 MIN_ROWS = 64  # the smallest chunk chosen: fewer rows make the matmuls inefficient
@@ -148,7 +153,7 @@ def _pass(hidden, weight, bias, target, coefs, options, chunk, wants, dloss=None
     # (the last one's was freed only once the next one's was made: 250 MiB more at the
     # Llama-3-8B head, 1568 MiB against 1316 measured on an H100, 2026-12-07).
     rows = max((end - start for start, end in chunks), default=0)
-    buffer = hidden.new_empty(rows, weight.shape[0])
+    buffer = _logits_buffer(hidden, rows, weight.shape[0])
     for start, end in chunks:
         h, t = hidden[start:end], target[start:end]
         logits = _logits(h, weight, bias, buffer[: end - start])  # becomes its gradient below
@@ -169,6 +174,16 @@ def _pass(hidden, weight, bias, target, coefs, options, chunk, wants, dloss=None
     if first and grad:
         dw.zero_()  # no rows: no chunk set it
     return loss, lse, flag
+
+
+def _logits_buffer(hidden: torch.Tensor, rows: int, V: int) -> torch.Tensor:
+    """The chunks' logits, (rows, V) in hidden's dtype, each row padded to a multiple of
+    ROW_ALIGN columns: a (rows, V) view of wider rows. cuBLAS takes a matrix whose rows are
+    not a whole number of 16 bytes apart (GPT-2's 50257 columns) on slower kernels, for the
+    logits' product and for both products of their gradient; the cross-entropy kernels read
+    and write the view where it lies (a launch argument, the row stride)."""
+    width = -(-V // ROW_ALIGN) * ROW_ALIGN
+    return hidden.new_empty(rows, width)[:, :V]
 
 
 def _add_dweight(dw, dlogits, h, first: bool, widened: bool) -> None:
