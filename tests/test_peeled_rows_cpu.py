@@ -60,6 +60,30 @@ def test_peeled_rows_take_the_shape_of_the_aligned_width_below():
             assert 0 < p.threads_per_row - a.threads_per_row <= 32 * 2
 
 
+def test_a_peeled_row_its_aligned_width_would_chunk_is_held_by_a_wider_cluster():
+    """50256's slices must be whole vectors, so it splits 2 ways and walks each half twice;
+    50257's slices are rounded up to whole vectors, so it splits 8 ways and holds its row
+    (softmax's forward at (4096, 50257) on an H100: 41.5% of copy as 50256's plan, 66.3% at
+    cluster 8), for the online forwards that ask (their backwards measured better chunked).
+    Catches the rule lost (the chunked plan inherited), and it taken where the wider cluster
+    would chunk too, with no cluster to widen to, or for a budget that did not ask."""
+    from kbuild.plan.rows import online_budget, plan_rows
+
+    def plan(N, target=SM90, budget=None):  # as softmax's and cross-entropy's forwards
+        budget = budget or online_budget("bf16")
+        return plan_rows(N, "bf16", target, budget=budget, persistent=False).row
+
+    a, p = plan(50256), plan(50257)
+    assert (a.cluster, a.chunked) == (2, True)
+    assert (p.cluster, p.chunked) == (8, False)
+    assert (p.threads_per_row * p.iters * p.vec) * 8 >= 50257 + 7 * 8  # slices and phases
+    assert (plan(151937).cluster, plan(151937).chunked) == (8, True)  # 8 ways chunks too
+    no_clusters = plan(50257, target_for_arch("sm_80"))
+    assert (no_clusters.cluster, no_clusters.chunked) == (1, True)
+    two_arrays = plan(50257, budget=RowBudget(words_per_elem=2.0))  # a backward: not asked
+    assert (two_arrays.cluster, two_arrays.chunked) == (2, True)
+
+
 def test_short_and_grouped_odd_rows_take_scalar_accesses():
     """Rows sharing a block would each have their own phase (the block's partials are summed
     column by column): short odd rows stay scalar, as does a strided x whose rows and the

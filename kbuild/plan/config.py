@@ -72,6 +72,10 @@ class RowBudget:
     shapes: tuple[tuple[int, int, int], ...] = ()
     short_iters: int = 4
     chunk_iters: int = CHUNK_ITERS  # vectors a thread takes per pass of a row walked in chunks
+    # A peeled row that its aligned width's plan walks in chunks is held by a wider cluster
+    # where one holds it (_held_in_a_wider_cluster): for the online forwards (softmax,
+    # cross-entropy), where it was measured to pay.
+    split_to_hold: bool = False
 
 
 FORWARD_BUDGET = RowBudget()
@@ -291,6 +295,9 @@ def _peeled(
         return replace(aligned, N=N)
     tpr, iters, chunked = aligned.threads_per_row, aligned.iters, aligned.chunked
     cfg = RowConfig(N, vec, tpr, 1, iters, chunked, aligned.cluster)
+    if chunked and budget.split_to_hold:
+        return _held_in_a_wider_cluster(N, dtype, warp_size, budget, max_cluster,
+                                        register_scale, cfg)  # fmt: skip
     if chunked:
         return cfg  # the chunk loop covers the extra vector
     vectors = -(-cfg.cover // vec)
@@ -305,6 +312,26 @@ def _peeled(
         c = cluster_size(N, dtype, True, max_cluster)
         return choose_row_config(N, dtype, warp_size, True, budget, cluster=c, **same)
     return RowConfig(N, vec, MAX_THREADS // 2, 1, budget.chunk_iters, True, aligned.cluster)
+
+
+def _held_in_a_wider_cluster(N, dtype, warp_size, budget, max_cluster, register_scale,
+                             chunked: RowConfig) -> RowConfig:  # fmt: skip
+    """A peeled row whose aligned width's plan walks it in chunks (read twice), held instead
+    by more blocks where that holds it: an aligned width's slices must be whole vectors,
+    which can limit its cluster (50256 = 16 x 3141 splits 2 ways, not 8), a peeled row's
+    slices are rounded up to whole vectors, so it splits as wide as the target allows.
+    Measured on an H100 (2026-12-07, rows_h100.log in ../shared/measurements): softmax's
+    forward at (4096, 50257) bf16 read 41.5% of copy as 50256's plan (cluster 2, chunked)
+    and 66.3% with cluster 8, holding the row; its backward (two arrays a row) 68.8% as
+    50256's plan and 65.7% at cluster 8, so only budgets that ask (`split_to_hold`: the
+    online forwards) take it. Otherwise `chunked`, the chunk loop covering the extra
+    vector."""
+    c = cluster_size(N, dtype, True, max_cluster)
+    if c <= chunked.cluster:
+        return chunked
+    wide = choose_row_config(N, dtype, warp_size, True, budget, cluster=c,
+                             register_scale=register_scale, max_cluster=max_cluster)  # fmt: skip
+    return chunked if wide.chunked else wide
 
 
 def cluster_size(N: int, dtype: str, vectorize: bool, max_cluster: int) -> int:

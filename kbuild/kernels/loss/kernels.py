@@ -39,7 +39,7 @@ from __future__ import annotations
 import functools
 import itertools
 
-from ...plan.rows import ONLINE_WORDS, RowBudget, plan_rows, row_kernel
+from ...plan.rows import ONLINE_WORDS, online_budget, plan_rows, row_kernel
 from ...registry import Arg, Param, kernel
 from ...targets import target_for_arch
 
@@ -94,7 +94,8 @@ def build_cross_entropy_fwd(N, dtype, index_dtype, target, smoothing=False, z_lo
     from kbuild.dsl import RowTile, const, get_llvm_ptr, load, log, select
 
     k, row = row_kernel("cross_entropy_fwd", N, dtype, target, vectorize=vectorize,
-                        rows_held=ONLINE_WORDS[dtype], **overrides)  # fmt: skip
+                        rows_held=ONLINE_WORDS[dtype], split_to_hold=True,
+                        **overrides)  # fmt: skip
     with k:
         logits, targets, coefs, loss_out, lse_out = (
             k.ptr(n) for n in ("logits", "target", "coefs", "loss", "lse")
@@ -281,8 +282,7 @@ CLUSTER_TARGET = "sm_90"  # the cluster target the table was measured on (vocab_
 
 @functools.cache
 def _chosen_cluster(V: int, dtype: str, vectorize: bool, target) -> int:
-    budget = RowBudget(words_per_elem=ONLINE_WORDS[dtype])
-    return plan_rows(V, dtype, target, vectorize=vectorize, budget=budget,
+    return plan_rows(V, dtype, target, vectorize=vectorize, budget=online_budget(dtype),
                      persistent=False).row.cluster  # fmt: skip
 
 

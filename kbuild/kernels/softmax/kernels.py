@@ -43,7 +43,7 @@ def _forward(name: str, log: bool, N, dtype, target, out_dtype, vectorize):
 
     out = out_dtype or dtype
     k, row = row_kernel(name, N, dtype, target, vectorize=vectorize,
-                        rows_held=ONLINE_WORDS[dtype])  # fmt: skip
+                        rows_held=ONLINE_WORDS[dtype], split_to_hold=True)  # fmt: skip
     with k:
         x, y, M = k.ptr("x"), k.ptr("y"), k.i64("M")
         t = RowTile(k, row, M)
