@@ -27,7 +27,10 @@ models (Qwen3-1.7B, Gemma-3-1B, GPT-2; 8192 tokens): time of forward + backward 
 memory of kbuild.linear_cross_entropy, the unfused path as Hugging Face runs it (logits,
 upcast to fp32, F.cross_entropy) eager and compiled, and Liger's fused linear cross-entropy.
 `--chunks` times kbuild at other rows per chunk beside the chosen one (`chunk_rows`): the
-measurements its rule comes from.
+measurements its rule comes from. At a vocabulary not a multiple of 8 (GPT-2's), "kbuild rows
+not padded" is kbuild with its chunks' logits rows V wide (the layout before 2026-12-07's
+a62b6b8), and "torch V padded" the unfused path with the weight padded to 64 rows more: what
+an odd row stride costs cuBLAS. `--heads gpt2,gemma2` names heads without " head" too.
 
 Every implementation is first checked against an fp64 reference on a small case (a fast
 wrong one must not pass for a result); a peer that fails to import or run is recorded with
@@ -59,6 +62,7 @@ sys.path[:0] = [ROOT]
 
 import kbuild  # noqa: E402
 from bench.harness import Case, measure_copy, run_cases, write_results  # noqa: E402
+from kbuild.kernels.loss import linear as linear_loss  # noqa: E402
 from kbuild.kernels.loss.kernels import build_cross_entropy_fwd, vocab_specs  # noqa: E402
 
 TOKENS = 8192
@@ -134,6 +138,8 @@ def fused_peers(softcap, chunks=(), vocab=None) -> dict:
     }
     if vocab is not None and vocab % 64:
         found["torch V padded"] = lambda h, w, t: unfused(h, w, t, pad=-vocab % 64)
+    if vocab is not None and vocab % linear_loss.ROW_ALIGN:
+        found["kbuild rows not padded"] = _rows_not_padded(found["kbuild"])
     try:
         from liger_kernel.transformers.fused_linear_cross_entropy import (
             LigerFusedLinearCrossEntropyLoss,
@@ -144,6 +150,20 @@ def fused_peers(softcap, chunks=(), vocab=None) -> dict:
     except Exception as err:
         print(f"liger fused: {type(err).__name__}: {err}", flush=True)
     return found
+
+
+def _rows_not_padded(fn):
+    """kbuild's fused loss `fn` with its chunks' logits rows V wide, not padded to a multiple
+    of ROW_ALIGN columns (kernels/loss/linear.py `_logits_buffer`): what the padding saves."""
+
+    def run(*args):
+        was, linear_loss.ROW_ALIGN = linear_loss.ROW_ALIGN, 1
+        try:
+            return fn(*args)  # (a mean's gradients are computed here, in the forward)
+        finally:
+            linear_loss.ROW_ALIGN = was
+
+    return run
 
 
 def overwrites_logits(fn):
@@ -362,7 +382,8 @@ def main() -> None:
     parts = set(a.parts.split(","))
     if not parts or parts - {"ce", "fused"}:
         p.error(f"--parts takes ce and/or fused; got {a.parts!r}")
-    heads = [h for h in HEADS if not a.heads or h[0] in a.heads.split(",")]
+    named = a.heads.split(",")  # "gpt2 head" or "gpt2"
+    heads = [h for h in HEADS if not a.heads or {h[0], h[0].removesuffix(" head")} & set(named)]
     chunks = [int(c) for c in a.chunks.split(",") if c]
     copy = measure_copy()
     cases, extra = [], {}
