@@ -17,15 +17,18 @@
 #   bash bench/gpu_checks.sh patch_models
 #     (split over calls by PATCH_MODELS_ARGS, e.g. '--modes eager'; the results merge)
 #   bash bench/gpu_checks.sh host_versions
-# Owed as of 2026-12-07, after 18d9f93 (bench/NOTES.md says what each showed last, and what
-# 686502c to 18d9f93 changed unmeasured): patch_models compile for the five models not run
-# at 430f1fd (PATCH_MODELS_ARGS='--modes compile --variants stock,kbuild --no-longest
-# --models ...', two or three a call; qwen3 ran 0.96x stock there), eager for all six (the
-# fused loss chunks' cross-entropy plan changed at 18d9f93), three rounds; ce_clusters at 8192 rows (the reversed second pass) and with
-# CE_CLUSTERS_ARGS='--rows 1024 --vocabs 128256,151936,256000' (the fused loss's chunks);
-# tune with TUNE_ARGS='rmsnorm_bwd:4097 rmsnorm_bwd:5123 layernorm_bwd:4097 layernorm_bwd:5120
-# layernorm_bwd:5123'; loss (cross-entropy at the floor, GPT-2's padded head); block (the
-# streamed activation forwards) and rows; host; interpret; every step on an H200 too.
+# Owed as of 2026-12-07, after 70bcc1d (bench/NOTES.md says what each showed last, and what
+# 686502c to 288be67 changed unmeasured): loss with LOSS_ARGS='--parts fused --heads gpt2
+# --skip torch.compile' (GPT-2's head on padded logits rows, beside the unpadded layout);
+# patch_models compile for the five models not run at 430f1fd (PATCH_MODELS_ARGS='--modes
+# compile --variants stock,kbuild --no-longest --models ...', two or three a call; qwen3 ran
+# 0.96x stock there), eager for all six, three rounds (the fused loss chunks' cross-entropy
+# plan changed at 18d9f93, GPT-2's head at a62b6b8); rows (softmax at 50257 held by cluster
+# 8, 288be67); ce_clusters at 8192 rows (the reversed second pass) and with
+# CE_CLUSTERS_ARGS='--rows 1024 --vocabs 128256,151936,256000' (the fused loss's chunks); tune
+# with TUNE_ARGS='rmsnorm_bwd:4097 rmsnorm_bwd:5123 layernorm_bwd:4097 layernorm_bwd:5120
+# layernorm_bwd:5123'; loss (cross-entropy at the floor); block (the streamed activation
+# forwards); host; interpret; gpu_tests; every step on an H200 too.
 # Results under $OUT (or ./gpu-results). Each step writes its own file and log; a failing
 # step does not stop the next. With no step named, all four run.
 set -uo pipefail
