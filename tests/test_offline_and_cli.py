@@ -127,12 +127,16 @@ def test_cache_list_shows_the_warmed_entries(warmed, subprocess_env):
     assert len(list(DiskCache(root).entries())) == N_STANDARD
 
 
-def test_warmup_one_spec_serves_offline(tmp_path, subprocess_env, monkeypatch):
+@pytest.mark.parametrize("form", ["json", "label"])
+def test_warmup_one_spec_serves_offline(form, tmp_path, subprocess_env, monkeypatch):
+    """A --spec as JSON or as the label warmup prints (pasted from a line of its output, as
+    `kbuild show` takes it) warms that kernel and no other."""
     spec = rmsnorm_fwd_spec(4096, "f32", "f32", False, 1e-6)
+    text = spec.canonical_json() if form == "json" else spec.short()
     root = tmp_path / "cache"
     out = _kbuild(
         subprocess_env,
-        *("warmup", "--arch", "sm_90", "--spec", spec.canonical_json(), "--cache-dir", str(root)),
+        *("warmup", "--arch", "sm_90", "--spec", text, "--cache-dir", str(root)),
         *("-j", "1"),
         cwd=tmp_path,
     ).stdout

@@ -28,6 +28,7 @@ from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
+from .. import _OPS as _PUBLIC_OPS
 from ..cache import DiskCache
 from ..spec import KernelSpec
 from ..targets import target_for_arch
@@ -170,17 +171,9 @@ def warmup(
     return results
 
 
-# The modules declaring kbuild's own kbuild::* operators (torch's; imported for --ops only)
-OWN_OP_MODULES = (
-    "kbuild.kernels.norms.custom_ops",
-    "kbuild.kernels.llmc.op",
-    "kbuild.kernels.loss.cross_entropy",
-    "kbuild.kernels.loss.linear",
-    "kbuild.kernels.softmax.op",
-    "kbuild.kernels.rope.op",
-    "kbuild.kernels.rope.qk_norm",
-    "kbuild.kernels.activations.op",
-)
+# The modules declaring kbuild's own kbuild::* operators: those of the package's public ops
+# (torch's; imported for --ops only)
+OWN_OP_MODULES = tuple(sorted({f"kbuild.{module}" for module in _PUBLIC_OPS.values()}))
 
 
 def _declared_op_specs(name: str, hidden: int, dtype: str) -> list[KernelSpec]:
@@ -274,7 +267,15 @@ def _specs_from(args) -> list[KernelSpec]:
             specs += vocab_specs(V, (args.dtype,))
         except ValueError as err:
             raise CLIError(f"--vocab {V}: {err}") from None
+    from .show import parse_spec  # (pure Python, as the rest of the CLI)
+
     for text in args.spec or []:
+        if not text.lstrip().startswith("{"):  # a label, as warmup and show print it
+            try:
+                specs.append(parse_spec(text))
+            except (ValueError, TypeError) as err:
+                raise CLIError(f"--spec: {err}") from None
+            continue
         try:
             spec = KernelSpec.from_json(json.loads(text))
         except (ValueError, KeyError, TypeError, AttributeError) as err:
@@ -358,7 +359,9 @@ def _add_module_option(p: argparse.ArgumentParser, what: str) -> None:
 def _add_warmup_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--manifest", action="append", choices=sorted(MANIFESTS))
     _add_module_option(p, "its warmup_specs() are warmed, and --spec / --from may name its kernels")
-    p.add_argument("--spec", action="append", help="a spec as JSON (see warmup hints)")
+    p.add_argument(
+        "--spec", action="append", help="a spec as JSON (see warmup hints), or its label"
+    )
     p.add_argument(
         "--from",
         dest="from_file",
