@@ -263,11 +263,12 @@ def peak_mib(run, inputs) -> float:
 # ----------------------------------------------------------------------------- cases
 
 
-def run_case(case: Case, copy: float, peaks: dict) -> Case:
-    """Time one case, record its peak memory (GiB, everything allocated) and free it."""
+def run_case(case: Case, copy: float, peaks: dict, device_too: bool = False) -> Case:
+    """Time one case, record its peak memory (GiB, everything allocated) and free it;
+    `device_too`: its kernels' GPU time beside the call's (harness.run_cases)."""
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-    run_cases([case], copy)
+    run_cases([case], copy, device_too=device_too)
     peak = round(torch.cuda.max_memory_allocated() / 2**30, 2)
     peaks[f"{case.op} {case.shape}"] = peak
     print(f"  peak {peak} GiB allocated", flush=True)
@@ -296,7 +297,7 @@ def ce_cases(copy: float) -> tuple[list[Case], dict]:
         memory[f"ce {V}"] = {name: peak_mib(run, (x,)) for name, run in runs.items()}
         runs["fwd kernel chosen"] = forward_kernel(x, t)[0]  # the training forward kernel alone
         case = Case("cross_entropy fwd+bwd", (TOKENS, V), 2 * TOKENS * V * 2, runs)
-        cases.append(run_case(case, copy, peaks))
+        cases.append(run_case(case, copy, peaks, device_too=True))  # host-bound, or not
         del x, t, runs, case
         free()
     del scratch

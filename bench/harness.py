@@ -56,15 +56,20 @@ class Case:
     results: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
-def run_cases(cases: list[Case], copy: float, device_time: bool = False) -> list[Case]:
+def run_cases(cases: list[Case], copy: float, device_time: bool = False,
+              device_too: bool = False) -> list[Case]:  # fmt: skip
     """Time every implementation of every case. `device_time`: sum the kernels' GPU time
     (profiler) instead of events around the call, for calls bound by host time (backward
-    passes replayed through the autograd engine); both numbers are recorded then."""
+    passes replayed through the autograd engine); both numbers are recorded then.
+    `device_too`: the call's time stays the events', the kernels' GPU time is recorded
+    beside it ("device_ms"): where the first is well above the second, the call is bound by
+    its host work, not its kernels."""
     for case in cases:
         for name, fn in case.impls.items():
             try:
                 wall = median_ms(fn, prepare=getattr(fn, "prepare", None))
-                ms = device_ms(fn) if device_time else wall
+                gpu = device_ms(fn) if device_time or device_too else None
+                ms = gpu if device_time else wall
             except Exception as err:  # a peer failing (torch.compile) must not hide our numbers
                 case.results[name] = {"error": f"{type(err).__name__}: {err}"[:200]}
                 continue
@@ -76,6 +81,8 @@ def run_cases(cases: list[Case], copy: float, device_time: bool = False) -> list
                 "event_ms": round(wall, 4),
                 "timing": "device (profiler)" if device_time else "events",
             }
+            if device_too:
+                case.results[name]["device_ms"] = round(gpu, 4)
         print(format_row(case, copy), flush=True)
     return cases
 
@@ -83,9 +90,13 @@ def run_cases(cases: list[Case], copy: float, device_time: bool = False) -> list
 def format_row(case: Case, copy: float) -> str:
     cells = []
     for name, r in case.results.items():
-        cells.append(
-            f"{name} {r['gbps']:6.0f} GB/s {r['of_copy']:6.1%}" if "gbps" in r else f"{name} error"
-        )
+        if "gbps" not in r:
+            cells.append(f"{name} error")
+            continue
+        cell = f"{name} {r['gbps']:6.0f} GB/s {r['of_copy']:6.1%}"
+        if r.get("device_ms"):  # the kernels alone, where the call's host work may bound it
+            cell += f" (kernels {gbps(case.nbytes, r['device_ms']) / copy:.1%})"
+        cells.append(cell)
     return f"{case.op:<24}{str(case.shape):>16}  " + " | ".join(cells)
 
 
