@@ -253,9 +253,12 @@ def test_kernels_lower_for_amd(arch):
     from kbuild.targets import target_for_arch
 
     gfx = target_for_arch(arch)
-    values = ce_ops.fwd_values(50257, torch.bfloat16, torch.int32, True, True, True, True)
-    assert compiler.lower(ce_ops.build_cross_entropy_fwd.spec(**values), gfx)
-    assert compiler.lower(ce_ops.build_cross_entropy_rescale.spec(N=50257, dtype="bf16"), gfx)
+    for strided in (False, True):  # dense rows, and the fused loss's padded ones
+        values = ce_ops.fwd_values(50257, torch.bfloat16, torch.int32, True, True, True, True,
+                                   strided=strided)  # fmt: skip
+        assert compiler.lower(ce_ops.build_cross_entropy_fwd.spec(**values), gfx)
+        rescale = ce_ops.build_cross_entropy_rescale.spec(N=50257, dtype="bf16", strided=strided)
+        assert compiler.lower(rescale, gfx)
 
 
 def test_gpu_cases_are_warmable():
