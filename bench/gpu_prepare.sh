@@ -2,7 +2,8 @@
 # Everything a device run of bench/gpu_checks.sh needs, made on a CPU machine: the kernel
 # cache warmed for sm_90 with every kernel the steps launch, the Hugging Face configs of
 # bench/patch_models.py, and Liger's wheel, packed into .carry/ (a device run carries at most
-# 64 MiB). On 2 cores, 2026-12-05: 3562 kernels in 4 min 10 s, .carry 9.1 MB. Commit first:
+# 64 MiB). On 2 cores, 2026-12-07 (3f1eacd): 4516 kernels, 5 min 18 s in all, .carry 58 MB
+# (of it the interpreter's results, cpu.pt.xz, 40 MB: little room is left). Commit first:
 # the cache is keyed by the kernels' source, so the device must run the same commit.
 #   bash bench/gpu_prepare.sh
 #   run(command="bash bench/gpu_checks.sh gpu_tests rows", carry=[".carry"])
