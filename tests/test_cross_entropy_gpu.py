@@ -142,6 +142,32 @@ def test_inplace_backward_matches_and_holds_no_second_copy(V, cap):
     assert torch.equal(y, ref) and torch.equal(v.grad, w.grad)
 
 
+@pytest.mark.parametrize("M", [64, 1024])  # the chooser's plan, and one block a row
+@pytest.mark.parametrize("cap", [None, 30.0])
+def test_inplace_backward_on_a_padded_vocabulary_view(M, cap):
+    """inplace_backward on logits[:, :50257] of rows 50304 wide (llm.c's padded GPT-2
+    vocabulary; the fused loss's chunks are such views): the dense call's loss and gradient
+    within one bf16 rounding (the rows start at another phase of a vector, so each thread's
+    share of the sums differs), the padding columns' gradient zero. Catches the strided
+    kernels addressing rows N apart on the device, or a launch copying the view."""
+    import kbuild
+
+    x, t = _case(50257, torch.bfloat16, torch.int64, M=M)
+    w = x.detach().clone().requires_grad_()
+    ref = kbuild.cross_entropy(w * 1, t, label_smoothing=0.1, softcap=cap)
+    ref.backward()
+    wide = torch.zeros(M, 50304, device="cuda", dtype=torch.bfloat16)
+    wide[:, :50257] = x
+    wide.requires_grad_()
+    y = kbuild.cross_entropy((wide * 1)[:, :50257], t, label_smoothing=0.1, softcap=cap,
+                             inplace_backward=True)  # fmt: skip
+    y.backward()
+    one_rounding = dict(rtol=2**-7, atol=1e-30)
+    assert torch.allclose(y.float(), ref.float(), **one_rounding)
+    assert torch.allclose(wide.grad[:, :50257].float(), w.grad.float(), **one_rounding)
+    assert not wide.grad[:, 50257:].any()
+
+
 def test_check_targets_false_does_not_synchronise_and_ignores_the_row():
     import kbuild
 
