@@ -15,7 +15,7 @@ import torch
 
 import kbuild
 from kbuild import Arg, Launch, Like, Op, Out, Param, Rows
-from kbuild.plan.rows import ONLINE_WORDS, row_kernel
+from kbuild.plan.rows import row_kernel
 
 # vectorize: 16-byte accesses (the op passes True where its tensors start 16-byte aligned);
 # rows of any width take them, a row that is not a whole number of vectors is peeled.
@@ -42,9 +42,9 @@ def build_softmax_fwd(N: int, dtype: str, target, vectorize: bool = True, **over
     )
 
     # one row group per block (or cluster), planned for a row held in registers through an
-    # online reduction and a second pass (ONLINE_WORDS: its register words per element)
-    k, row = row_kernel("user_softmax_fwd", N, dtype, target, vectorize=vectorize,
-                        rows_held=ONLINE_WORDS[dtype], **overrides)  # fmt: skip
+    # online reduction and a second pass (online: plan_rows' online_budget)
+    k, row = row_kernel("user_softmax_fwd", N, dtype, target, vectorize=vectorize, online=True,
+                        **overrides)  # fmt: skip
     with k:
         x, y, M = k.ptr("x"), k.ptr("y"), k.i64("M")
         t = RowTile(k, row, M)

@@ -267,14 +267,15 @@ ONLINE_WORDS = {"bf16": 1.25, "f16": 1.25, "f32": 2.5}
 
 def online_budget(dtype: str) -> RowBudget:
     """The budget of a forward that holds a row of `dtype` for one online (max, sum-exp)
-    reduction (softmax, cross-entropy): row_kernel's for rows_held=ONLINE_WORDS[dtype] and
-    split_to_hold=True."""
+    reduction (softmax, cross-entropy; `row_kernel(..., online=True)`): ONLINE_WORDS words an
+    element, and a peeled row its aligned width would chunk held by a wider cluster
+    (RowBudget.split_to_hold)."""
     return RowBudget(words_per_elem=ONLINE_WORDS[dtype], split_to_hold=True)
 
 
 def row_kernel(
     name: str, N: int, dtype: str, target: Target, *, vectorize: bool = True,
-    rows_held: float = 1.0, chunk_vectors: int = CHUNK_ITERS, split_to_hold: bool = False,
+    rows_held: float = 1.0, chunk_vectors: int = CHUNK_ITERS, online: bool = False,
     **overrides,
 ):  # fmt: skip
     """A kernel of one row group per block (or cluster), its launch shape as `plan_rows`
@@ -282,12 +283,15 @@ def row_kernel(
     keywords); returns the dsl.Kernel, not yet entered, and the row's shape (for RowTile).
     A row too long for registers is walked in chunks of `chunk_vectors` vectors a thread
     (fewer for heavy per-element work: its temporaries live beside them). The row kernels
-    written as users write theirs (softmax, cross-entropy) start here. `split_to_hold`:
-    RowBudget's (the online forwards: `online_budget`)."""
+    written as users write theirs (softmax, cross-entropy) start here. `online`: a forward
+    of one online (max, sum-exp) reduction, planned with `online_budget` (in place of
+    `rows_held` and `chunk_vectors`), as its launch code may plan it too."""
     from ..dsl import Kernel  # MLIR: only builders reach this
 
-    budget = RowBudget(words_per_elem=float(rows_held), chunk_iters=int(chunk_vectors),
-                       split_to_hold=split_to_hold)  # fmt: skip
+    if online:
+        budget = online_budget(dtype)
+    else:
+        budget = RowBudget(words_per_elem=float(rows_held), chunk_iters=int(chunk_vectors))
     plan = plan_rows(N, dtype, target, vectorize=vectorize, budget=budget, persistent=False,
                      **overrides)  # fmt: skip
     # Uncapped unless `blocks_per_sm` is given: the chooser's cap (64 registers a thread at

@@ -39,7 +39,7 @@ from __future__ import annotations
 import functools
 import itertools
 
-from ...plan.rows import ONLINE_WORDS, online_budget, plan_rows, row_kernel
+from ...plan.rows import online_budget, plan_rows, row_kernel
 from ...registry import Arg, Param, kernel
 from ...targets import target_for_arch
 
@@ -94,8 +94,7 @@ def build_cross_entropy_fwd(N, dtype, index_dtype, target, smoothing=False, z_lo
     from kbuild.dsl import RowTile, const, get_llvm_ptr, load, log, select
 
     k, row = row_kernel("cross_entropy_fwd", N, dtype, target, vectorize=vectorize,
-                        rows_held=ONLINE_WORDS[dtype], split_to_hold=True,
-                        **overrides)  # fmt: skip
+                        online=True, **overrides)  # fmt: skip
     with k:
         logits, targets, coefs, loss_out, lse_out = (
             k.ptr(n) for n in ("logits", "target", "coefs", "loss", "lse")

@@ -15,7 +15,7 @@ its gradient dy once (twice when chunked) and write dx in y's dtype.
 
 from __future__ import annotations
 
-from ...plan.rows import ONLINE_WORDS, row_kernel
+from ...plan.rows import row_kernel
 from ...registry import Arg, Param, kernel
 
 ROW = (Param("N", "int", bounds=(1, None)), Param("dtype", "dtype"))
@@ -42,8 +42,7 @@ def _forward(name: str, log: bool, N, dtype, target, out_dtype, vectorize):
     from kbuild.dsl import log as ln
 
     out = out_dtype or dtype
-    k, row = row_kernel(name, N, dtype, target, vectorize=vectorize,
-                        rows_held=ONLINE_WORDS[dtype], split_to_hold=True)  # fmt: skip
+    k, row = row_kernel(name, N, dtype, target, vectorize=vectorize, online=True)
     with k:
         x, y, M = k.ptr("x"), k.ptr("y"), k.i64("M")
         t = RowTile(k, row, M)
