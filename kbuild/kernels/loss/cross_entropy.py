@@ -148,7 +148,7 @@ def _fwd_cuda(logits, target, coefs, ignore_index, smoothing, z_loss, softcap, g
         loss, lse = _new_rows(x, M)
         d = torch.empty_like(x) if grad else x.new_empty(0)
         flag = torch.zeros(1, dtype=torch.int32, device=x.device)
-        _launch_fwd(x, target, coefs, loss, lse, d if grad else None, flag, ignore_index,
+        _launch_fwd(x, V, target, coefs, loss, lse, d if grad else None, flag, ignore_index,
                     smoothing, z_loss, softcap)  # fmt: skip
         if check_targets:
             raise_on_bad_targets(flag, V, ignore_index)
@@ -159,19 +159,16 @@ def _new_rows(x: torch.Tensor, M: int) -> tuple[torch.Tensor, torch.Tensor]:
     return (x.new_empty(M, dtype=torch.float32), x.new_empty(M, dtype=torch.float32))
 
 
-def _launch_fwd(x, target, coefs, loss, lse, d, flag, ignore_index, smoothing, z_loss,
+def _launch_fwd(x, stride, target, coefs, loss, lse, d, flag, ignore_index, smoothing, z_loss,
                 softcap) -> None:  # fmt: skip
-    """The forward kernel on logits `x`, (..., V) rows (contiguous, or evenly strided: see
-    `row_stride`); `d` None (no gradient), a new contiguous tensor, or `x` itself (in
-    place)."""
+    """The forward kernel on logits `x`, (..., V) rows `stride` elements apart (V where
+    contiguous; `row_stride`); `d` None (no gradient), a new contiguous tensor (then `x` is
+    contiguous), or `x` itself (in place)."""
     V = x.shape[-1]
     M = row_count(x)
     if M == 0:
         return
     grad = d is not None
-    stride = row_stride(x)
-    if stride is None or (stride != V and d is not None and d is not x):
-        raise ValueError("logits must be (..., V) rows of contiguous elements, evenly strided")
     args = [x, target.contiguous(), coefs.contiguous(), loss, lse, *([d] if grad else []),
             flag, M, int(ignore_index), *([stride] if stride != V else [])]  # fmt: skip
     values = fwd_values(V, x.dtype, target.dtype, smoothing, z_loss, grad,
@@ -301,14 +298,15 @@ def cross_entropy_fwd_(
 @cross_entropy_fwd_.register_kernel("cuda")
 def _fwd_inplace_cuda(logits, target, coefs, flag, ignore_index, smoothing, z_loss, softcap,
                       grad=True):  # fmt: skip
-    if row_stride(logits) is None:
+    stride = row_stride(logits)
+    if stride is None:
         raise ValueError(
             "logits must be (..., V) rows of contiguous elements, evenly strided (a view of "
             "wider rows is), to take its gradient in place"
         )
     with device_guard(logits):
         loss, lse = _new_rows(logits, row_count(logits))
-        _launch_fwd(logits, target, coefs, loss, lse, logits if grad else None, flag,
+        _launch_fwd(logits, stride, target, coefs, loss, lse, logits if grad else None, flag,
                     ignore_index, smoothing, z_loss, softcap)  # fmt: skip
     return loss, lse
 
