@@ -98,6 +98,31 @@ def test_gradient_is_written_by_the_forward_and_rescaled_in_place():
     assert torch.allclose(d, before * (dloss / 0.25)[:, None])
 
 
+@pytest.mark.parametrize("V, dtype", [(4096, torch.float32), (1001, torch.bfloat16)])
+def test_the_rescale_blocks_walk_several_row_groups(V, dtype):
+    """Interpreted, the rescale on a persistent grid: each block walks row groups b, b +
+    blocks, ... (catches a walk that stops after its first group, or strides wrong, leaving
+    rows unscaled or scaling one twice), at whole vectors and at peeled rows (1001 bf16: each
+    row's phase differs); rows whose incoming gradient is the one assumed are untouched."""
+    from kbuild.interpret.launcher import launcher_for, run_spec
+    from kbuild.op.launch import rows_grid
+
+    spec = ce_ops.build_cross_entropy_rescale.spec(N=V, dtype=ce_ops.DTYPE_NAMES[dtype])
+    launcher = launcher_for(spec)
+    M = 2 * launcher.resident_clusters * launcher.rows_per_block + 3
+    grid = rows_grid(launcher, M)
+    assert grid == launcher.resident_clusters < M  # fewer blocks than row groups
+    g = torch.Generator().manual_seed(7)
+    d = torch.randn(M, V, generator=g).to(dtype)
+    coefs = torch.tensor([0.25, 0.0, 0.0, 0.0])
+    dloss = torch.full((M,), 0.25)
+    dloss[::3] = torch.rand(len(dloss[::3]), generator=g) + 0.5
+    factor = dloss * (1.0 / coefs[0])
+    expected = (d.float() * factor[:, None]).to(dtype)
+    run_spec(spec, grid, d, dloss, coefs, M)
+    assert torch.equal(d, expected)
+
+
 def test_backward_twice_is_refused():
     x, t = _inputs(4, 16, torch.float32, torch.int64)
     x.requires_grad_()

@@ -241,25 +241,41 @@ def _write_gradient(t, dlogits, dtype, v, lse, safe, g, eps, z, cap, N) -> None:
 )
 def build_cross_entropy_rescale(N, dtype, target, vectorize=True, strided=False):
     """dlogits[r] *= dloss[r] / coefs[0] in place, skipping rows where the two are equal;
-    `strided` as for the forward."""
-    from kbuild.dsl import RowTile, const, get_llvm_ptr, if_then, load, ne, widen
+    `strided` as for the forward. A persistent grid of single blocks (no cluster: the
+    rescale is elementwise), each walking row groups b, b + blocks, ...: the usual backward,
+    which skips every row, costs one wave of blocks reading a few scalars each, where a
+    block (cluster) per row scheduled M of them (8192 x 8 blocks at V = 128256) to read one
+    scalar each: 80 us a call on an H100 (loss_profile_h100.log, 2026-12-07)."""
+    from kbuild.dsl import RowTile, const, get_llvm_ptr, if_then, load, loop, ne, widen
 
-    k, row = row_kernel("cross_entropy_rescale", N, dtype, target, vectorize=vectorize)
+    k, row = row_kernel("cross_entropy_rescale", N, dtype, target, vectorize=vectorize,
+                        cluster=1)  # fmt: skip
+    k.meta["grid"] = "persistent"
     with k:
         dlogits, dloss, coefs = k.ptr("dlogits"), k.ptr("dloss"), k.ptr("coefs")
-        t = RowTile(k, row, k.i64("M"), row_stride=k.i64("row_stride") if strided else None)
-        d = t.load_row_scalar(dloss, "f32")
+        M = k.i64("M")
+        stride = k.i64("row_stride") if strided else None
         g = load(get_llvm_ptr(coefs, const(0, "i64"), "f32"), "f32")
-        factor = d * (1.0 / g)
+        inv_g = 1.0 / g
+        groups = (M + (row.rows_per_block - 1)) / row.rows_per_block
 
-        def rescale():
-            def body(c, _):
-                t.store(dlogits, [a * factor for a in widen(t.load(dlogits, dtype, c))], dtype, c)
-                return []
+        def group(r, _):
+            t = RowTile(k, row, M, row_group=r, row_stride=stride)
+            d = t.load_row_scalar(dloss, "f32")
+            factor = d * inv_g
 
-            t.over_chunks(body)
+            def rescale():
+                def body(c, _):
+                    values = widen(t.load(dlogits, dtype, c))
+                    t.store(dlogits, [a * factor for a in values], dtype, c)
+                    return []
 
-        if_then(ne(d, g), rescale)  # row-uniform: the whole row, or none of it
+                t.over_chunks(body)
+
+            if_then(ne(d, g), rescale)  # row-uniform: the whole row, or none of it
+            return []
+
+        loop(k.block_id(), groups, k.grid_size(), [], group)
     return k
 
 
