@@ -123,6 +123,61 @@ def test_the_rescale_blocks_walk_several_row_groups(V, dtype):
     assert torch.equal(d, expected)
 
 
+@pytest.mark.skipif(not ce_ops.INTERPRETED, reason="the kernels' path (KBUILD_INTERPRET)")
+def test_an_eager_call_skips_the_dispatcher_and_a_listening_mode_takes_it(monkeypatch):
+    """Op.run: a plain eager forward + backward runs the kernels without the dispatcher
+    (catches the host-cost regression: 355 against 235 us a call on the CPU machine,
+    2026-12-07), and a dispatch mode (fake tensors, selective checkpointing: anything that
+    must see each op) gets the operators instead; the gradient is bitwise the same."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Seen(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.add(str(func))
+            return func(*args, **(kwargs or {}))
+
+    calls = []
+    overload, rescale = ce_ops.CROSS_ENTROPY.overload, ce_ops.rescale_
+    monkeypatch.setattr(ce_ops.CROSS_ENTROPY, "overload",
+                        lambda *a: calls.append("fwd") or overload(*a))  # fmt: skip
+    monkeypatch.setattr(ce_ops, "rescale_", lambda *a: calls.append("rescale") or rescale(*a))
+    x, t = _inputs(6, 1001, torch.bfloat16, torch.int64)
+    x.requires_grad_()
+    (kbuild.cross_entropy(x, t) * 2.0).backward()  # (x 2: the rescale kernel runs too)
+    assert calls == []
+    direct, x.grad = x.grad, None
+    with Seen() as seen:
+        (kbuild.cross_entropy(x, t) * 2.0).backward()
+    assert calls == ["fwd", "rescale"]
+    assert {"kbuild.cross_entropy_fwd.default", "kbuild.cross_entropy_rescale_.default"} <= seen.ops
+    assert torch.equal(x.grad, direct)
+
+
+@pytest.mark.parametrize("index", [torch.int32, torch.int64])
+@pytest.mark.parametrize("ignore_index", [-100, 3])
+def test_the_rows_that_count_and_the_mean_scale(index, ignore_index):
+    """options.valid_rows (a target in [0, V) by floor division) and make_coefs' 1 / n_valid:
+    the ids at each edge of [0, V), below and past it, ignore_index outside and inside it."""
+    from kbuild.kernels.loss.options import make_coefs, valid_rows
+
+    V = 10
+    t = torch.tensor([-100, -11, -1, 0, 3, 9, 10, 19, 2**31 - 1], dtype=index)
+    want = torch.tensor([0, 0, 0, 1, 1, 1, 0, 0, 0], dtype=torch.bool)
+    if ignore_index == 3:
+        want[4] = False
+    assert torch.equal(valid_rows(t, ignore_index, V), want)
+    coefs, n_valid = make_coefs(t, ignore_index, True, 0.1, 1e-4, 30.0, V)
+    assert int(n_valid) == int(want.sum())
+    assert coefs.dtype == torch.float32
+    assert torch.equal(coefs, torch.tensor([1.0 / int(want.sum()), 0.1, 1e-4, 30.0]))
+    coefs, n_valid = make_coefs(t, ignore_index, False, 0.0, 0.0, None, V)
+    assert n_valid is None and torch.equal(coefs, torch.tensor([1.0, 0.0, 0.0, 0.0]))
+
+
 def test_backward_twice_is_refused():
     x, t = _inputs(4, 16, torch.float32, torch.int64)
     x.requires_grad_()

@@ -81,7 +81,15 @@ from .args import (
 from .binding import Launch, NativeRecord, _Binding, rows_grid
 from .extension import Standin
 from .launch import IDS_IN_CALL
-from .tensors import DTYPE_NAMES, INDEX_NAMES, INTERPRETED, device_guard, dtype_name, row_count
+from .tensors import (
+    DTYPE_NAMES,
+    INDEX_NAMES,
+    INTERPRETED,
+    device_guard,
+    dtype_name,
+    on_gpu,
+    row_count,
+)
 
 __all__ = [
     "DEFINED",
@@ -366,7 +374,57 @@ class Op:
             if out is not None:
                 return out
         bound = self.check(self.bind(args, kwargs))
-        return self.overload(*bound.values())
+        return self.run(*bound.values())
+
+    def run(self, *values: Any) -> Any:
+        """The operator on checked values (every argument, in order): what
+        `self.overload(*values)` computes. Where its CUDA kernel and its autograd formula
+        are Python (`cuda=` or launches without the extension's generic kernel; `autograd=`
+        or a backward op without its C++ autograd), an eager call on plain CUDA tensors runs
+        them itself, through one torch.autograd.Function, not through the dispatcher and
+        torch.library's Python autograd: the same code, without the host work in between
+        (kbuild.cross_entropy's forward and backward cost 376 us of host time a call
+        through the dispatcher on the CPU machine, 2026-12-07; see bench/NOTES.md). Anything
+        that may be listening to the dispatcher takes the operator: torch.compile, a torch
+        function or dispatch mode (fake tensors, export), functorch's transforms, tensor
+        subclasses, tensors on other devices. Under the profiler the call is recorded
+        under the operator's name."""
+        if self.native or self.generic_native or not plain_eager(values):
+            return self.overload(*values)
+        if torch.is_grad_enabled() and any(
+            isinstance(v, torch.Tensor) and v.requires_grad for v in values
+        ):
+            function = self._eager_function()
+            if function is None:  # no Python formula: the operator's own autograd
+                return self.overload(*values)
+            run = function.apply
+        else:
+            run = self._python_kernel()
+        if torch.autograd.profiler._is_profiler_enabled:
+            with torch.profiler.record_function(self.name):
+                return run(*values)
+        return run(*values)
+
+    def _python_kernel(self) -> Callable[..., Any]:
+        return self._user_cuda if self._cuda is not None else self._launch_cuda
+
+    def _eager_function(self) -> type[torch.autograd.Function] | None:
+        """The op as one torch.autograd.Function (`run`), made once: its Python kernel, then
+        the formula's setup on the inputs and outputs; the formula's backward. None where its
+        autograd is C++ (`native_autograd`) or it has none."""
+        function = self.__dict__.get("_function", False)
+        if function is not False:
+            return function
+        if self.native_autograd or (self.backward is None and self._autograd is None):
+            function = None
+        else:
+            if self.backward is not None:
+                setup, backward = self._setup_context, self._backward
+            else:
+                setup, backward = self._autograd
+            function = _eager_function(self.op_name, self._python_kernel(), setup, backward)
+        self._function = function
+        return function
 
     @property
     def generic_native(self) -> bool:
@@ -585,7 +643,7 @@ class Op:
             else:
                 args.append(grads[outputs.index(name)])
         bwd = self.backward
-        got = bwd.overload(*args)
+        got = bwd.run(*args)
         got = (got,) if isinstance(got, torch.Tensor) else got
         # An empty gradient is one not computed (or of an empty input): None, which autograd
         # reads as zeros.
@@ -849,3 +907,48 @@ STANDIN = Standin(DEFINED.__getitem__, NATIVE)
 if not INTERPRETED:
     NATIVE[0] = STANDIN
     native.on_load(STANDIN.take_away, STANDIN.wire)
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)  # tensor types with no torch function of their own
+
+
+def plain_eager(values: tuple) -> bool:
+    """Whether a call may skip the dispatcher (`Op.run`): eager, no torch function or
+    dispatch mode or functorch transform active, and every tensor a plain torch.Tensor that
+    takes the GPU path (a CUDA tensor; a CPU one under the interpreter)."""
+    if (
+        torch.compiler.is_compiling()
+        or torch._C._len_torch_dispatch_stack()
+        or torch._C._is_torch_function_mode_enabled()
+        or torch._C._functorch.peek_interpreter_stack() is not None
+    ):
+        return False
+    seen = False
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            if type(v) not in _PLAIN or not on_gpu(v):
+                return False
+            seen = True
+    return seen
+
+
+def _eager_function(name: str, kernel: Callable, setup: Callable, backward: Callable):
+    """A torch.autograd.Function running `kernel` then `setup(ctx, inputs, output)` (the
+    formula's, as torch.library.register_autograd takes it), and `backward`, its gradients
+    padded to one per input."""
+
+    def forward(ctx, *values):
+        out = kernel(*values)
+        setup(ctx, values, out)
+        return out
+
+    def grads(ctx, *dout):
+        got = backward(ctx, *dout)
+        got = (got,) if not isinstance(got, tuple) else got
+        return got + (None,) * (len(ctx.needs_input_grad) - len(got))
+
+    return type(
+        f"{name}_eager",
+        (torch.autograd.Function,),
+        {"forward": staticmethod(forward), "backward": staticmethod(grads)},
+    )

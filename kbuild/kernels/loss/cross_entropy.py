@@ -53,7 +53,7 @@ import torch
 from ... import cases
 from ...jit import target_of
 from ...op.launch import launch_kernel, rows_grid
-from ...op.opdef import Ids, Op, Out, Rows, Scalar, Tensors
+from ...op.opdef import Ids, Op, Out, Rows, Scalar, Tensors, plain_eager
 from ...op.tensors import (
     DTYPE_NAMES,
     INDEX_NAMES,
@@ -407,7 +407,12 @@ def _backward(ctx, dloss, dlse, ddlogits):
     nothing = (None,) * 8
     if dloss is None or not d.numel():
         return None, *nothing
-    rescale_(d, dloss.expand(d.numel() // d.shape[-1]) if dloss.dim() == 0 else dloss, coefs)
+    dloss = dloss.expand(d.numel() // d.shape[-1]) if dloss.dim() == 0 else dloss
+    if plain_eager((d, dloss, coefs)):  # the kernel without the dispatcher (Op.run)
+        _rescale_cuda(d, dloss, coefs)
+        torch.autograd.graph.increment_version(d)  # as the op does: a second backward fails
+    else:
+        rescale_(d, dloss, coefs)
     return d.view(ctx.shape), *nothing
 
 
@@ -489,7 +494,7 @@ def cross_entropy(
         rows, lse = _InPlace.apply(logits, target, coefs, *options, check_targets)
     else:
         # the op's overload, not CROSS_ENTROPY(...): its argument checks are the ones above
-        rows, lse, _ = CROSS_ENTROPY.overload(logits, target, coefs, *options, grad,
+        rows, lse, _ = CROSS_ENTROPY.run(logits, target, coefs, *options, grad,
                                               check_targets)  # fmt: skip
     loss = reduce_rows(rows, target, reduction, n_valid).to(logits.dtype)
     if not return_z_loss:

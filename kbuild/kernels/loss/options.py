@@ -31,7 +31,8 @@ def check_options(ignore_index, reduction, label_smoothing, lse_square_scale, so
             raise ValueError(f"softcap must be None or finite and > 0; got {softcap}")
 
 
-_EXTRA: dict = {}  # (device, eps, z, cap) -> coefs[1:] on that device, made once
+# (device, eps, z, cap) -> (coefs for a scale of 1, the mask of coefs[0], an fp32 1), made once
+_CONSTANTS: dict = {}
 
 
 def switches(
@@ -44,8 +45,10 @@ def switches(
 
 def valid_rows(target: torch.Tensor, ignore_index: int, V: int) -> torch.Tensor:
     """Which rows count: a target in [0, V) that is not ignore_index (the kernel treats any
-    other as ignored, reported or not)."""
-    return (target != ignore_index) & (target >= 0) & (target < V)
+    other as ignored, reported or not). In [0, V) is `target // V == 0` (floor division: a
+    negative id gives -1), one launch fewer than two bounds."""
+    valid = torch.div(target, V, rounding_mode="floor") == 0
+    return valid & (target != ignore_index) if 0 <= ignore_index < V else valid
 
 
 def make_coefs(target: torch.Tensor, ignore_index: int, mean: bool, label_smoothing: float,
@@ -53,17 +56,22 @@ def make_coefs(target: torch.Tensor, ignore_index: int, mean: bool, label_smooth
     """The kernels' coefs (gradient scale, label smoothing, z-loss scale, soft cap) on
     target's device, and n_valid (a device tensor) for a mean, else None. The constant part
     is made once per device and value (no host-to-device copy per call, so a call can be
-    captured into a CUDA graph); a mean's scale 1 / n_valid is counted on the device."""
+    captured into a CUDA graph); a mean's scale 1 / n_valid is counted on the device, in
+    four launches (each is host time on a call that is host-bound at small vocabularies)."""
     key = (target.device, float(label_smoothing), float(lse_square_scale), float(softcap or 0))
-    extra = _EXTRA.get(key)
-    if extra is None:
-        extra = torch.tensor(key[1:], dtype=torch.float32).to(target.device)
-        if len(_EXTRA) < 64:
-            _EXTRA[key] = extra
+    constants = _CONSTANTS.get(key)
+    if constants is None:
+        values = torch.tensor((1.0, *key[1:]), dtype=torch.float32)
+        first = torch.tensor([True, False, False, False])
+        one = torch.tensor(1.0, dtype=torch.float32)
+        constants = tuple(t.to(target.device) for t in (values, first, one))
+        if len(_CONSTANTS) < 64:
+            _CONSTANTS[key] = constants
+    values, first, one = constants
     if not mean:
-        return torch.cat([extra.new_ones(1), extra]), None
-    n_valid = valid_rows(target, ignore_index, V).sum()
-    return torch.cat([(1.0 / n_valid.float()).reshape(1), extra]), n_valid
+        return values, None
+    n_valid = torch.count_nonzero(valid_rows(target, ignore_index, V))
+    return torch.where(first, one / n_valid, values), n_valid  # (fp32 whatever the default)
 
 
 def reduce_rows(rows: torch.Tensor, target: torch.Tensor, reduction: str, n_valid) -> torch.Tensor:
