@@ -181,7 +181,7 @@ def _strided_launch(dense: Op, strided_kernel, names: tuple[str, ...]):
         layout = strided_layout(gate, up)
         if layout is None:  # copies, then the dense kernel
             args = (gate.contiguous(), up.contiguous(), *tensors)
-            return dense.overload(*args, *(() if tanh is None else (tanh,)))
+            return dense.run(*args, *(() if tanh is None else (tanh,)))
         outs = tuple(torch.empty(gate.shape, dtype=gate.dtype, device=gate.device) for _ in names)
         M = row_count(gate)
         if M == 0 or gate.shape[-1] == 0:

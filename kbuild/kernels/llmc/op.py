@@ -73,7 +73,7 @@ def _encoder_setup(ctx, inputs, output):
 def _encoder_backward(ctx, dout):
     (tokens,) = ctx.saved_tensors
     need_wte, need_wpe = ctx.needs_input_grad[1], ctx.needs_input_grad[2]
-    dwte, dwpe = ENCODER_BWD.overload(dout, tokens, ctx.vocab, ctx.positions, need_wte, need_wpe)
+    dwte, dwpe = ENCODER_BWD.run(dout, tokens, ctx.vocab, ctx.positions, need_wte, need_wpe)
     return None, (dwte if need_wte else None), (dwpe if need_wpe else None)
 
 

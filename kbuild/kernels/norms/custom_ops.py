@@ -116,7 +116,7 @@ def _fused_op_backward(ctx, dy, dresidual_out, _drstd):
     need_dw = ctx.needs_input_grad[2] and weight is not None
     if dy is None:
         dy = torch.zeros_like(residual_out, dtype=ctx.out_dtype)
-    dsum, dres, dw = FUSED_ADD_RMSNORM_BWD.overload(
+    dsum, dres, dw = FUSED_ADD_RMSNORM_BWD.run(
         dy, dresidual_out, residual_out, weight, rstd, need_dw, ctx.offset, ctx.residual_dtype
     )
     # added = x + residual: one gradient serves both inputs (an fp32 residual gets its own,
