@@ -26,7 +26,8 @@ import kbuild.kernels.activations.op
 import kbuild.kernels.llmc.op
 import kbuild.kernels.loss.cross_entropy
 import kbuild.kernels.norms.custom_ops
-import kbuild.kernels.rope.op  # noqa: F401  (each declares ops with cuda= kernels)
+import kbuild.kernels.rope.op
+import kbuild.kernels.rope.qk_norm  # noqa: F401  (each declares ops with cuda= kernels)
 from kbuild.op import opdef
 from kbuild.op.launch import launch_kernel
 from kbuild.op.opdef import Ids, Launch, Op, Out, Rows, Scalar
