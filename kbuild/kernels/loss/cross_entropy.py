@@ -408,12 +408,29 @@ def _backward(ctx, dloss, dlse, ddlogits):
     if dloss is None or not d.numel():
         return None, *nothing
     dloss = dloss.expand(d.numel() // d.shape[-1]) if dloss.dim() == 0 else dloss
-    if plain_eager((d, dloss, coefs)):  # the kernel without the dispatcher (Op.run)
-        _rescale_cuda(d, dloss, coefs)
-        torch.autograd.graph.increment_version(d)  # as the op does: a second backward fails
-    else:
-        rescale_(d, dloss, coefs)
+    rescale_in_place(d, dloss, coefs)
+    torch.autograd.graph.increment_version(d)  # as the op does: a second backward fails
     return d.view(ctx.shape), *nothing
+
+
+def forward_in_place(logits, target, coefs, flag, ignore_index, smoothing, z_loss, softcap,
+                     grad=True):  # fmt: skip
+    """`cross_entropy_fwd_` as callers inside kbuild make it on a buffer of their own (the
+    fused linear loss's chunks): on plain eager tensors its kernel without the dispatcher
+    (as `Op.run`; no version is bumped: nothing else sees the buffer), else the op."""
+    if plain_eager((logits, target, coefs, flag)):
+        return _fwd_inplace_cuda(logits, target, coefs, flag, ignore_index, smoothing, z_loss,
+                                 softcap, grad)  # fmt: skip
+    return cross_entropy_fwd_(logits, target, coefs, flag, ignore_index, smoothing, z_loss,
+                              softcap, grad)  # fmt: skip
+
+
+def rescale_in_place(dlogits, dloss, coefs) -> None:
+    """`rescale_` on a gradient of kbuild's own (see `forward_in_place`)."""
+    if plain_eager((dlogits, dloss, coefs)):
+        _rescale_cuda(dlogits, dloss, coefs)
+    else:
+        rescale_(dlogits, dloss, coefs)
 
 
 # The forward op: per-row loss and lse (fp32) and, with `grad`, the gradient (kernel above).

@@ -61,7 +61,7 @@ import torch
 
 from ...op.opdef import Ids
 from ...op.tensors import check_input, device_guard, on_gpu
-from .cross_entropy import PENDING, cross_entropy_fwd_, raise_on_bad_targets, rescale_
+from .cross_entropy import PENDING, forward_in_place, raise_on_bad_targets, rescale_in_place
 from .kernels import ROW_ALIGN
 from .options import check_options, make_coefs, switches, z_loss_of
 
@@ -157,13 +157,13 @@ def _pass(hidden, weight, bias, target, coefs, options, chunk, wants, dloss=None
     for start, end in chunks:
         h, t = hidden[start:end], target[start:end]
         logits = _logits(h, weight, bias, buffer[: end - start])  # becomes its gradient below
-        loss[start:end], lse[start:end] = cross_entropy_fwd_(
+        loss[start:end], lse[start:end] = forward_in_place(
             logits, t, coefs, flag, ignore_index, smoothing, z_loss, softcap, grad
         )
         if not grad:
             continue
         if dloss is not None:
-            rescale_(logits, dloss[start:end], coefs)
+            rescale_in_place(logits, dloss[start:end], coefs)
         if dh.numel():
             torch.mm(logits, weight, out=dh[start:end])
         if dw.numel():
