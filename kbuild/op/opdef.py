@@ -914,13 +914,15 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)  # tensor types with no torch functi
 
 def plain_eager(values: tuple) -> bool:
     """Whether a call may skip the dispatcher (`Op.run`): eager, no torch function or
-    dispatch mode or functorch transform active, and every tensor a plain torch.Tensor that
-    takes the GPU path (a CUDA tensor; a CPU one under the interpreter)."""
+    dispatch mode, functorch transform or jit trace active, and every tensor a plain
+    torch.Tensor (or Parameter) that takes the GPU path (a CUDA tensor; a CPU one under the
+    interpreter)."""
     if (
         torch.compiler.is_compiling()
         or torch._C._len_torch_dispatch_stack()
         or torch._C._is_torch_function_mode_enabled()
         or torch._C._functorch.peek_interpreter_stack() is not None
+        or torch._C._get_tracing_state() is not None  # torch.jit.trace
     ):
         return False
     seen = False
