@@ -17,8 +17,8 @@
 #   bash bench/gpu_checks.sh patch_models
 #     (split over calls by PATCH_MODELS_ARGS, e.g. '--modes eager'; the results merge)
 #   bash bench/gpu_checks.sh host_versions
-# Owed as of 2026-12-07, after 70bcc1d (bench/NOTES.md says what each showed last, and what
-# 686502c to 288be67 changed unmeasured): loss with LOSS_ARGS='--parts fused --heads gpt2
+# Owed as of 2026-12-08, after b56e459 (bench/NOTES.md says what each showed last, and what
+# 686502c to b56e459 changed unmeasured): loss with LOSS_ARGS='--parts fused --heads gpt2
 # --skip torch.compile' (GPT-2's head on padded logits rows, beside the unpadded layout);
 # patch_models compile for the five models not run at 430f1fd (PATCH_MODELS_ARGS='--modes
 # compile --variants stock,kbuild --no-longest --models ...', two or three a call; qwen3 ran
@@ -27,8 +27,10 @@
 # 8, 288be67); ce_clusters at 8192 rows (the reversed second pass) and with
 # CE_CLUSTERS_ARGS='--rows 1024 --vocabs 128256,151936,256000' (the fused loss's chunks); tune
 # with TUNE_ARGS='rmsnorm_bwd:4097 rmsnorm_bwd:5123 layernorm_bwd:4097 layernorm_bwd:5120
-# layernorm_bwd:5123'; loss (cross-entropy at the floor); block (the streamed activation
-# forwards); host; interpret; gpu_tests; every step on an H200 too.
+# layernorm_bwd:5123'; loss (cross-entropy at the floor, and whether V = 32000 / 50257 are
+# still host-bound after Op.run, 14b95a9, and the persistent rescale, bb65b18: the cases'
+# device_ms beside their event time); block (the streamed activation forwards); host;
+# interpret; gpu_tests; every step on an H200 too.
 # Results under $OUT (or ./gpu-results). Each step writes its own file and log; a failing
 # step does not stop the next. With no step named, all four run.
 set -uo pipefail
