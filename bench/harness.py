@@ -14,6 +14,7 @@ import json
 import os
 import re
 import subprocess
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -151,3 +152,25 @@ def add_event_of_copy(cases: list[Case], copy: float) -> None:
         for r in case.results.values():
             if "event_ms" in r:
                 r["event_of_copy"] = round(case.nbytes / r["event_ms"] / 1e6 / copy, 4)
+
+
+def interleaved(routes: dict, calls: int = 20000, rounds: int = 7) -> dict[str, float]:
+    """Best of `rounds` mean us per call of each route, the routes taking turns each round,
+    in this thread's CPU time (torch on one thread): a shared CPU's other work, which drifts
+    between minutes, is left out."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for fn in routes.values():
+            for _ in range(300):
+                fn()
+        best = dict.fromkeys(routes, float("inf"))
+        for _ in range(rounds):
+            for name, fn in routes.items():
+                start = time.thread_time()
+                for _ in range(calls):
+                    fn()
+                best[name] = min(best[name], (time.thread_time() - start) / calls * 1e6)
+    finally:
+        torch.set_num_threads(threads)
+    return {name: round(t, 2) for name, t in best.items()}

@@ -32,26 +32,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import kbuild  # noqa: E402
-from bench.harness import commit  # noqa: E402
+from bench.harness import commit, interleaved  # noqa: E402
 from kbuild.interpret import launcher as interpreted  # noqa: E402
 from kbuild.interpret import memory  # noqa: E402
 from kbuild.kernels.loss import cross_entropy as ce  # noqa: E402
 from kbuild.op import opdef  # noqa: E402
-
-
-def interleaved(routes: dict, calls: int = 2000, rounds: int = 7) -> dict[str, float]:
-    """Best of `rounds` mean us per call of each route, the routes taking turns each round."""
-    for fn in routes.values():
-        for _ in range(100):
-            fn()
-    best = dict.fromkeys(routes, float("inf"))
-    for _ in range(rounds):
-        for name, fn in routes.items():
-            start = time.thread_time()
-            for _ in range(calls):
-                fn()
-            best[name] = min(best[name], (time.thread_time() - start) / calls * 1e6)
-    return {name: round(t, 1) for name, t in best.items()}
 
 
 def through_dispatcher(fn):
@@ -72,7 +57,6 @@ def main() -> None:
     interpreted.run = lambda *args, **kwargs: None  # the kernels: stubbed
     memory.ALLOCATIONS.note = lambda tensor: None
     torch.Tensor.data_ptr = torch._C.TensorBase.data_ptr  # the interpreter's tracking: off
-    torch.set_num_threads(1)
     g = torch.Generator().manual_seed(0)
     x = (torch.randn(64, 512, generator=g) * 4).bfloat16().requires_grad_()
     t = torch.randint(0, 512, (64,), generator=g)
@@ -95,7 +79,7 @@ def main() -> None:
         "fwd no_grad, Op.run": infer,
         "fwd no_grad, dispatcher": through_dispatcher(infer),
         "torch F.cross_entropy fwd+bwd": torch_train,
-    })  # fmt: skip
+    }, calls=2000)  # fmt: skip
     for name, us in times.items():
         print(f"{name:32s} {us:7.1f} us")
     result = {

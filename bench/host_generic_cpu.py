@@ -40,7 +40,7 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "examples")]
 
 import custom_softmax as example  # noqa: E402
 
-from bench.harness import commit  # noqa: E402
+from bench.harness import commit, interleaved  # noqa: E402
 from kbuild import native as kbuild_native  # noqa: E402
 from kbuild.op import binding as op_launch  # noqa: E402
 from kbuild.op import opdef  # noqa: E402
@@ -86,28 +86,6 @@ def twin(op: Op, suffix: str, native) -> Op:
                   launch=op.launches, reference=op.reference, backward=backward)  # fmt: skip
     finally:
         opdef.NATIVE[0] = saved
-
-
-def interleaved(routes: dict, calls: int = 20000, rounds: int = 7) -> dict[str, float]:
-    """Best of `rounds` mean us per call of each route, the routes taking turns each round,
-    in this thread's CPU time (torch on one thread): a shared CPU's other work, which drifts
-    between minutes, is left out."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        for fn in routes.values():
-            for _ in range(300):
-                fn()
-        best = dict.fromkeys(routes, float("inf"))
-        for _ in range(rounds):
-            for name, fn in routes.items():
-                start = time.thread_time()
-                for _ in range(calls):
-                    fn()
-                best[name] = min(best[name], (time.thread_time() - start) / calls * 1e6)
-    finally:
-        torch.set_num_threads(threads)
-    return {name: round(t, 2) for name, t in best.items()}
 
 
 class OnCPU:

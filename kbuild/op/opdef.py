@@ -383,8 +383,8 @@ class Op:
         or a backward op without its C++ autograd), an eager call on plain CUDA tensors runs
         them itself, through one torch.autograd.Function, not through the dispatcher and
         torch.library's Python autograd: the same code, without the host work in between
-        (kbuild.cross_entropy's forward and backward cost 376 us of host time a call
-        through the dispatcher on the CPU machine, 2026-12-07; see bench/NOTES.md). Anything
+        (kbuild.cross_entropy's forward and backward: 332 us of host time a call through
+        the dispatcher on the CPU machine, 231 through here; bench/NOTES.md). Anything
         that may be listening to the dispatcher takes the operator: torch.compile, a torch
         function or dispatch mode (fake tensors, export), functorch's transforms, tensor
         subclasses, tensors on other devices. Under the profiler the call is recorded
@@ -406,6 +406,7 @@ class Op:
         return run(*values)
 
     def _python_kernel(self) -> Callable[..., Any]:
+        """The CUDA kernel where it is Python: `cuda=`, else the launches."""
         return self._user_cuda if self._cuda is not None else self._launch_cuda
 
     def _eager_function(self) -> type[torch.autograd.Function] | None:
@@ -786,7 +787,7 @@ class Op:
         call). `key`: the dispatch key the CUDA kernel goes to (a test puts it on "CPU" to
         call it as the dispatcher does, trailing defaults left out)."""
         if what == "cuda":
-            kernel = self._user_cuda if self._cuda is not None else self._launch_cuda
+            kernel = self._python_kernel()
             lib.impl(self.op_name, kernel if wrap is None else wrap(kernel), key)
         elif self.backward is not None:
             torch.library.register_autograd(

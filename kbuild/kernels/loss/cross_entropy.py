@@ -408,29 +408,32 @@ def _backward(ctx, dloss, dlse, ddlogits):
     if dloss is None or not d.numel():
         return None, *nothing
     dloss = dloss.expand(d.numel() // d.shape[-1]) if dloss.dim() == 0 else dloss
-    rescale_in_place(d, dloss, coefs)
-    torch.autograd.graph.increment_version(d)  # as the op does: a second backward fails
+    rescale_in_place(d, dloss, coefs)  # (its version bumped: a second backward fails)
     return d.view(ctx.shape), *nothing
 
 
 def forward_in_place(logits, target, coefs, flag, ignore_index, smoothing, z_loss, softcap,
                      grad=True):  # fmt: skip
-    """`cross_entropy_fwd_` as callers inside kbuild make it on a buffer of their own (the
-    fused linear loss's chunks): on plain eager tensors its kernel without the dispatcher
-    (as `Op.run`; no version is bumped: nothing else sees the buffer), else the op."""
-    if plain_eager((logits, target, coefs, flag)):
-        return _fwd_inplace_cuda(logits, target, coefs, flag, ignore_index, smoothing, z_loss,
-                                 softcap, grad)  # fmt: skip
-    return cross_entropy_fwd_(logits, target, coefs, flag, ignore_index, smoothing, z_loss,
-                              softcap, grad)  # fmt: skip
+    """`cross_entropy_fwd_` as kbuild calls it (the fused linear loss's chunks): on plain
+    eager tensors its kernel without the dispatcher (as `Op.run`), the logits' version
+    bumped as the op's mutation does; else the op."""
+    if not plain_eager((logits, target, coefs, flag)):
+        return cross_entropy_fwd_(logits, target, coefs, flag, ignore_index, smoothing,
+                                  z_loss, softcap, grad)  # fmt: skip
+    out = _fwd_inplace_cuda(logits, target, coefs, flag, ignore_index, smoothing, z_loss,
+                            softcap, grad)  # fmt: skip
+    torch.autograd.graph.increment_version(logits)
+    return out
 
 
 def rescale_in_place(dlogits, dloss, coefs) -> None:
-    """`rescale_` on a gradient of kbuild's own (see `forward_in_place`)."""
-    if plain_eager((dlogits, dloss, coefs)):
-        _rescale_cuda(dlogits, dloss, coefs)
-    else:
+    """`rescale_` as kbuild calls it (the backward, the fused loss's chunks): see
+    `forward_in_place`."""
+    if not plain_eager((dlogits, dloss, coefs)):
         rescale_(dlogits, dloss, coefs)
+        return
+    _rescale_cuda(dlogits, dloss, coefs)
+    torch.autograd.graph.increment_version(dlogits)
 
 
 # The forward op: per-row loss and lse (fp32) and, with `grad`, the gradient (kernel above).
@@ -510,9 +513,9 @@ def cross_entropy(
             )
         rows, lse = _InPlace.apply(logits, target, coefs, *options, check_targets)
     else:
-        # the op's overload, not CROSS_ENTROPY(...): its argument checks are the ones above
+        # Op.run, not CROSS_ENTROPY(...): its argument checks are the ones above
         rows, lse, _ = CROSS_ENTROPY.run(logits, target, coefs, *options, grad,
-                                              check_targets)  # fmt: skip
+                                         check_targets)  # fmt: skip
     loss = reduce_rows(rows, target, reduction, n_valid).to(logits.dtype)
     if not return_z_loss:
         return loss
